@@ -1,0 +1,1 @@
+//! CPU backend: SIMD kernels with runtime feature detection, persistent thread pool.

@@ -1,0 +1,3 @@
+//! Compute backends: the ops a decoder needs.
+
+pub mod cpu;

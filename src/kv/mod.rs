@@ -1,0 +1,114 @@
+//! KV cache: the storage (plain per-layer arrays indexed by slot) and the
+//! pluggable index managers that hand out slots (`KvCacheBackend`).
+//!
+//! The manager never touches KV data and the storage never knows about
+//! sequences: the engine asks the manager for a sequence's `KvMapping` and
+//! hands it, together with `&mut KvStorage`, to the model's forward pass.
+
+pub mod storage;
+
+pub use storage::KvStorage;
+
+/// Engine-wide identifier of a sequence (one per request).
+pub type SeqId = u64;
+
+/// How a sequence's logical positions map onto physical KV slots.
+#[derive(Debug, Clone, Copy)]
+pub enum KvMapping<'a> {
+    /// Paged: position `p` lives in slot `table[p / block_size] * block_size + p % block_size`.
+    Blocks { table: &'a [u32], block_size: usize },
+    /// Token pool: position `p` lives in slot `slots[p]`.
+    Slots(&'a [u32]),
+}
+
+impl KvMapping<'_> {
+    /// Physical slot of logical position `pos`.
+    #[inline]
+    pub fn slot(&self, pos: usize) -> usize {
+        match *self {
+            KvMapping::Blocks { table, block_size } => {
+                table[pos / block_size] as usize * block_size + pos % block_size
+            }
+            KvMapping::Slots(slots) => slots[pos] as usize,
+        }
+    }
+
+    /// Number of positions the mapping can address.
+    pub fn capacity(&self) -> usize {
+        match *self {
+            KvMapping::Blocks { table, block_size } => table.len() * block_size,
+            KvMapping::Slots(slots) => slots.len(),
+        }
+    }
+}
+
+/// Occupancy figures, in tokens (slots), for stats and invariant checks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvStats {
+    /// Usable slots (excludes the reserved null block / dummy slot).
+    pub total_slots: usize,
+    /// Slots on the free list, never holding cached data.
+    pub free_slots: usize,
+    /// Slots holding cached prefix data that nobody references (evictable).
+    pub evictable_slots: usize,
+    /// Slots referenced by live sequences.
+    pub used_slots: usize,
+    /// Allocation granularity (block size for paged, page size for token).
+    pub granularity: usize,
+    /// Prefix-cache lookups that reused at least one token / total tokens reused.
+    pub prefix_hits: u64,
+    pub prefix_tokens_reused: u64,
+}
+
+/// Which manager to build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvBackendKind {
+    Paged,
+    Token,
+}
+
+/// A KV slot manager. Implementations: `paged` (vLLM-style block pool with
+/// hash-chained prefix reuse) and `token` (SGLang-style token pool with a
+/// radix-tree prefix cache). Both must pass the shared suite in `kv::tests`.
+///
+/// Life of a sequence: `begin` (optionally reusing a cached prefix) →
+/// `allocate` before each forward that grows it → `commit` after the forward
+/// wrote KV for its tokens → `release` when it finishes, is cancelled or is
+/// preempted. Running out of room is never an error: `allocate` returns false
+/// and changes nothing, so the scheduler can preempt.
+pub trait KvCacheBackend: Send {
+    fn kind(&self) -> KvBackendKind;
+
+    /// Registers a new sequence whose full prompt is `tokens`. With prefix
+    /// caching on, attaches the longest cached prefix of `tokens[..len-1]`
+    /// (at least one token is always left to compute, so the forward yields
+    /// logits) and returns its length in tokens; otherwise returns 0.
+    /// `salt` isolates tenants: prefixes are only shared between equal salts.
+    fn begin(&mut self, seq: SeqId, tokens: &[u32], salt: u64) -> usize;
+
+    /// Makes positions `0..total_tokens` of `seq` addressable. Evicts
+    /// unreferenced cached prefixes if needed. Returns false (and changes
+    /// nothing) when there is not enough room.
+    fn allocate(&mut self, seq: SeqId, total_tokens: usize) -> bool;
+
+    /// Tells the manager that KV for `tokens` (positions `0..tokens.len()` of
+    /// `seq`) is now computed, so full blocks / token runs can enter the
+    /// prefix cache.
+    fn commit(&mut self, seq: SeqId, tokens: &[u32]);
+
+    /// Drops the sequence. Its slots return to the free list, or stay cached
+    /// (evictable) when they are part of the prefix cache.
+    fn release(&mut self, seq: SeqId);
+
+    /// The sequence's position → slot mapping (covers at least what was allocated).
+    fn mapping(&self, seq: SeqId) -> KvMapping<'_>;
+
+    /// Slots that `allocate` could still obtain (free + evictable), in tokens.
+    fn available_slots(&self) -> usize;
+
+    fn stats(&self) -> KvStats;
+
+    /// Checks internal consistency (ref counts, free lists, no double frees).
+    /// Called by tests and debug builds; returns a description of the first violation.
+    fn check_invariants(&self) -> std::result::Result<(), String>;
+}

@@ -1,0 +1,15 @@
+//! NanoInfer: an embeddable LLM inference engine.
+//!
+//! Layers (nothing imports upwards): `ffi` → `engine` → `sampling`, `tokenizer`,
+//! `kv` → `model` → `backend` → `memory` → `tensor`. See DESIGN.md in the
+//! shared folder for the target architecture.
+
+pub mod backend;
+pub mod error;
+pub mod kv;
+pub mod model;
+pub mod sampling;
+pub mod tensor;
+pub mod tokenizer;
+
+pub use error::{Error, ErrorKind, Result};

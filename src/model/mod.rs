@@ -1,0 +1,3 @@
+//! Model loading and the decoder forward pass.
+
+pub mod safetensors;

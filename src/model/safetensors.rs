@@ -1,0 +1,1 @@
+//! Strict safetensors reader over a shared read-only mmap.

@@ -1,0 +1,1 @@
+//! Token sampling: per-request parameters, logits processors, seeded RNG, stop strings.

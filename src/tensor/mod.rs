@@ -1,0 +1,5 @@
+//! Element types and host buffers.
+
+pub mod dtype;
+
+pub use dtype::DType;

@@ -1,0 +1,1 @@
+//! Tokenization: HF tokenizer.json, chat templates, streaming detokenizer.
