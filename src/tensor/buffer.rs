@@ -1,0 +1,49 @@
+//! `HostSlice<T>`: an immutable slice that is either owned or a zero-copy view
+//! into a shared owner (an mmapped weight file), kept alive by an `Arc`.
+
+use std::any::Any;
+use std::ops::Deref;
+use std::sync::Arc;
+
+pub struct HostSlice<T: Copy + 'static> {
+    /// Keeps the memory behind `ptr` alive (a `Vec<T>` or an mmap).
+    _owner: Arc<dyn Any + Send + Sync>,
+    ptr: *const T,
+    len: usize,
+}
+
+// SAFETY: the data is immutable for the slice's whole life and the owner is
+// Send + Sync, so sharing the pointer across threads is sound.
+unsafe impl<T: Copy + Send + Sync> Send for HostSlice<T> {}
+unsafe impl<T: Copy + Send + Sync> Sync for HostSlice<T> {}
+
+impl<T: Copy + Send + Sync + 'static> HostSlice<T> {
+    pub fn from_vec(v: Vec<T>) -> Self {
+        let owner: Arc<Vec<T>> = Arc::new(v);
+        let (ptr, len) = (owner.as_ptr(), owner.len());
+        HostSlice { _owner: owner, ptr, len }
+    }
+
+    /// A view of `slice`, whose memory `owner` keeps alive and never mutates.
+    ///
+    /// # Safety
+    /// `slice` must point into memory owned by `owner` that stays valid and
+    /// unmodified for as long as `owner` lives.
+    pub unsafe fn borrowed_from(owner: Arc<dyn Any + Send + Sync>, slice: &[T]) -> Self {
+        HostSlice { _owner: owner, ptr: slice.as_ptr(), len: slice.len() }
+    }
+
+    /// True when the data lives in the owner given at construction rather than a copy.
+    pub fn is_view_of(&self, base: *const u8, len_bytes: usize) -> bool {
+        let p = self.ptr as usize;
+        p >= base as usize && p < base as usize + len_bytes
+    }
+}
+
+impl<T: Copy + 'static> Deref for HostSlice<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: ptr/len describe memory kept alive and immutable by `_owner`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
