@@ -1,3 +1,12 @@
 //! Model loading and the decoder forward pass.
 
+pub mod config;
+pub mod decoder;
 pub mod safetensors;
+pub mod weights;
+pub mod workspace;
+
+pub use config::{Architecture, ModelConfig};
+pub use decoder::{Decoder, ForwardBatch};
+pub use weights::{WeightDType, WeightSource};
+pub use workspace::Workspace;

@@ -41,13 +41,16 @@ thread_local! {
 }
 
 /// `out[row, h] = Σ_p softmax(q[row,h]·K[p]·scale) V[p]` over the causal window.
-/// `q` and `out` are `[rows, n_heads * head_dim]`; `keys`/`values` are one
-/// layer of the KV storage, `[slots, n_kv_heads * head_dim]`.
+/// `q` has rows of stride `q_stride` whose first `n_heads * head_dim` values
+/// are the query; `out` is `[rows, n_heads * head_dim]`; `keys`/`values` are
+/// one layer of the KV storage, `[slots, n_kv_heads * head_dim]`.
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     pool: &ThreadPool,
     shape: &AttnShape,
     seqs: &[AttnSeq<'_>],
     q: &[f32],
+    q_stride: usize,
     keys: &[f32],
     values: &[f32],
     out: &mut [f32],
@@ -57,14 +60,15 @@ pub fn attention(
     let q_width = h * hd;
     let kv_width = kvh * hd;
     let group = h / kvh;
-    assert!(q.len() >= rows * q_width && out.len() >= rows * q_width, "attention buffers too small");
+    assert!(rows == 0 || q.len() >= (rows - 1) * q_stride + q_width, "attention query buffer too small");
+    assert!(out.len() >= rows * q_width, "attention output buffer too small");
     let out_ptr = OutPtr(out.as_mut_ptr());
     pool.run(rows * h, &|task| {
         let (row, head) = (task / h, task % h);
         let seq = seqs.iter().find(|s| row >= s.start && row < s.start + s.len).expect("row belongs to a sequence");
         let pos = seq.context_len + (row - seq.start);
         let kv_head = head / group;
-        let qv = &q[row * q_width + head * hd..row * q_width + (head + 1) * hd];
+        let qv = &q[row * q_stride + head * hd..row * q_stride + (head + 1) * hd];
         let out_ptr = out_ptr;
         // SAFETY: (row, head) is unique to this task, so this slice is written by nobody else.
         let ov = unsafe { std::slice::from_raw_parts_mut(out_ptr.0.add(row * q_width + head * hd), hd) };

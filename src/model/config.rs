@@ -1,0 +1,309 @@
+//! `config.json` of a HuggingFace causal LM, validated into `ModelConfig`.
+
+use crate::{bail_model, Error, Result};
+use serde_json::Value;
+use std::path::Path;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    Llama,
+    Qwen2,
+    Qwen3,
+}
+
+impl Architecture {
+    pub const SUPPORTED: &'static str = "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM";
+
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            Architecture::Llama => "LlamaForCausalLM",
+            Architecture::Qwen2 => "Qwen2ForCausalLM",
+            Architecture::Qwen3 => "Qwen3ForCausalLM",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    Linear { factor: f32 },
+    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position: f32 },
+}
+
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub architecture: Architecture,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    pub rope_scaling: RopeScaling,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// Bias on q/k/v projections (always for Qwen2, `attention_bias` otherwise).
+    pub qkv_bias: bool,
+    /// Bias on the output projection (`attention_bias` for Llama/Qwen3).
+    pub o_bias: bool,
+    /// Per-head RMSNorm on q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+fn get_usize(v: &Value, key: &str) -> Result<Option<usize>> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x
+            .as_u64()
+            .map(|n| Some(n as usize))
+            .ok_or_else(|| Error::invalid_model(format!("config.json: `{key}` must be a non-negative integer, got {x}"))),
+    }
+}
+
+fn req_usize(v: &Value, key: &str) -> Result<usize> {
+    match get_usize(v, key)? {
+        Some(0) => bail_model!("config.json: `{key}` must be positive"),
+        Some(n) => Ok(n),
+        None => bail_model!("config.json: missing `{key}`"),
+    }
+}
+
+fn get_f32(v: &Value, key: &str) -> Result<Option<f32>> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => match x.as_f64() {
+            Some(f) if f.is_finite() => Ok(Some(f as f32)),
+            _ => bail_model!("config.json: `{key}` must be a finite number, got {x}"),
+        },
+    }
+}
+
+fn get_bool(v: &Value, key: &str) -> Result<Option<bool>> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(x) => bail_model!("config.json: `{key}` must be true or false, got {x}"),
+    }
+}
+
+/// Token ids given as an integer or a list of integers.
+pub fn token_ids(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)).collect(),
+        _ => vec![],
+    }
+}
+
+fn parse_rope_scaling(v: Option<&Value>) -> Result<RopeScaling> {
+    let Some(obj) = v.filter(|v| !v.is_null()) else { return Ok(RopeScaling::None) };
+    let kind = obj.get("rope_type").or_else(|| obj.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let factor = || -> Result<f32> {
+        match get_f32(obj, "factor")? {
+            Some(f) if f > 0.0 => Ok(f),
+            _ => bail_model!("config.json: rope scaling `{kind}` needs a positive `factor`"),
+        }
+    };
+    Ok(match kind {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear { factor: factor()? },
+        "llama3" => {
+            let need = |k: &str| -> Result<f32> {
+                get_f32(obj, k)?.ok_or_else(|| Error::invalid_model(format!("config.json: llama3 rope scaling needs `{k}`")))
+            };
+            let (low, high) = (need("low_freq_factor")?, need("high_freq_factor")?);
+            if high <= low {
+                bail_model!("config.json: llama3 rope scaling needs high_freq_factor > low_freq_factor");
+            }
+            RopeScaling::Llama3 {
+                factor: factor()?,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position: need("original_max_position_embeddings")?,
+            }
+        }
+        other => bail_model!("config.json: rope scaling type `{other}` is not supported (supported: default, linear, llama3)"),
+    })
+}
+
+impl ModelConfig {
+    pub fn from_dir(dir: &Path) -> Result<ModelConfig> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(path.display(), e))?;
+        Self::from_json(&text)
+    }
+
+    pub fn from_json(text: &str) -> Result<ModelConfig> {
+        let v: Value =
+            serde_json::from_str(text).map_err(|e| Error::invalid_model(format!("config.json is not valid JSON: {e}")))?;
+        if !v.is_object() {
+            bail_model!("config.json must be a JSON object");
+        }
+        let arch_name = v
+            .get("architectures")
+            .and_then(|a| a.get(0))
+            .and_then(Value::as_str)
+            .ok_or_else(|| Error::invalid_model("config.json: missing `architectures`"))?;
+        let architecture = match arch_name {
+            "LlamaForCausalLM" => Architecture::Llama,
+            "Qwen2ForCausalLM" => Architecture::Qwen2,
+            "Qwen3ForCausalLM" => Architecture::Qwen3,
+            other => {
+                return Err(Error::unsupported(format!(
+                    "architecture `{other}` is not supported (supported: {})",
+                    Architecture::SUPPORTED
+                )))
+            }
+        };
+        if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
+            if act != "silu" {
+                return Err(Error::unsupported(format!("hidden_act `{act}` is not supported (supported: silu)")));
+            }
+        }
+        if get_bool(&v, "mlp_bias")? == Some(true) {
+            return Err(Error::unsupported("mlp_bias = true is not supported"));
+        }
+        if get_bool(&v, "use_sliding_window")? == Some(true) {
+            return Err(Error::unsupported("use_sliding_window = true is not supported"));
+        }
+        if let Some(q) = v.get("quantization_config").filter(|q| !q.is_null()) {
+            let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("?");
+            return Err(Error::unsupported(format!("quantization_config with quant_method `{method}` is not supported yet")));
+        }
+        let hidden_size = req_usize(&v, "hidden_size")?;
+        let num_heads = req_usize(&v, "num_attention_heads")?;
+        let num_kv_heads = get_usize(&v, "num_key_value_heads")?.unwrap_or(num_heads);
+        if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+            bail_model!("config.json: num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})");
+        }
+        let head_dim = match get_usize(&v, "head_dim")? {
+            Some(d) => d,
+            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+            None => bail_model!("config.json: hidden_size {hidden_size} is not divisible by num_attention_heads {num_heads}"),
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            bail_model!("config.json: head_dim must be even and positive, got {head_dim}");
+        }
+        // transformers 5 moves rope settings into `rope_parameters`.
+        let rope_params = v.get("rope_parameters").filter(|p| p.is_object());
+        let rope_theta = match rope_params {
+            Some(p) => get_f32(p, "rope_theta")?,
+            None => None,
+        }
+        .or(get_f32(&v, "rope_theta")?)
+        .unwrap_or(10000.0);
+        if rope_theta <= 0.0 {
+            bail_model!("config.json: rope_theta must be positive, got {rope_theta}");
+        }
+        let rope_scaling = parse_rope_scaling(rope_params.or(v.get("rope_scaling")))?;
+        let attention_bias = get_bool(&v, "attention_bias")?.unwrap_or(false);
+        let eps = get_f32(&v, "rms_norm_eps")?.unwrap_or(1e-6);
+        Ok(ModelConfig {
+            architecture,
+            vocab_size: req_usize(&v, "vocab_size")?,
+            hidden_size,
+            intermediate_size: req_usize(&v, "intermediate_size")?,
+            num_layers: req_usize(&v, "num_hidden_layers")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rms_norm_eps: eps,
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings: get_usize(&v, "max_position_embeddings")?.unwrap_or(2048),
+            tie_word_embeddings: get_bool(&v, "tie_word_embeddings")?.unwrap_or(false),
+            qkv_bias: architecture == Architecture::Qwen2 || attention_bias,
+            o_bias: architecture != Architecture::Qwen2 && attention_bias,
+            qk_norm: architecture == Architecture::Qwen3,
+            bos_token_id: token_ids(v.get("bos_token_id")).first().copied(),
+            eos_token_ids: token_ids(v.get("eos_token_id")),
+        })
+    }
+
+    /// Inverse frequencies of the rotary embedding, scaled as configured
+    /// (transformers' `_compute_default_rope_parameters` / `_compute_llama3_parameters`).
+    pub fn rope_inv_freq(&self) -> Vec<f32> {
+        let d = self.head_dim;
+        let base = self.rope_theta as f64;
+        let inv: Vec<f64> = (0..d / 2).map(|i| 1.0 / base.powf((2 * i) as f64 / d as f64)).collect();
+        match self.rope_scaling {
+            RopeScaling::None => inv.iter().map(|&f| f as f32).collect(),
+            RopeScaling::Linear { factor } => inv.iter().map(|&f| (f / factor as f64) as f32).collect(),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
+                let (factor, low, high, old) =
+                    (factor as f64, low_freq_factor as f64, high_freq_factor as f64, original_max_position as f64);
+                let low_wavelen = old / low;
+                let high_wavelen = old / high;
+                inv.iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        let scaled = if wavelen > low_wavelen { f / factor } else { f };
+                        let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
+                        if medium {
+                            let smooth = (old / wavelen - low) / (high - low);
+                            ((1.0 - smooth) * scaled / factor + smooth * scaled) as f32
+                        } else {
+                            scaled as f32
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SMOL: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":576,"intermediate_size":1536,
+        "num_hidden_layers":30,"num_attention_heads":9,"num_key_value_heads":3,"vocab_size":49152,
+        "rms_norm_eps":1e-5,"rope_theta":100000.0,"tie_word_embeddings":true,"eos_token_id":2,"bos_token_id":1,
+        "hidden_act":"silu","max_position_embeddings":8192}"#;
+
+    #[test]
+    fn parses_llama() {
+        let c = ModelConfig::from_json(SMOL).unwrap();
+        assert_eq!(c.architecture, Architecture::Llama);
+        assert_eq!((c.head_dim, c.num_kv_heads), (64, 3));
+        assert!(c.tie_word_embeddings && !c.qkv_bias && !c.qk_norm);
+        assert_eq!(c.eos_token_ids, vec![2]);
+    }
+
+    #[test]
+    fn rejects_unsupported_architecture_listing_supported() {
+        let e = ModelConfig::from_json(&SMOL.replace("LlamaForCausalLM", "GPT2LMHeadModel")).unwrap_err();
+        assert!(e.message.contains("GPT2LMHeadModel") && e.message.contains("Qwen3ForCausalLM"), "{e}");
+    }
+
+    #[test]
+    fn rejects_bad_values() {
+        let e = ModelConfig::from_json(&SMOL.replace("\"num_key_value_heads\":3", "\"num_key_value_heads\":4")).unwrap_err();
+        assert!(e.message.contains("num_key_value_heads"), "{e}");
+        let e = ModelConfig::from_json(&SMOL.replace("\"hidden_size\":576,", "")).unwrap_err();
+        assert!(e.message.contains("hidden_size"), "{e}");
+        let e = ModelConfig::from_json(&SMOL.replace("silu", "gelu")).unwrap_err();
+        assert!(e.message.contains("gelu"), "{e}");
+    }
+
+    #[test]
+    fn rope_parameters_of_transformers_5() {
+        let text = SMOL.replace(
+            "\"rope_theta\":100000.0,",
+            "\"rope_parameters\":{\"rope_type\":\"llama3\",\"rope_theta\":500000.0,\"factor\":8.0,\"low_freq_factor\":1.0,\"high_freq_factor\":4.0,\"original_max_position_embeddings\":8192},",
+        );
+        let c = ModelConfig::from_json(&text).unwrap();
+        assert_eq!(c.rope_theta, 500000.0);
+        assert!(matches!(c.rope_scaling, RopeScaling::Llama3 { .. }));
+        let inv = c.rope_inv_freq();
+        // Highest frequency untouched, lowest divided by the factor.
+        assert!((inv[0] - 1.0).abs() < 1e-7);
+        let plain = 1.0 / 500000f64.powf(62.0 / 64.0);
+        assert!(((inv[31] as f64) - plain / 8.0).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,280 @@
+//! The decoder-only transformer shared by Llama, Qwen2 and Qwen3:
+//! embedding → N × (RMSNorm, GQA attention with RoPE, RMSNorm, SwiGLU MLP) →
+//! RMSNorm → LM head, computed for a `ForwardBatch` of mixed sequences.
+
+use super::config::ModelConfig;
+use super::weights::{WeightDType, WeightSource};
+use super::workspace::Workspace;
+use crate::backend::cpu::attention::{attention, AttnSeq, AttnShape};
+use crate::backend::cpu::ops::{add_in_place, apply_rope, rms_norm, rms_norm_in_place, silu_mul};
+use crate::backend::cpu::{matmul, Matrix, ThreadPool};
+use crate::kv::KvStorage;
+use crate::{bail_arg, Result};
+
+/// What the engine hands the model for one step.
+pub struct ForwardBatch<'a> {
+    /// Token ids of all rows, sequence after sequence.
+    pub tokens: &'a [u32],
+    /// Per sequence: its rows, cached context length and KV mapping.
+    pub seqs: &'a [AttnSeq<'a>],
+    /// Rows whose logits are wanted, in output order (usually each
+    /// sequence's last row when its prompt is complete).
+    pub logits_rows: &'a [usize],
+}
+
+struct Layer {
+    input_norm: Vec<f32>,
+    q: Matrix,
+    k: Matrix,
+    v: Matrix,
+    /// q, k and v biases concatenated, when the architecture has them.
+    qkv_bias: Option<Vec<f32>>,
+    o: Matrix,
+    o_bias: Option<Vec<f32>>,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    post_norm: Vec<f32>,
+    gate: Matrix,
+    up: Matrix,
+    down: Matrix,
+}
+
+pub struct Decoder {
+    pub config: ModelConfig,
+    embed: Matrix,
+    layers: Vec<Layer>,
+    final_norm: Vec<f32>,
+    /// None when tied to the embedding.
+    lm_head: Option<Matrix>,
+    inv_freq: Vec<f32>,
+}
+
+impl Decoder {
+    pub fn load(config: ModelConfig, src: &dyn WeightSource, dtype: WeightDType) -> Result<Decoder> {
+        let c = &config;
+        let (d, hd) = (c.hidden_size, c.head_dim);
+        let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let p = format!("model.layers.{i}");
+            let qkv_bias = if c.qkv_bias {
+                let mut b = src.vector(&format!("{p}.self_attn.q_proj.bias"), nq)?;
+                b.extend(src.vector(&format!("{p}.self_attn.k_proj.bias"), nkv)?);
+                b.extend(src.vector(&format!("{p}.self_attn.v_proj.bias"), nkv)?);
+                Some(b)
+            } else {
+                None
+            };
+            let opt = |name: &str, len: usize, on: bool| -> Result<Option<Vec<f32>>> {
+                if on {
+                    src.vector(&format!("{p}.{name}"), len).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
+            layers.push(Layer {
+                input_norm: src.vector(&format!("{p}.input_layernorm.weight"), d)?,
+                q: src.matrix(&format!("{p}.self_attn.q_proj.weight"), nq, d, dtype)?,
+                k: src.matrix(&format!("{p}.self_attn.k_proj.weight"), nkv, d, dtype)?,
+                v: src.matrix(&format!("{p}.self_attn.v_proj.weight"), nkv, d, dtype)?,
+                qkv_bias,
+                o: src.matrix(&format!("{p}.self_attn.o_proj.weight"), d, nq, dtype)?,
+                o_bias: opt("self_attn.o_proj.bias", d, c.o_bias)?,
+                q_norm: opt("self_attn.q_norm.weight", hd, c.qk_norm)?,
+                k_norm: opt("self_attn.k_norm.weight", hd, c.qk_norm)?,
+                post_norm: src.vector(&format!("{p}.post_attention_layernorm.weight"), d)?,
+                gate: src.matrix(&format!("{p}.mlp.gate_proj.weight"), c.intermediate_size, d, dtype)?,
+                up: src.matrix(&format!("{p}.mlp.up_proj.weight"), c.intermediate_size, d, dtype)?,
+                down: src.matrix(&format!("{p}.mlp.down_proj.weight"), d, c.intermediate_size, dtype)?,
+            });
+        }
+        let lm_head = if c.tie_word_embeddings && !src.contains("lm_head.weight") {
+            None
+        } else {
+            Some(src.matrix("lm_head.weight", c.vocab_size, d, dtype)?)
+        };
+        Ok(Decoder {
+            embed: src.matrix("model.embed_tokens.weight", c.vocab_size, d, dtype)?,
+            layers,
+            final_norm: src.vector("model.norm.weight", d)?,
+            lm_head,
+            inv_freq: config.rope_inv_freq(),
+            config,
+        })
+    }
+
+    /// Bytes of weight data the decoder reads (for bandwidth reports).
+    pub fn weight_bytes(&self) -> usize {
+        let layer_bytes: usize = self
+            .layers
+            .iter()
+            .map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].iter().map(|m| m.size_in_bytes()).sum::<usize>())
+            .sum();
+        layer_bytes + self.embed.size_in_bytes() + self.lm_head.as_ref().map_or(0, Matrix::size_in_bytes)
+    }
+
+    pub fn weight_dtype_name(&self) -> &'static str {
+        self.embed.dtype_name()
+    }
+
+    /// Runs the batch, writes its keys/values into `kv` and the logits of
+    /// `batch.logits_rows` into `logits` (`[logits_rows.len(), vocab]`).
+    pub fn forward(
+        &self,
+        pool: &ThreadPool,
+        batch: &ForwardBatch<'_>,
+        kv: &mut KvStorage,
+        ws: &mut Workspace,
+        logits: &mut [f32],
+    ) -> Result<()> {
+        let c = &self.config;
+        let rows = batch.tokens.len();
+        let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
+        let qkv_width = nq + 2 * nkv;
+        self.validate(batch, kv, logits.len())?;
+        ws.prepare(rows, batch.logits_rows.len(), d, qkv_width, nq, inter, hd / 2);
+
+        for (row, &tok) in batch.tokens.iter().enumerate() {
+            self.embed.row_to_f32(tok as usize, &mut ws.hidden[row * d..(row + 1) * d]);
+        }
+        self.rope_tables(batch, ws);
+
+        let shape = AttnShape {
+            n_heads: c.num_heads,
+            n_kv_heads: c.num_kv_heads,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        for (li, layer) in self.layers.iter().enumerate() {
+            rms_norm(&ws.hidden[..rows * d], &layer.input_norm, c.rms_norm_eps, &mut ws.normed[..rows * d]);
+            let qkv = &mut ws.qkv[..rows * qkv_width];
+            matmul(pool, &ws.normed, rows, &[&layer.q, &layer.k, &layer.v], qkv);
+            for row in 0..rows {
+                let r = &mut qkv[row * qkv_width..(row + 1) * qkv_width];
+                if let Some(b) = &layer.qkv_bias {
+                    add_in_place(r, b);
+                }
+                let (q, rest) = r.split_at_mut(nq);
+                let k = &mut rest[..nkv];
+                if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                    rms_norm_in_place(q, qn, c.rms_norm_eps);
+                    rms_norm_in_place(k, kn, c.rms_norm_eps);
+                }
+                let half = hd / 2;
+                let (cos, sin) = (&ws.cos[row * half..(row + 1) * half], &ws.sin[row * half..(row + 1) * half]);
+                apply_rope(q, hd, cos, sin);
+                apply_rope(k, hd, cos, sin);
+            }
+            let (keys, values) = kv.layer_mut(li);
+            for s in batch.seqs {
+                for i in 0..s.len {
+                    let r = &qkv[(s.start + i) * qkv_width..(s.start + i + 1) * qkv_width];
+                    let slot = s.kv.slot(s.context_len + i);
+                    keys[slot * nkv..(slot + 1) * nkv].copy_from_slice(&r[nq..nq + nkv]);
+                    values[slot * nkv..(slot + 1) * nkv].copy_from_slice(&r[nq + nkv..]);
+                }
+            }
+            attention(pool, &shape, batch.seqs, qkv, qkv_width, keys, values, &mut ws.attn[..rows * nq]);
+            matmul(pool, &ws.attn, rows, &[&layer.o], &mut ws.proj[..rows * d]);
+            if let Some(b) = &layer.o_bias {
+                ws.proj[..rows * d].chunks_exact_mut(d).for_each(|r| add_in_place(r, b));
+            }
+            add_in_place(&mut ws.hidden[..rows * d], &ws.proj[..rows * d]);
+
+            rms_norm(&ws.hidden[..rows * d], &layer.post_norm, c.rms_norm_eps, &mut ws.normed[..rows * d]);
+            matmul(pool, &ws.normed, rows, &[&layer.gate, &layer.up], &mut ws.gate_up[..rows * 2 * inter]);
+            swiglu_rows(pool, &ws.gate_up[..rows * 2 * inter], inter, &mut ws.act[..rows * inter]);
+            matmul(pool, &ws.act, rows, &[&layer.down], &mut ws.proj[..rows * d]);
+            add_in_place(&mut ws.hidden[..rows * d], &ws.proj[..rows * d]);
+        }
+
+        let n_out = batch.logits_rows.len();
+        if n_out > 0 {
+            for (i, &row) in batch.logits_rows.iter().enumerate() {
+                ws.selected[i * d..(i + 1) * d].copy_from_slice(&ws.hidden[row * d..(row + 1) * d]);
+            }
+            rms_norm(&ws.selected[..n_out * d], &self.final_norm, c.rms_norm_eps, &mut ws.normed[..n_out * d]);
+            let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+            matmul(pool, &ws.normed, n_out, &[head], &mut logits[..n_out * c.vocab_size]);
+        }
+        Ok(())
+    }
+
+    fn validate(&self, batch: &ForwardBatch<'_>, kv: &KvStorage, logits_len: usize) -> Result<()> {
+        let c = &self.config;
+        let rows = batch.tokens.len();
+        if let Some(&bad) = batch.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            bail_arg!("token id {bad} is outside the vocabulary (size {})", c.vocab_size);
+        }
+        let mut next = 0;
+        for s in batch.seqs {
+            if s.start != next || s.len == 0 {
+                bail_arg!("forward batch sequences must be contiguous and non-empty");
+            }
+            next += s.len;
+            let end = s.context_len + s.len;
+            if end > s.kv.capacity() {
+                bail_arg!("sequence needs {end} KV positions but only {} are allocated", s.kv.capacity());
+            }
+            if end > c.max_position_embeddings {
+                bail_arg!("position {end} exceeds the model's context length {}", c.max_position_embeddings);
+            }
+            if (0..end).any(|p| s.kv.slot(p) >= kv.num_slots) {
+                bail_arg!("KV mapping points outside the cache ({} slots)", kv.num_slots);
+            }
+        }
+        if next != rows {
+            bail_arg!("forward batch sequences cover {next} rows, batch has {rows}");
+        }
+        if batch.logits_rows.iter().any(|&r| r >= rows) {
+            bail_arg!("logits row out of range");
+        }
+        if logits_len < batch.logits_rows.len() * c.vocab_size {
+            bail_arg!("logits buffer too small");
+        }
+        if kv.num_layers != c.num_layers || kv.kv_heads != c.num_kv_heads || kv.head_dim != c.head_dim {
+            bail_arg!("KV storage shape does not match the model");
+        }
+        Ok(())
+    }
+
+    /// cos/sin of every row's position, `[rows, head_dim/2]` each.
+    fn rope_tables(&self, batch: &ForwardBatch<'_>, ws: &mut Workspace) {
+        let half = self.inv_freq.len();
+        for s in batch.seqs {
+            for i in 0..s.len {
+                let row = s.start + i;
+                let pos = (s.context_len + i) as f32;
+                for (j, &f) in self.inv_freq.iter().enumerate() {
+                    let angle = f * pos;
+                    ws.cos[row * half + j] = angle.cos();
+                    ws.sin[row * half + j] = angle.sin();
+                }
+            }
+        }
+    }
+}
+
+/// act[r] = silu(gate[r]) · up[r] for rows of `[gate | up]`, split over threads.
+fn swiglu_rows(pool: &ThreadPool, gate_up: &[f32], inter: usize, act: &mut [f32]) {
+    let rows = act.len() / inter;
+    let per_task = 8;
+    let tasks = rows.div_ceil(per_task);
+    let act_ptr = ActPtr(act.as_mut_ptr());
+    pool.run(tasks, &|t| {
+        let act_ptr = act_ptr;
+        for r in t * per_task..((t + 1) * per_task).min(rows) {
+            let (g, u) = gate_up[r * 2 * inter..(r + 1) * 2 * inter].split_at(inter);
+            // SAFETY: row r of `act` is written by this task only.
+            let out = unsafe { std::slice::from_raw_parts_mut(act_ptr.0.add(r * inter), inter) };
+            silu_mul(g, u, out);
+        }
+    });
+}
+
+#[derive(Clone, Copy)]
+struct ActPtr(*mut f32);
+// SAFETY: tasks write disjoint rows.
+unsafe impl Send for ActPtr {}
+unsafe impl Sync for ActPtr {}
