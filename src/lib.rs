@@ -5,11 +5,13 @@
 //! shared folder for the target architecture.
 
 pub mod backend;
+pub mod engine;
 pub mod error;
 pub mod kv;
 pub mod model;
 pub mod sampling;
 pub mod tensor;
+pub mod sysinfo;
 pub mod tokenizer;
 
 pub use error::{Error, ErrorKind, Result};

@@ -2,6 +2,7 @@
 
 pub mod config;
 pub mod decoder;
+pub mod loader;
 pub mod safetensors;
 pub mod weights;
 pub mod workspace;

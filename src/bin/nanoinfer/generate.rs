@@ -1,0 +1,155 @@
+//! `nanoinfer generate`: one or many prompts through one session.
+
+use crate::args::Args;
+use crate::session_opts::{load_model, sampling_params, session_params, MODEL_OPTS, SAMPLING_OPTS, SESSION_OPTS};
+use nanoinfer::engine::{Event, FinishReason, RequestParams, Session, TokenLogprob};
+use nanoinfer::tokenizer::ChatMessage;
+use serde_json::json;
+use std::io::Write;
+use std::time::Instant;
+
+pub const FLAGS: &[&str] = &["chat", "json", "ignore-eos", "no-prefix-cache"];
+
+struct Output {
+    prompt_ids: Vec<u32>,
+    output_ids: Vec<u32>,
+    text: String,
+    logprobs: Vec<TokenLogprob>,
+    finish: Option<FinishReason>,
+    first_token_at: Option<f64>,
+    done_at: f64,
+}
+
+pub fn run(a: &Args) -> Result<(), String> {
+    let known: Vec<&str> = [MODEL_OPTS, SESSION_OPTS, SAMPLING_OPTS, FLAGS, &["prompt", "prompts-file", "prompt-ids"]].concat();
+    a.check_known(&known)?;
+    let json_out = a.flag("json");
+    let sampling = sampling_params(a)?;
+    let session_params = session_params(a)?;
+    let model = load_model(a)?;
+    let prompts = prompt_ids(a, &model)?;
+
+    let mut session = Session::new(model.clone(), session_params).map_err(|e| e.to_string())?;
+    let mut ids = Vec::new();
+    for p in &prompts {
+        let req = RequestParams { prompt: p.clone(), sampling: sampling.clone(), ..Default::default() };
+        ids.push(session.add_request(req).map_err(|e| e.to_string())?);
+    }
+    let mut outputs: Vec<Output> = prompts
+        .iter()
+        .map(|p| Output {
+            prompt_ids: p.clone(),
+            output_ids: vec![],
+            text: String::new(),
+            logprobs: vec![],
+            finish: None,
+            first_token_at: None,
+            done_at: 0.0,
+        })
+        .collect();
+    let stream = !json_out && prompts.len() == 1;
+    let start = Instant::now();
+    let mut stdout = std::io::stdout().lock();
+    while session.has_work() {
+        let events = session.step().map_err(|e| e.to_string())?;
+        let now = start.elapsed().as_secs_f64();
+        for ev in events {
+            let idx = ids.iter().position(|&i| i == ev.request_id).expect("event for a known request");
+            record(&mut outputs[idx], ev, now, stream, &mut stdout);
+        }
+    }
+    if stream {
+        let _ = writeln!(stdout);
+    }
+    let load_ms = model.load_ms;
+    for o in &outputs {
+        if let Some(FinishReason::Error(msg)) = &o.finish {
+            return Err(msg.clone());
+        }
+        if json_out {
+            let _ = writeln!(stdout, "{}", to_json(o, load_ms));
+        } else if !stream {
+            let _ = writeln!(stdout, "{}\n", o.text);
+        }
+    }
+    if !json_out {
+        let total_out: usize = outputs.iter().map(|o| o.output_ids.len()).sum();
+        let secs = start.elapsed().as_secs_f64();
+        eprintln!("[{} prompt(s), {total_out} tokens in {:.2}s, load {:.0} ms]", outputs.len(), secs, load_ms);
+    }
+    Ok(())
+}
+
+fn record(o: &mut Output, ev: Event, now: f64, stream: bool, out: &mut impl Write) {
+    if !ev.tokens.is_empty() && o.first_token_at.is_none() {
+        o.first_token_at = Some(now);
+    }
+    o.output_ids.extend_from_slice(&ev.tokens);
+    o.logprobs.extend(ev.logprobs);
+    if stream {
+        let _ = out.write_all(ev.text.as_bytes());
+        let _ = out.flush();
+    }
+    o.text.push_str(&ev.text);
+    if ev.finish.is_some() {
+        o.finish = ev.finish;
+        o.done_at = now;
+    }
+}
+
+fn to_json(o: &Output, load_ms: f64) -> serde_json::Value {
+    let ttft = o.first_token_at.unwrap_or(o.done_at);
+    let decode_secs = o.done_at - ttft;
+    let decoded = o.output_ids.len().saturating_sub(1);
+    let mut v = json!({
+        "prompt_ids": o.prompt_ids,
+        "output_ids": o.output_ids,
+        "text": o.text,
+        "finish_reason": o.finish.as_ref().map_or("length", |f| f.as_str()),
+        "timings": {
+            "load_ms": load_ms,
+            "ttft_ms": ttft * 1e3,
+            "prefill_tokens_per_s": if ttft > 0.0 { o.prompt_ids.len() as f64 / ttft } else { 0.0 },
+            "decode_tokens_per_s": if decode_secs > 0.0 { decoded as f64 / decode_secs } else { 0.0 },
+        }
+    });
+    if let Some(FinishReason::StopString(i)) = &o.finish {
+        v["stop_index"] = json!(i);
+    }
+    if !o.logprobs.is_empty() {
+        v["logprobs"] = o
+            .logprobs
+            .iter()
+            .map(|l| json!({"token": l.token, "logprob": l.logprob, "top": l.top.iter().map(|(t, p)| json!([t, p])).collect::<Vec<_>>()}))
+            .collect();
+    }
+    v
+}
+
+fn prompt_ids(a: &Args, model: &nanoinfer::engine::Model) -> Result<Vec<Vec<u32>>, String> {
+    if let Some(ids) = a.get("prompt-ids") {
+        let parsed: Result<Vec<u32>, _> = ids.split(',').map(|s| s.trim().parse::<u32>()).collect();
+        return parsed.map(|p| vec![p]).map_err(|e| format!("--prompt-ids must be comma-separated token ids: {e}"));
+    }
+    let mut texts: Vec<String> = a.all("prompt").to_vec();
+    if let Some(path) = a.get("prompts-file") {
+        let body = std::fs::read_to_string(path).map_err(|e| format!("cannot read --prompts-file {path}: {e}"))?;
+        texts.extend(body.lines().filter(|l| !l.trim().is_empty()).map(str::to_string));
+    }
+    if texts.is_empty() {
+        return Err("give --prompt TEXT, --prompts-file PATH or --prompt-ids".into());
+    }
+    let tok = model.tokenizer().map_err(|e| e.to_string())?;
+    texts
+        .iter()
+        .map(|t| {
+            if a.flag("chat") {
+                let msgs = [ChatMessage { role: "user".into(), content: t.clone() }];
+                let rendered = tok.apply_chat_template(&msgs, true).map_err(|e| e.to_string())?;
+                tok.encode(&rendered, false).map_err(|e| e.to_string())
+            } else {
+                tok.encode(t, true).map_err(|e| e.to_string())
+            }
+        })
+        .collect()
+}

@@ -1,0 +1,42 @@
+//! `nanoinfer`: generate text, measure perplexity and benchmark from the
+//! command line. The option names are a contract (README.md).
+
+mod args;
+mod generate;
+mod perplexity;
+mod session_opts;
+
+use args::Args;
+
+const USAGE: &str = "usage:
+  nanoinfer generate --model DIR (--prompt TEXT ... | --prompts-file PATH | --prompt-ids 1,2,3)
+                     [--chat] [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--min-p P]
+                     [--repetition-penalty R] [--presence-penalty P] [--frequency-penalty F]
+                     [--seed S] [--stop STR ...] [--logprobs N] [--ignore-eos]
+                     [--threads N] [--dtype auto|f32|f16|bf16] [--json]
+                     [--kv-backend paged|token] [--block-size N] [--kv-capacity TOKENS]
+                     [--max-batched-tokens N] [--max-seqs N] [--prefill-chunk N]
+                     [--policy fcfs|priority] [--preemption recompute|swap] [--no-prefix-cache]
+  nanoinfer perplexity --model DIR --file PATH [--max-tokens 1024] [--threads N] [--dtype ..] [--json]";
+
+fn main() {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let Some(cmd) = argv.first() else {
+        eprintln!("{USAGE}");
+        std::process::exit(2);
+    };
+    let rest = &argv[1..];
+    let result = match cmd.as_str() {
+        "generate" => Args::parse(rest, generate::FLAGS).and_then(|a| generate::run(&a)),
+        "perplexity" => Args::parse(rest, perplexity::FLAGS).and_then(|a| perplexity::run(&a)),
+        "-h" | "--help" | "help" => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        other => Err(format!("unknown command `{other}`\n{USAGE}")),
+    };
+    if let Err(msg) = result {
+        eprintln!("error: {msg}");
+        std::process::exit(1);
+    }
+}

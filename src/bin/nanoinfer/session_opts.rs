@@ -1,0 +1,84 @@
+//! Options shared by commands: model loading, session shape and sampling.
+
+use crate::args::Args;
+use nanoinfer::engine::{Model, ModelParams, SessionParams};
+use nanoinfer::kv::KvBackendKind;
+use nanoinfer::sampling::SamplingParams;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+pub const MODEL_OPTS: &[&str] = &["model", "threads", "dtype"];
+pub const SESSION_OPTS: &[&str] = &[
+    "kv-backend",
+    "block-size",
+    "kv-capacity",
+    "max-batched-tokens",
+    "max-seqs",
+    "prefill-chunk",
+    "policy",
+    "preemption",
+    "no-prefix-cache",
+];
+pub const SAMPLING_OPTS: &[&str] = &[
+    "max-tokens",
+    "temperature",
+    "top-k",
+    "top-p",
+    "min-p",
+    "repetition-penalty",
+    "presence-penalty",
+    "frequency-penalty",
+    "seed",
+    "stop",
+    "logprobs",
+    "ignore-eos",
+    "min-tokens",
+];
+
+pub fn load_model(a: &Args) -> Result<Arc<Model>, String> {
+    let dir = PathBuf::from(a.get("model").ok_or("--model DIR is required")?);
+    let params = ModelParams { dtype: a.parse_or("dtype", nanoinfer::model::WeightDType::Auto)?, threads: a.parse_or("threads", 0)? };
+    Model::load(&dir, &params, None).map(Arc::new).map_err(|e| e.to_string())
+}
+
+pub fn session_params(a: &Args) -> Result<SessionParams, String> {
+    let d = SessionParams::default();
+    let kv_backend = match a.get("kv-backend").unwrap_or("paged") {
+        "paged" => KvBackendKind::Paged,
+        "token" => KvBackendKind::Token,
+        other => return Err(format!("--kv-backend must be paged or token, got `{other}`")),
+    };
+    Ok(SessionParams {
+        kv_backend,
+        block_size: a.parse_or("block-size", d.block_size)?,
+        kv_capacity_tokens: a.parse_or("kv-capacity", d.kv_capacity_tokens)?,
+        max_batched_tokens: a.parse_or("max-batched-tokens", d.max_batched_tokens)?,
+        max_seqs: a.parse_or("max-seqs", d.max_seqs)?,
+        prefill_chunk_size: a.parse_or("prefill-chunk", d.prefill_chunk_size)?,
+        policy: a.parse_or("policy", d.policy)?,
+        preemption: a.parse_or("preemption", d.preemption)?,
+        prefix_caching: !a.flag("no-prefix-cache"),
+        seed: a.parse_or("seed", d.seed)?,
+        ..d
+    })
+}
+
+pub fn sampling_params(a: &Args) -> Result<SamplingParams, String> {
+    let d = SamplingParams::default();
+    Ok(SamplingParams {
+        temperature: a.parse_or("temperature", d.temperature)?,
+        top_k: a.parse_or("top-k", d.top_k)?,
+        top_p: a.parse_or("top-p", d.top_p)?,
+        min_p: a.parse_or("min-p", d.min_p)?,
+        repetition_penalty: a.parse_or("repetition-penalty", d.repetition_penalty)?,
+        presence_penalty: a.parse_or("presence-penalty", d.presence_penalty)?,
+        frequency_penalty: a.parse_or("frequency-penalty", d.frequency_penalty)?,
+        seed: a.get("seed").map(|s| s.parse().map_err(|e| format!("invalid --seed `{s}`: {e}"))).transpose()?,
+        max_tokens: a.parse_or("max-tokens", d.max_tokens)?,
+        min_tokens: a.parse_or("min-tokens", d.min_tokens)?,
+        stop_strings: a.all("stop").to_vec(),
+        ignore_eos: a.flag("ignore-eos"),
+        logprobs: a.parse_or("logprobs", d.logprobs)?,
+        ..d
+    })
+}

@@ -1,0 +1,11 @@
+//! The serving engine: models, sessions, scheduling, requests and events.
+
+pub mod model;
+pub mod policy;
+pub mod request;
+pub mod session;
+
+pub use model::{Model, ModelParams};
+pub use policy::SchedulePolicyKind;
+pub use request::{Event, FinishReason, RequestId, RequestParams, TokenLogprob};
+pub use session::{PreemptionMode, Session, SessionParams, SessionStats};

@@ -1,0 +1,99 @@
+//! A loaded model: decoder weights, tokenizer (when the directory has one),
+//! generation settings and the thread pool its kernels run on. Shared by
+//! sessions through `Arc`.
+
+use crate::backend::cpu::ThreadPool;
+use crate::model::config::token_ids;
+use crate::model::{Decoder, ModelConfig, WeightDType};
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+use std::path::Path;
+use std::time::Instant;
+
+/// Reports load progress in [0, 1]; returning false cancels the load.
+pub type ProgressFn<'a> = &'a mut dyn FnMut(f32) -> bool;
+
+#[derive(Debug, Clone)]
+pub struct ModelParams {
+    pub dtype: WeightDType,
+    /// Threads for the kernels; 0 = all available cores.
+    pub threads: usize,
+}
+
+impl Default for ModelParams {
+    fn default() -> Self {
+        ModelParams { dtype: WeightDType::Auto, threads: 0 }
+    }
+}
+
+pub struct Model {
+    pub decoder: Decoder,
+    pub tokenizer: Option<Tokenizer>,
+    pub pool: ThreadPool,
+    /// Token ids that end generation (generation_config.json, else config.json, else tokenizer).
+    pub eos_token_ids: Vec<u32>,
+    pub load_ms: f64,
+}
+
+impl Model {
+    pub fn load(dir: &Path, params: &ModelParams, progress: Option<ProgressFn<'_>>) -> Result<Model> {
+        let start = Instant::now();
+        let mut progress = progress;
+        let mut report = |f: f32| -> Result<()> {
+            match progress.as_mut() {
+                Some(cb) if !cb(f) => Err(Error::new(crate::ErrorKind::Cancelled, "model load cancelled by the progress callback")),
+                _ => Ok(()),
+            }
+        };
+        if !dir.is_dir() {
+            return Err(Error::new(crate::ErrorKind::Io, format!("model directory {} does not exist", dir.display())));
+        }
+        report(0.0)?;
+        let config = ModelConfig::from_dir(dir)?;
+        let weights = crate::model::loader::open_weights(dir)?;
+        report(0.1)?;
+        let decoder = Decoder::load(config, weights.as_ref(), params.dtype)?;
+        weights.finish_loading();
+        report(0.9)?;
+        let tokenizer = if dir.join("tokenizer.json").exists() { Some(Tokenizer::from_dir(dir)?) } else { None };
+        let eos_token_ids = eos_ids(dir, &decoder.config, tokenizer.as_ref());
+        let threads = if params.threads == 0 {
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        } else {
+            params.threads
+        };
+        report(1.0)?;
+        Ok(Model {
+            decoder,
+            tokenizer,
+            pool: ThreadPool::new(threads),
+            eos_token_ids,
+            load_ms: start.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.decoder.config
+    }
+
+    pub fn tokenizer(&self) -> Result<&Tokenizer> {
+        self.tokenizer
+            .as_ref()
+            .ok_or_else(|| Error::invalid_arg("this model directory has no tokenizer.json; pass token ids instead of text"))
+    }
+}
+
+fn eos_ids(dir: &Path, config: &ModelConfig, tokenizer: Option<&Tokenizer>) -> Vec<u32> {
+    let from_gen = std::fs::read_to_string(dir.join("generation_config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .map(|v| token_ids(v.get("eos_token_id")))
+        .unwrap_or_default();
+    if !from_gen.is_empty() {
+        return from_gen;
+    }
+    if !config.eos_token_ids.is_empty() {
+        return config.eos_token_ids.clone();
+    }
+    tokenizer.and_then(|t| t.eos_token_id()).into_iter().collect()
+}

@@ -1,0 +1,68 @@
+//! What a caller submits (`RequestParams`) and what the session reports back
+//! (`Event`, `FinishReason`).
+
+use crate::sampling::SamplingParams;
+
+pub type RequestId = u64;
+
+/// A generation request. The prompt is token ids; text prompts are
+/// tokenized by the caller-facing layers (CLI, C ABI) before this point.
+#[derive(Debug, Clone, Default)]
+pub struct RequestParams {
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    /// Lower is more urgent (vLLM convention). Only the priority policy uses it.
+    pub priority: i32,
+    /// Requests share cached prefixes only with requests of the same salt.
+    pub cache_salt: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token of the model was generated.
+    Eos,
+    /// One of the request's stop token ids was generated.
+    StopToken(u32),
+    /// Stop string number `i` of the request matched.
+    StopString(usize),
+    /// `max_tokens` or the model's context length was reached.
+    Length,
+    /// The caller cancelled the request.
+    Cancelled,
+    /// The request failed; the message says why.
+    Error(String),
+}
+
+impl FinishReason {
+    /// The OpenAI-style short name ("stop", "length", "cancelled", "error").
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FinishReason::Eos | FinishReason::StopToken(_) | FinishReason::StopString(_) => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+            FinishReason::Error(_) => "error",
+        }
+    }
+}
+
+/// Log-probability of a generated token and its top alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What happened to one request during one step. A request gets at most one
+/// event per step, and exactly one event with `finish` set over its life.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    pub request_id: RequestId,
+    /// Tokens generated this step (usually one; none for a pure prefill chunk).
+    pub tokens: Vec<u32>,
+    /// Text that became final this step (UTF-8 complete, stop strings removed).
+    pub text: String,
+    /// One entry per token when the request asked for logprobs.
+    pub logprobs: Vec<TokenLogprob>,
+    pub finish: Option<FinishReason>,
+}
