@@ -1,3 +1,6 @@
 //! Model loading and the decoder forward pass.
 
 pub mod safetensors;
+mod safetensors_header;
+mod safetensors_json;
+mod safetensors_view;
