@@ -4,6 +4,9 @@ pub mod config;
 pub mod decoder;
 pub mod loader;
 pub mod safetensors;
+mod safetensors_header;
+mod safetensors_json;
+mod safetensors_view;
 pub mod weights;
 pub mod workspace;
 
