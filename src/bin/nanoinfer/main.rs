@@ -2,6 +2,7 @@
 //! command line. The option names are a contract (README.md).
 
 mod args;
+mod bench;
 mod generate;
 mod perplexity;
 mod session_opts;
@@ -17,7 +18,9 @@ const USAGE: &str = "usage:
                      [--kv-backend paged|token] [--block-size N] [--kv-capacity TOKENS]
                      [--max-batched-tokens N] [--max-seqs N] [--prefill-chunk N]
                      [--policy fcfs|priority] [--preemption recompute|swap] [--no-prefix-cache]
-  nanoinfer perplexity --model DIR --file PATH [--max-tokens 1024] [--threads N] [--dtype ..] [--json]";
+  nanoinfer perplexity --model DIR --file PATH [--max-tokens 1024] [--threads N] [--dtype ..] [--json]
+  nanoinfer bench --model DIR [-p 512] [-n 128] [-r|--repetitions 3] [-t|--threads N]
+                  [--dtype auto|f32|f16|bf16] [--quant none] [--seed S] [--json]";
 
 fn main() {
     let argv: Vec<String> = std::env::args().skip(1).collect();
@@ -29,6 +32,7 @@ fn main() {
     let result = match cmd.as_str() {
         "generate" => Args::parse(rest, generate::FLAGS).and_then(|a| generate::run(&a)),
         "perplexity" => Args::parse(rest, perplexity::FLAGS).and_then(|a| perplexity::run(&a)),
+        "bench" => Args::parse(&bench::expand_short_options(rest), bench::FLAGS).and_then(|a| bench::run(&a)),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             Ok(())
