@@ -579,8 +579,12 @@ impl Sim {
         let l = &self.live[&id];
         let s = slots(self.kv.as_ref(), id, target);
         let own: HashSet<usize> = s[..l.computed].iter().copied().collect();
-        for p in l.computed..target {
-            let slot = s[p];
+        let mut written = HashSet::new();
+        for (p, &slot) in s.iter().enumerate().skip(l.computed) {
+            assert!(
+                written.insert(slot),
+                "seq {id} maps two positions to slot {slot}"
+            );
             assert!(slot > 0 && slot < self.physical, "slot {slot} out of range");
             assert!(
                 !others.contains(&slot),
