@@ -261,6 +261,29 @@ impl RadixTree {
         Some(node)
     }
 
+    /// Appends `tokens`/`slots` to `node` in place when `node` is a leaf
+    /// whose only lock is the caller's, so decoding one token at a time does
+    /// not grow the tree by one node per token. Returns false (and changes
+    /// nothing) when that does not hold; the caller then uses `insert`.
+    pub fn extend_leaf(&mut self, node: NodeId, tokens: &[u32], slots: &[u32]) -> bool {
+        let Some(nd) = self.nodes.get_mut(node as usize) else {
+            return false;
+        };
+        if !nd.alive || nd.is_root() || !nd.children.is_empty() || nd.lock_ref != 1 {
+            return false;
+        }
+        let len = tokens.len().min(slots.len());
+        nd.key.extend_from_slice(&tokens[..len]);
+        nd.slots.extend_from_slice(&slots[..len]);
+        self.protected += len;
+        true
+    }
+
+    /// Live nodes, salt roots included.
+    pub fn num_nodes(&self) -> usize {
+        self.nodes.len() - self.free_ids.len()
+    }
+
     /// Pins `node` and its ancestors against eviction.
     pub fn lock(&mut self, node: NodeId) {
         let mut n = node;
@@ -603,6 +626,34 @@ mod tests {
             (None, vec![]),
             "the empty root was dropped"
         );
+    }
+
+    #[test]
+    fn extend_leaf_only_for_a_solely_locked_leaf() {
+        let mut t = RadixTree::new();
+        let (a, _, _) = put(&mut t, 0, &[1, 2], 10);
+        assert!(
+            !t.extend_leaf(a, &[3], &[12]),
+            "unlocked leaves are not extended"
+        );
+        t.lock(a);
+        assert!(t.extend_leaf(a, &[3, 4], &[12, 13]));
+        assert_eq!(t.num_nodes(), 2, "root + one leaf");
+        t.check(&[a]).unwrap();
+        assert_eq!(get(&mut t, 0, &[1, 2, 3, 4, 5]).1, vec![10, 11, 12, 13]);
+        t.lock(a);
+        assert!(
+            !t.extend_leaf(a, &[5], &[14]),
+            "a leaf shared by two holders is not extended"
+        );
+        t.unlock(a);
+        // An inner node (after a split) is not extended either.
+        let (b, _, _) = put(&mut t, 0, &[1, 2, 9], 20);
+        let mut out = Vec::new();
+        let upper = t.match_prefix(0, &[1, 2], &mut out).unwrap();
+        assert!(!t.extend_leaf(upper, &[7], &[30]));
+        assert!(t.is_live(b));
+        t.check(&[a]).unwrap();
     }
 
     #[test]

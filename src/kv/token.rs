@@ -128,6 +128,13 @@ impl KvCacheBackend for TokenKv {
             return;
         }
         let from = state.tree_len;
+        if let Some(node) = state.node {
+            if tree.extend_leaf(node, &tokens[from..n], &state.slots[from..n]) {
+                self.private -= n - from;
+                state.tree_len = n;
+                return;
+            }
+        }
         // Slots the tree already had for these tokens replace ours; ours go
         // straight back to the free stack.
         let deepest = tree.insert(
@@ -265,5 +272,45 @@ impl KvCacheBackend for TokenKv {
             return Err(format!("free + evictable + used != total: {st:?}"));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_commits_extend_the_leaf_instead_of_adding_nodes() {
+        let mut kv = TokenKv::new(256, true);
+        let mut toks: Vec<u32> = (0..20).collect();
+        kv.begin(1, &toks, 0);
+        assert!(kv.allocate(1, 20));
+        kv.commit(1, &toks);
+        for t in 100..150 {
+            toks.push(t);
+            assert!(kv.allocate(1, toks.len()));
+            kv.commit(1, &toks);
+            kv.check_invariants().unwrap();
+        }
+        let tree = kv.tree.as_ref().unwrap();
+        assert_eq!(tree.num_nodes(), 2, "one root and one leaf");
+        assert_eq!(tree.protected_size(), 70);
+        // A second sequence matching 69 tokens splits the leaf; seq 1 alone
+        // holds the lower part, so it keeps extending that in place.
+        assert_eq!(kv.begin(2, &toks, 0), 69);
+        toks.push(7);
+        assert!(kv.allocate(1, toks.len()));
+        kv.commit(1, &toks);
+        kv.check_invariants().unwrap();
+        let nodes = kv.tree.as_ref().unwrap().num_nodes();
+        assert_eq!(nodes, 3, "root, shared upper part, seq 1's lower part");
+        // Seq 2 then diverges: its tokens go into a new leaf under the shared part.
+        let mut other = toks[..69].to_vec();
+        other.push(999);
+        assert!(kv.allocate(2, 70));
+        kv.commit(2, &other);
+        kv.check_invariants().unwrap();
+        assert_eq!(kv.tree.as_ref().unwrap().num_nodes(), 4);
+        assert_eq!(kv.slots(1)[..69], kv.slots(2)[..69]);
     }
 }
