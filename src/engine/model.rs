@@ -40,9 +40,11 @@ impl Model {
         let start = Instant::now();
         let mut progress = progress;
         let mut report = |f: f32| -> Result<()> {
-            match progress.as_mut() {
-                Some(cb) if !cb(f) => Err(Error::new(crate::ErrorKind::Cancelled, "model load cancelled by the progress callback")),
-                _ => Ok(()),
+            let keep_going = progress.as_mut().is_none_or(|cb| cb(f));
+            if keep_going {
+                Ok(())
+            } else {
+                Err(Error::new(crate::ErrorKind::Cancelled, "model load cancelled by the progress callback"))
             }
         };
         if !dir.is_dir() {
@@ -52,7 +54,7 @@ impl Model {
         let config = ModelConfig::from_dir(dir)?;
         let weights = crate::model::loader::open_weights(dir)?;
         report(0.1)?;
-        let decoder = Decoder::load(config, weights.as_ref(), params.dtype)?;
+        let decoder = Decoder::load(config, &weights, params.dtype)?;
         weights.finish_loading();
         report(0.9)?;
         let tokenizer = if dir.join("tokenizer.json").exists() { Some(Tokenizer::from_dir(dir)?) } else { None };

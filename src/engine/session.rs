@@ -191,7 +191,7 @@ impl Session {
         let logits = vec![0.0; params.max_seqs * c.vocab_size];
         Ok(Session {
             policy: create_policy(params.policy, params.aging_steps),
-            rng: Rng::seed_from(params.seed),
+            rng: Rng::seed_from_u64(params.seed),
             kv,
             storage,
             capacity_tokens,
@@ -248,7 +248,7 @@ impl Session {
         let id = self.next_id;
         self.next_id += 1;
         let fallback_seed = self.rng.next_u64();
-        let detok = self.model.tokenizer.as_ref().map(|_| StreamDetokenizer::new());
+        let detok = self.model.tokenizer.as_ref().map(|_| StreamDetokenizer::new(true));
         let req = Request {
             sampler: Sampler::new(&params.sampling, fallback_seed),
             stop: StopMatcher::new(&params.sampling.stop_strings),
@@ -373,7 +373,9 @@ impl Session {
             }
         }
 
-        self.waiting.sort_by_key(|&id| self.rank(id));
+        let mut waiting = std::mem::take(&mut self.waiting);
+        waiting.sort_by_key(|&id| self.rank(id));
+        self.waiting = waiting;
         while budget > 0 && self.running.len() < self.params.max_seqs && !self.waiting.is_empty() {
             let id = self.waiting[0];
             let req = self.requests.get_mut(&id).expect("waiting request exists");
@@ -496,7 +498,13 @@ impl Session {
             let suppress = &mut self.scratch.suppress;
             suppressed_tokens(&req.params.sampling, &self.model.eos_token_ids, req.tokens.len() - req.prompt_len, suppress);
             let (prompt, output) = req.tokens.split_at(req.prompt_len);
-            let sampled = req.sampler.sample(logits, prompt, output, suppress);
+            let sampled = match req.sampler.sample(logits, prompt, output, suppress) {
+                Ok(s) => s,
+                Err(e) => {
+                    self.finish(id, FinishReason::Error(e.message), vec![], String::new(), vec![], events);
+                    continue;
+                }
+            };
             req.tokens.push(sampled.token);
             let logprobs = if req.params.sampling.logprobs > 0 {
                 vec![TokenLogprob { token: sampled.token, logprob: sampled.logprob, top: sampled.top_logprobs }]
@@ -509,7 +517,7 @@ impl Session {
                 let delta = detok.push(tok, sampled.token).unwrap_or_default();
                 let out = req.stop.push(&delta);
                 text = out.text;
-                stop_hit = out.matched;
+                stop_hit = out.stop;
             }
             let generated = req.tokens.len() - req.prompt_len;
             let s = &req.params.sampling;

@@ -56,7 +56,7 @@ impl WeightSource for WeightFiles {
 impl WeightFiles {
     /// The mmap holding `name`, as a keep-alive owner for zero-copy slices.
     fn owner_of(&self, name: &str) -> Option<Arc<dyn Any + Send + Sync>> {
-        self.get_mapped(name).map(|m| m.mmap() as Arc<dyn Any + Send + Sync>)
+        self.get_mapped(name).map(|m| m.map as Arc<dyn Any + Send + Sync>)
     }
 }
 
