@@ -31,7 +31,10 @@ pub struct Error {
 
 impl Error {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Error { kind, message: message.into() }
+        Error {
+            kind,
+            message: message.into(),
+        }
     }
     pub fn invalid_arg(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::InvalidArgument, message)

@@ -10,8 +10,8 @@ pub mod error;
 pub mod kv;
 pub mod model;
 pub mod sampling;
-pub mod tensor;
 pub mod sysinfo;
+pub mod tensor;
 pub mod tokenizer;
 
 pub use error::{Error, ErrorKind, Result};

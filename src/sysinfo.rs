@@ -13,7 +13,12 @@ pub fn total_memory_bytes() -> Option<usize> {
 fn meminfo_field(key: &str) -> Option<usize> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with(key))?;
-    let kib: usize = line[key.len()..].trim().trim_end_matches("kB").trim().parse().ok()?;
+    let kib: usize = line[key.len()..]
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
     Some(kib * 1024)
 }
 
@@ -21,6 +26,11 @@ fn meminfo_field(key: &str) -> Option<usize> {
 pub fn peak_rss_bytes() -> Option<usize> {
     let text = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = text.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: usize = line["VmHWM:".len()..].trim().trim_end_matches("kB").trim().parse().ok()?;
+    let kib: usize = line["VmHWM:".len()..]
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
     Some(kib * 1024)
 }

@@ -22,7 +22,10 @@ pub struct ModelParams {
 
 impl Default for ModelParams {
     fn default() -> Self {
-        ModelParams { dtype: WeightDType::Auto, threads: 0 }
+        ModelParams {
+            dtype: WeightDType::Auto,
+            threads: 0,
+        }
     }
 }
 
@@ -36,29 +39,47 @@ pub struct Model {
 }
 
 impl Model {
-    pub fn load(dir: &Path, params: &ModelParams, progress: Option<ProgressFn<'_>>) -> Result<Model> {
+    pub fn load(
+        dir: &Path,
+        params: &ModelParams,
+        progress: Option<ProgressFn<'_>>,
+    ) -> Result<Model> {
         let start = Instant::now();
         let mut progress = progress;
         let mut report = |f: f32| -> Result<()> {
-            match progress.as_mut() {
-                Some(cb) if !cb(f) => Err(Error::new(crate::ErrorKind::Cancelled, "model load cancelled by the progress callback")),
-                _ => Ok(()),
+            let keep_going = progress.as_mut().is_none_or(|cb| cb(f));
+            if keep_going {
+                Ok(())
+            } else {
+                Err(Error::new(
+                    crate::ErrorKind::Cancelled,
+                    "model load cancelled by the progress callback",
+                ))
             }
         };
         if !dir.is_dir() {
-            return Err(Error::new(crate::ErrorKind::Io, format!("model directory {} does not exist", dir.display())));
+            return Err(Error::new(
+                crate::ErrorKind::Io,
+                format!("model directory {} does not exist", dir.display()),
+            ));
         }
         report(0.0)?;
         let config = ModelConfig::from_dir(dir)?;
         let weights = crate::model::loader::open_weights(dir)?;
         report(0.1)?;
-        let decoder = Decoder::load(config, weights.as_ref(), params.dtype)?;
+        let decoder = Decoder::load(config, &weights, params.dtype)?;
         weights.finish_loading();
         report(0.9)?;
-        let tokenizer = if dir.join("tokenizer.json").exists() { Some(Tokenizer::from_dir(dir)?) } else { None };
+        let tokenizer = if dir.join("tokenizer.json").exists() {
+            Some(Tokenizer::from_dir(dir)?)
+        } else {
+            None
+        };
         let eos_token_ids = eos_ids(dir, &decoder.config, tokenizer.as_ref());
         let threads = if params.threads == 0 {
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
         } else {
             params.threads
         };
@@ -77,9 +98,11 @@ impl Model {
     }
 
     pub fn tokenizer(&self) -> Result<&Tokenizer> {
-        self.tokenizer
-            .as_ref()
-            .ok_or_else(|| Error::invalid_arg("this model directory has no tokenizer.json; pass token ids instead of text"))
+        self.tokenizer.as_ref().ok_or_else(|| {
+            Error::invalid_arg(
+                "this model directory has no tokenizer.json; pass token ids instead of text",
+            )
+        })
     }
 }
 
@@ -95,5 +118,8 @@ fn eos_ids(dir: &Path, config: &ModelConfig, tokenizer: Option<&Tokenizer>) -> V
     if !config.eos_token_ids.is_empty() {
         return config.eos_token_ids.clone();
     }
-    tokenizer.and_then(|t| t.eos_token_id()).into_iter().collect()
+    tokenizer
+        .and_then(|t| t.eos_token_id())
+        .into_iter()
+        .collect()
 }

@@ -72,11 +72,23 @@ mod tests {
     #[test]
     fn priority_orders_by_level_then_arrival_and_ages() {
         let p = PriorityWithAging { aging_steps: 10 };
-        let low_old = RankInput { priority: 5, arrival: 1, arrival_step: 0 };
-        let high_new = RankInput { priority: 0, arrival: 2, arrival_step: 0 };
+        let low_old = RankInput {
+            priority: 5,
+            arrival: 1,
+            arrival_step: 0,
+        };
+        let high_new = RankInput {
+            priority: 0,
+            arrival: 2,
+            arrival_step: 0,
+        };
         assert!(p.rank(&high_new, 0) < p.rank(&low_old, 0));
         // After waiting 60 steps the low-priority request overtakes a fresh urgent one.
-        let fresh = RankInput { priority: 0, arrival: 3, arrival_step: 60 };
+        let fresh = RankInput {
+            priority: 0,
+            arrival: 3,
+            arrival_step: 60,
+        };
         assert!(p.rank(&low_old, 60) < p.rank(&fresh, 60));
         assert!(Fcfs.rank(&low_old, 0) < Fcfs.rank(&high_new, 0));
     }

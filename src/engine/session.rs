@@ -143,7 +143,12 @@ struct StepScratch {
 }
 
 /// Tokens that may not be sampled yet: EOS and stop ids before `min_tokens`.
-fn suppressed_tokens(s: &crate::sampling::SamplingParams, eos: &[u32], generated: usize, out: &mut Vec<u32>) {
+fn suppressed_tokens(
+    s: &crate::sampling::SamplingParams,
+    eos: &[u32],
+    generated: usize,
+    out: &mut Vec<u32>,
+) {
     out.clear();
     if generated < s.min_tokens as usize {
         if !s.ignore_eos {
@@ -162,7 +167,8 @@ fn default_kv_budget() -> usize {
 impl Session {
     pub fn new(model: Arc<Model>, params: SessionParams) -> Result<Session> {
         let c = model.config();
-        if params.max_batched_tokens == 0 || params.max_seqs == 0 || params.prefill_chunk_size == 0 {
+        if params.max_batched_tokens == 0 || params.max_seqs == 0 || params.prefill_chunk_size == 0
+        {
             bail_arg!("max_batched_tokens, max_seqs and prefill_chunk_size must be positive");
         }
         if params.block_size == 0 || params.block_size > 1024 {
@@ -172,7 +178,11 @@ impl Session {
         let capacity_tokens = if params.kv_capacity_tokens > 0 {
             params.kv_capacity_tokens
         } else {
-            let budget = if params.kv_memory_bytes > 0 { params.kv_memory_bytes } else { default_kv_budget() };
+            let budget = if params.kv_memory_bytes > 0 {
+                params.kv_memory_bytes
+            } else {
+                default_kv_budget()
+            };
             let tokens = budget / per_token;
             if tokens < c.max_position_embeddings.min(4096) {
                 return Err(Error::new(
@@ -186,12 +196,17 @@ impl Session {
             }
             tokens
         };
-        let (kv, slots) = create_kv_backend(params.kv_backend, capacity_tokens, params.block_size, params.prefix_caching);
+        let (kv, slots) = create_kv_backend(
+            params.kv_backend,
+            capacity_tokens,
+            params.block_size,
+            params.prefix_caching,
+        );
         let storage = KvStorage::new(c.num_layers, slots, c.num_kv_heads, c.head_dim);
         let logits = vec![0.0; params.max_seqs * c.vocab_size];
         Ok(Session {
             policy: create_policy(params.policy, params.aging_steps),
-            rng: Rng::seed_from(params.seed),
+            rng: Rng::seed_from_u64(params.seed),
             kv,
             storage,
             capacity_tokens,
@@ -248,7 +263,11 @@ impl Session {
         let id = self.next_id;
         self.next_id += 1;
         let fallback_seed = self.rng.next_u64();
-        let detok = self.model.tokenizer.as_ref().map(|_| StreamDetokenizer::new());
+        let detok = self
+            .model
+            .tokenizer
+            .as_ref()
+            .map(|_| StreamDetokenizer::new(true));
         let req = Request {
             sampler: Sampler::new(&params.sampling, fallback_seed),
             stop: StopMatcher::new(&params.sampling.stop_strings),
@@ -258,7 +277,11 @@ impl Session {
             computed: 0,
             in_kv: false,
             swapped: None,
-            rank: RankInput { priority: params.priority, arrival: self.next_arrival, arrival_step: self.stats.steps },
+            rank: RankInput {
+                priority: params.priority,
+                arrival: self.next_arrival,
+                arrival_step: self.stats.steps,
+            },
             params,
         };
         self.next_arrival += 1;
@@ -313,7 +336,10 @@ impl Session {
         }
         let tracked = self.running.len() + self.waiting.len();
         if tracked != self.requests.len() {
-            return Err(format!("{} requests tracked but {tracked} queued", self.requests.len()));
+            return Err(format!(
+                "{} requests tracked but {tracked} queued",
+                self.requests.len()
+            ));
         }
         Ok(())
     }
@@ -373,7 +399,9 @@ impl Session {
             }
         }
 
-        self.waiting.sort_by_key(|&id| self.rank(id));
+        let mut waiting = std::mem::take(&mut self.waiting);
+        waiting.sort_by_key(|&id| self.rank(id));
+        self.waiting = waiting;
         while budget > 0 && self.running.len() < self.params.max_seqs && !self.waiting.is_empty() {
             let id = self.waiting[0];
             let req = self.requests.get_mut(&id).expect("waiting request exists");
@@ -382,7 +410,11 @@ impl Session {
                 req.in_kv = true;
             }
             let req = &self.requests[&id];
-            let resume_to = req.swapped.as_ref().map_or(0, |(n, _)| *n).max(req.computed);
+            let resume_to = req
+                .swapped
+                .as_ref()
+                .map_or(0, |(n, _)| *n)
+                .max(req.computed);
             let n = (req.tokens.len() - resume_to).min(chunk).min(budget);
             if n == 0 || !self.kv.allocate(id, resume_to + n) {
                 // Head-of-line: wait until running requests free room.
@@ -419,7 +451,9 @@ impl Session {
         let req = self.requests.get_mut(&id).expect("running request exists");
         if self.params.preemption == PreemptionMode::Swap && req.computed > 0 {
             let mapping = self.kv.mapping(id);
-            let mut saved = Vec::with_capacity(req.computed * self.storage.slot_width() * 2 * self.storage.num_layers);
+            let mut saved = Vec::with_capacity(
+                req.computed * self.storage.slot_width() * 2 * self.storage.num_layers,
+            );
             for p in 0..req.computed {
                 self.storage.read_slot(mapping.slot(p), &mut saved);
             }
@@ -435,11 +469,14 @@ impl Session {
     /// Restores swapped KV after `allocate` gave the request room again.
     fn swap_in(&mut self, id: RequestId) {
         let req = self.requests.get_mut(&id).expect("exists");
-        let Some((n, data)) = req.swapped.take() else { return };
+        let Some((n, data)) = req.swapped.take() else {
+            return;
+        };
         let per_slot = self.storage.slot_width() * 2 * self.storage.num_layers;
         let mapping = self.kv.mapping(id);
         for p in req.computed..n {
-            self.storage.write_slot(mapping.slot(p), &data[p * per_slot..(p + 1) * per_slot]);
+            self.storage
+                .write_slot(mapping.slot(p), &data[p * per_slot..(p + 1) * per_slot]);
         }
         req.computed = n;
         let tokens = req.tokens[..n].to_vec();
@@ -447,27 +484,56 @@ impl Session {
     }
 
     fn run_forward(&mut self) -> Result<()> {
-        let Session { model, kv, storage, ws, logits, requests, scratch, .. } = self;
+        let Session {
+            model,
+            kv,
+            storage,
+            ws,
+            logits,
+            requests,
+            scratch,
+            ..
+        } = self;
         scratch.tokens.clear();
         scratch.logits_rows.clear();
         let mut seqs = Vec::with_capacity(scratch.plan.len());
         for &(id, n) in &scratch.plan {
             let req = &requests[&id];
             let start = scratch.tokens.len();
-            scratch.tokens.extend_from_slice(&req.tokens[req.computed..req.computed + n]);
+            scratch
+                .tokens
+                .extend_from_slice(&req.tokens[req.computed..req.computed + n]);
             if req.computed + n == req.tokens.len() {
                 scratch.logits_rows.push(start + n - 1);
             }
-            seqs.push(AttnSeq { start, len: n, context_len: req.computed, kv: kv.mapping(id) });
+            seqs.push(AttnSeq {
+                start,
+                len: n,
+                context_len: req.computed,
+                kv: kv.mapping(id),
+            });
         }
-        let batch = ForwardBatch { tokens: &scratch.tokens, seqs: &seqs, logits_rows: &scratch.logits_rows };
-        model.decoder.forward(&model.pool, &batch, storage, ws, logits)
+        let batch = ForwardBatch {
+            tokens: &scratch.tokens,
+            seqs: &seqs,
+            logits_rows: &scratch.logits_rows,
+        };
+        model
+            .decoder
+            .forward(&model.pool, &batch, storage, ws, logits)
     }
 
     fn fail_scheduled(&mut self, err: &Error, events: &mut Vec<Event>) {
         let plan = std::mem::take(&mut self.scratch.plan);
         for &(id, _) in &plan {
-            self.finish(id, FinishReason::Error(err.message.clone()), vec![], String::new(), vec![], events);
+            self.finish(
+                id,
+                FinishReason::Error(err.message.clone()),
+                vec![],
+                String::new(),
+                vec![],
+                events,
+            );
         }
         self.scratch.plan = plan;
     }
@@ -477,7 +543,10 @@ impl Session {
         let plan = std::mem::take(&mut self.scratch.plan);
         let mut logits_row = 0;
         for &(id, n) in &plan {
-            let req = self.requests.get_mut(&id).expect("scheduled request exists");
+            let req = self
+                .requests
+                .get_mut(&id)
+                .expect("scheduled request exists");
             let was_prefill = req.computed < req.prompt_len;
             req.computed += n;
             if was_prefill {
@@ -494,12 +563,34 @@ impl Session {
             let logits = &mut self.logits[logits_row * vocab..(logits_row + 1) * vocab];
             logits_row += 1;
             let suppress = &mut self.scratch.suppress;
-            suppressed_tokens(&req.params.sampling, &self.model.eos_token_ids, req.tokens.len() - req.prompt_len, suppress);
+            suppressed_tokens(
+                &req.params.sampling,
+                &self.model.eos_token_ids,
+                req.tokens.len() - req.prompt_len,
+                suppress,
+            );
             let (prompt, output) = req.tokens.split_at(req.prompt_len);
-            let sampled = req.sampler.sample(logits, prompt, output, suppress);
+            let sampled = match req.sampler.sample(logits, prompt, output, suppress) {
+                Ok(s) => s,
+                Err(e) => {
+                    self.finish(
+                        id,
+                        FinishReason::Error(e.message),
+                        vec![],
+                        String::new(),
+                        vec![],
+                        events,
+                    );
+                    continue;
+                }
+            };
             req.tokens.push(sampled.token);
             let logprobs = if req.params.sampling.logprobs > 0 {
-                vec![TokenLogprob { token: sampled.token, logprob: sampled.logprob, top: sampled.top_logprobs }]
+                vec![TokenLogprob {
+                    token: sampled.token,
+                    logprob: sampled.logprob,
+                    top: sampled.top_logprobs,
+                }]
             } else {
                 vec![]
             };
@@ -509,7 +600,7 @@ impl Session {
                 let delta = detok.push(tok, sampled.token).unwrap_or_default();
                 let out = req.stop.push(&delta);
                 text = out.text;
-                stop_hit = out.matched;
+                stop_hit = out.stop;
             }
             let generated = req.tokens.len() - req.prompt_len;
             let s = &req.params.sampling;
@@ -519,14 +610,22 @@ impl Session {
                 Some(FinishReason::Eos)
             } else if s.stop_token_ids.contains(&sampled.token) {
                 Some(FinishReason::StopToken(sampled.token))
-            } else if generated >= s.max_tokens as usize || req.tokens.len() >= self.model.config().max_position_embeddings {
+            } else if generated >= s.max_tokens as usize
+                || req.tokens.len() >= self.model.config().max_position_embeddings
+            {
                 Some(FinishReason::Length)
             } else {
                 None
             };
             match reason {
                 Some(r) => self.finish(id, r, vec![sampled.token], text, logprobs, events),
-                None => events.push(Event { request_id: id, tokens: vec![sampled.token], text, logprobs, finish: None }),
+                None => events.push(Event {
+                    request_id: id,
+                    tokens: vec![sampled.token],
+                    text,
+                    logprobs,
+                    finish: None,
+                }),
             }
         }
         self.scratch.plan = plan;
@@ -542,7 +641,9 @@ impl Session {
         logprobs: Vec<TokenLogprob>,
         events: &mut Vec<Event>,
     ) {
-        let Some(mut req) = self.requests.remove(&id) else { return };
+        let Some(mut req) = self.requests.remove(&id) else {
+            return;
+        };
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
         if req.in_kv {
@@ -556,6 +657,12 @@ impl Session {
             }
             text.push_str(&req.stop.flush());
         }
-        events.push(Event { request_id: id, tokens, text, logprobs, finish: Some(reason) });
+        events.push(Event {
+            request_id: id,
+            tokens,
+            text,
+            logprobs,
+            finish: Some(reason),
+        });
     }
 }

@@ -5,9 +5,18 @@
 //! sequences: the engine asks the manager for a sequence's `KvMapping` and
 //! hands it, together with `&mut KvStorage`, to the model's forward pass.
 
+pub mod block_pool;
+pub mod paged;
+pub mod prefix_hash;
+pub mod radix;
 pub mod storage;
+#[cfg(test)]
+mod tests;
+pub mod token;
 
+pub use paged::PagedKv;
 pub use storage::KvStorage;
+pub use token::TokenKv;
 
 /// Engine-wide identifier of a sequence (one per request).
 pub type SeqId = u64;
@@ -111,4 +120,34 @@ pub trait KvCacheBackend: Send {
     /// Checks internal consistency (ref counts, free lists, no double frees).
     /// Called by tests and debug builds; returns a description of the first violation.
     fn check_invariants(&self) -> std::result::Result<(), String>;
+}
+
+/// Builds a manager able to hold `capacity_tokens` tokens and returns it with
+/// the number of physical slots the `KvStorage` must have (reserved slots
+/// included). Paged: `ceil(capacity / block_size)` blocks plus the null block;
+/// a zero `block_size` is treated as 1. Token: `capacity_tokens` slots plus
+/// the dummy slot (`block_size` is ignored).
+pub fn create_kv_backend(
+    kind: KvBackendKind,
+    capacity_tokens: usize,
+    block_size: usize,
+    prefix_caching: bool,
+) -> (Box<dyn KvCacheBackend>, usize) {
+    match kind {
+        KvBackendKind::Paged => {
+            let block_size = block_size.max(1);
+            let kv = PagedKv::new(
+                capacity_tokens.div_ceil(block_size) + 1,
+                block_size,
+                prefix_caching,
+            );
+            let slots = kv.physical_slots();
+            (Box::new(kv), slots)
+        }
+        KvBackendKind::Token => {
+            let kv = TokenKv::new(capacity_tokens, prefix_caching);
+            let slots = kv.physical_slots();
+            (Box::new(kv), slots)
+        }
+    }
 }

@@ -1,0 +1,220 @@
+//! Paged KV manager (vLLM v1 style): fixed-size blocks, per-sequence block
+//! tables, ref-counted blocks and hash-chained prefix reuse of full blocks.
+
+use std::collections::HashMap;
+
+use super::block_pool::BlockPool;
+use super::prefix_hash::{block_key, root_key, BlockKey};
+use super::{KvBackendKind, KvCacheBackend, KvMapping, KvStats, SeqId};
+
+#[derive(Debug, Default)]
+struct PagedSeq {
+    table: Vec<u32>,
+    /// Chain keys of the leading full blocks whose KV is known to be computed
+    /// (matched at `begin` or committed); `keys.len() <= table.len()`.
+    keys: Vec<BlockKey>,
+    salt: u64,
+}
+
+/// Block-table manager over `num_blocks` blocks of `block_size` slots.
+/// Block 0 is the null block and is never handed out.
+pub struct PagedKv {
+    block_size: usize,
+    prefix_caching: bool,
+    pool: BlockPool,
+    seqs: HashMap<SeqId, PagedSeq>,
+    prefix_hits: u64,
+    prefix_tokens_reused: u64,
+}
+
+impl PagedKv {
+    /// `num_blocks` includes the null block, so `num_blocks - 1` are usable;
+    /// the storage needs `num_blocks * block_size` slots. A zero `block_size`
+    /// is treated as 1 and `num_blocks` is at least 1.
+    pub fn new(num_blocks: usize, block_size: usize, prefix_caching: bool) -> Self {
+        PagedKv {
+            block_size: block_size.max(1),
+            prefix_caching,
+            pool: BlockPool::new(num_blocks),
+            seqs: HashMap::new(),
+            prefix_hits: 0,
+            prefix_tokens_reused: 0,
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Blocks including the null block.
+    pub fn num_blocks(&self) -> usize {
+        self.pool.num_blocks()
+    }
+
+    /// Slots the backing `KvStorage` must have.
+    pub fn physical_slots(&self) -> usize {
+        self.pool.num_blocks() * self.block_size
+    }
+
+    /// Blocks needed to hold `tokens` positions.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size)
+    }
+
+    /// The sequence's block table (empty for an unknown sequence).
+    pub fn block_table(&self, seq: SeqId) -> &[u32] {
+        self.seqs.get(&seq).map_or(&[], |s| &s.table)
+    }
+}
+
+impl KvCacheBackend for PagedKv {
+    fn kind(&self) -> KvBackendKind {
+        KvBackendKind::Paged
+    }
+
+    fn begin(&mut self, seq: SeqId, tokens: &[u32], salt: u64) -> usize {
+        self.release(seq);
+        let mut state = PagedSeq {
+            salt,
+            ..Default::default()
+        };
+        if self.prefix_caching && tokens.len() > 1 {
+            let bs = self.block_size;
+            let mut parent = root_key(salt);
+            for block_tokens in tokens[..tokens.len() - 1].chunks_exact(bs) {
+                let key = block_key(parent, block_tokens);
+                let Some(block) = self.pool.lookup(key) else {
+                    break;
+                };
+                self.pool.touch(block);
+                state.table.push(block);
+                state.keys.push(key);
+                parent = key;
+            }
+        }
+        let cached = state.table.len() * self.block_size;
+        if cached > 0 {
+            self.prefix_hits += 1;
+            self.prefix_tokens_reused += cached as u64;
+        }
+        self.seqs.insert(seq, state);
+        cached
+    }
+
+    fn allocate(&mut self, seq: SeqId, total_tokens: usize) -> bool {
+        let needed = self.blocks_for(total_tokens);
+        let Some(state) = self.seqs.get_mut(&seq) else {
+            return false;
+        };
+        if needed <= state.table.len() {
+            return true;
+        }
+        self.pool
+            .allocate(needed - state.table.len(), &mut state.table)
+    }
+
+    fn commit(&mut self, seq: SeqId, tokens: &[u32]) {
+        if !self.prefix_caching {
+            return;
+        }
+        let bs = self.block_size;
+        let Some(state) = self.seqs.get_mut(&seq) else {
+            return;
+        };
+        let full = tokens.len().min(state.table.len() * bs) / bs;
+        for i in state.keys.len()..full {
+            let parent = state
+                .keys
+                .last()
+                .copied()
+                .unwrap_or_else(|| root_key(state.salt));
+            let key = block_key(parent, &tokens[i * bs..(i + 1) * bs]);
+            // If another block already holds this key, it stays the cached
+            // copy and ours remains private; the chain continues either way.
+            self.pool.cache(state.table[i], key);
+            state.keys.push(key);
+        }
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        let Some(state) = self.seqs.remove(&seq) else {
+            return;
+        };
+        // Tail blocks first, so a prefix's last blocks are evicted before its
+        // first ones (which other prompts are more likely to share).
+        for &block in state.table.iter().rev() {
+            self.pool.free(block);
+        }
+    }
+
+    fn mapping(&self, seq: SeqId) -> KvMapping<'_> {
+        KvMapping::Blocks {
+            table: self.block_table(seq),
+            block_size: self.block_size,
+        }
+    }
+
+    fn available_slots(&self) -> usize {
+        self.pool.num_available() * self.block_size
+    }
+
+    fn stats(&self) -> KvStats {
+        let bs = self.block_size;
+        let evictable = self.pool.num_evictable();
+        KvStats {
+            total_slots: self.pool.num_usable() * bs,
+            free_slots: (self.pool.num_available() - evictable) * bs,
+            evictable_slots: evictable * bs,
+            used_slots: self.pool.num_used() * bs,
+            granularity: bs,
+            prefix_hits: self.prefix_hits,
+            prefix_tokens_reused: self.prefix_tokens_reused,
+        }
+    }
+
+    fn check_invariants(&self) -> Result<(), String> {
+        let n = self.pool.num_blocks();
+        let mut refs = vec![0u32; n];
+        for (id, s) in &self.seqs {
+            if s.keys.len() > s.table.len() {
+                return Err(format!("seq {id} has more block keys than blocks"));
+            }
+            for &b in &s.table {
+                if b as usize >= n || b == super::block_pool::NULL_BLOCK {
+                    return Err(format!(
+                        "seq {id} maps the null or an out-of-range block {b}"
+                    ));
+                }
+                refs[b as usize] += 1;
+            }
+            let mut sorted = s.table.clone();
+            sorted.sort_unstable();
+            if sorted.windows(2).any(|w| w[0] == w[1]) {
+                return Err(format!("seq {id} holds the same block twice"));
+            }
+            // A cached block's key names its contents: it must agree with the
+            // chain this sequence computed for that position.
+            for (i, &k) in s.keys.iter().enumerate() {
+                if let Some(bk) = self.pool.key_of(s.table[i]) {
+                    if bk != k {
+                        return Err(format!(
+                            "seq {id} block {i} holds different cached contents"
+                        ));
+                    }
+                }
+            }
+            if !self.prefix_caching && !s.keys.is_empty() {
+                return Err(format!("seq {id} has cache keys with prefix caching off"));
+            }
+        }
+        self.pool.check(&refs)?;
+        let st = self.stats();
+        if st.free_slots + st.evictable_slots + st.used_slots != st.total_slots {
+            return Err(format!("free + evictable + used != total: {st:?}"));
+        }
+        if !self.prefix_caching && st.evictable_slots != 0 {
+            return Err("cached blocks exist with prefix caching off".into());
+        }
+        Ok(())
+    }
+}

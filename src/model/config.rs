@@ -26,8 +26,15 @@ impl Architecture {
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
     None,
-    Linear { factor: f32 },
-    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position: f32 },
+    Linear {
+        factor: f32,
+    },
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position: f32,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -58,10 +65,11 @@ pub struct ModelConfig {
 fn get_usize(v: &Value, key: &str) -> Result<Option<usize>> {
     match v.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(x) => x
-            .as_u64()
-            .map(|n| Some(n as usize))
-            .ok_or_else(|| Error::invalid_model(format!("config.json: `{key}` must be a non-negative integer, got {x}"))),
+        Some(x) => x.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
+            Error::invalid_model(format!(
+                "config.json: `{key}` must be a non-negative integer, got {x}"
+            ))
+        }),
     }
 }
 
@@ -95,14 +103,23 @@ fn get_bool(v: &Value, key: &str) -> Result<Option<bool>> {
 pub fn token_ids(v: Option<&Value>) -> Vec<u32> {
     match v {
         Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)).collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64().map(|x| x as u32))
+            .collect(),
         _ => vec![],
     }
 }
 
 fn parse_rope_scaling(v: Option<&Value>) -> Result<RopeScaling> {
-    let Some(obj) = v.filter(|v| !v.is_null()) else { return Ok(RopeScaling::None) };
-    let kind = obj.get("rope_type").or_else(|| obj.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let Some(obj) = v.filter(|v| !v.is_null()) else {
+        return Ok(RopeScaling::None);
+    };
+    let kind = obj
+        .get("rope_type")
+        .or_else(|| obj.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
     let factor = || -> Result<f32> {
         match get_f32(obj, "factor")? {
             Some(f) if f > 0.0 => Ok(f),
@@ -139,8 +156,8 @@ impl ModelConfig {
     }
 
     pub fn from_json(text: &str) -> Result<ModelConfig> {
-        let v: Value =
-            serde_json::from_str(text).map_err(|e| Error::invalid_model(format!("config.json is not valid JSON: {e}")))?;
+        let v: Value = serde_json::from_str(text)
+            .map_err(|e| Error::invalid_model(format!("config.json is not valid JSON: {e}")))?;
         if !v.is_object() {
             bail_model!("config.json must be a JSON object");
         }
@@ -162,18 +179,24 @@ impl ModelConfig {
         };
         if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
             if act != "silu" {
-                return Err(Error::unsupported(format!("hidden_act `{act}` is not supported (supported: silu)")));
+                return Err(Error::unsupported(format!(
+                    "hidden_act `{act}` is not supported (supported: silu)"
+                )));
             }
         }
         if get_bool(&v, "mlp_bias")? == Some(true) {
             return Err(Error::unsupported("mlp_bias = true is not supported"));
         }
         if get_bool(&v, "use_sliding_window")? == Some(true) {
-            return Err(Error::unsupported("use_sliding_window = true is not supported"));
+            return Err(Error::unsupported(
+                "use_sliding_window = true is not supported",
+            ));
         }
         if let Some(q) = v.get("quantization_config").filter(|q| !q.is_null()) {
             let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("?");
-            return Err(Error::unsupported(format!("quantization_config with quant_method `{method}` is not supported yet")));
+            return Err(Error::unsupported(format!(
+                "quantization_config with quant_method `{method}` is not supported yet"
+            )));
         }
         let hidden_size = req_usize(&v, "hidden_size")?;
         let num_heads = req_usize(&v, "num_attention_heads")?;
@@ -230,13 +253,26 @@ impl ModelConfig {
     pub fn rope_inv_freq(&self) -> Vec<f32> {
         let d = self.head_dim;
         let base = self.rope_theta as f64;
-        let inv: Vec<f64> = (0..d / 2).map(|i| 1.0 / base.powf((2 * i) as f64 / d as f64)).collect();
+        let inv: Vec<f64> = (0..d / 2)
+            .map(|i| 1.0 / base.powf((2 * i) as f64 / d as f64))
+            .collect();
         match self.rope_scaling {
             RopeScaling::None => inv.iter().map(|&f| f as f32).collect(),
-            RopeScaling::Linear { factor } => inv.iter().map(|&f| (f / factor as f64) as f32).collect(),
-            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
-                let (factor, low, high, old) =
-                    (factor as f64, low_freq_factor as f64, high_freq_factor as f64, original_max_position as f64);
+            RopeScaling::Linear { factor } => {
+                inv.iter().map(|&f| (f / factor as f64) as f32).collect()
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            } => {
+                let (factor, low, high, old) = (
+                    factor as f64,
+                    low_freq_factor as f64,
+                    high_freq_factor as f64,
+                    original_max_position as f64,
+                );
                 let low_wavelen = old / low;
                 let high_wavelen = old / high;
                 inv.iter()
@@ -277,13 +313,20 @@ mod tests {
 
     #[test]
     fn rejects_unsupported_architecture_listing_supported() {
-        let e = ModelConfig::from_json(&SMOL.replace("LlamaForCausalLM", "GPT2LMHeadModel")).unwrap_err();
-        assert!(e.message.contains("GPT2LMHeadModel") && e.message.contains("Qwen3ForCausalLM"), "{e}");
+        let e = ModelConfig::from_json(&SMOL.replace("LlamaForCausalLM", "GPT2LMHeadModel"))
+            .unwrap_err();
+        assert!(
+            e.message.contains("GPT2LMHeadModel") && e.message.contains("Qwen3ForCausalLM"),
+            "{e}"
+        );
     }
 
     #[test]
     fn rejects_bad_values() {
-        let e = ModelConfig::from_json(&SMOL.replace("\"num_key_value_heads\":3", "\"num_key_value_heads\":4")).unwrap_err();
+        let e = ModelConfig::from_json(
+            &SMOL.replace("\"num_key_value_heads\":3", "\"num_key_value_heads\":4"),
+        )
+        .unwrap_err();
         assert!(e.message.contains("num_key_value_heads"), "{e}");
         let e = ModelConfig::from_json(&SMOL.replace("\"hidden_size\":576,", "")).unwrap_err();
         assert!(e.message.contains("hidden_size"), "{e}");

@@ -50,7 +50,11 @@ pub struct Decoder {
 }
 
 impl Decoder {
-    pub fn load(config: ModelConfig, src: &dyn WeightSource, dtype: WeightDType) -> Result<Decoder> {
+    pub fn load(
+        config: ModelConfig,
+        src: &dyn WeightSource,
+        dtype: WeightDType,
+    ) -> Result<Decoder> {
         let c = &config;
         let (d, hd) = (c.hidden_size, c.head_dim);
         let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
@@ -83,9 +87,24 @@ impl Decoder {
                 q_norm: opt("self_attn.q_norm.weight", hd, c.qk_norm)?,
                 k_norm: opt("self_attn.k_norm.weight", hd, c.qk_norm)?,
                 post_norm: src.vector(&format!("{p}.post_attention_layernorm.weight"), d)?,
-                gate: src.matrix(&format!("{p}.mlp.gate_proj.weight"), c.intermediate_size, d, dtype)?,
-                up: src.matrix(&format!("{p}.mlp.up_proj.weight"), c.intermediate_size, d, dtype)?,
-                down: src.matrix(&format!("{p}.mlp.down_proj.weight"), d, c.intermediate_size, dtype)?,
+                gate: src.matrix(
+                    &format!("{p}.mlp.gate_proj.weight"),
+                    c.intermediate_size,
+                    d,
+                    dtype,
+                )?,
+                up: src.matrix(
+                    &format!("{p}.mlp.up_proj.weight"),
+                    c.intermediate_size,
+                    d,
+                    dtype,
+                )?,
+                down: src.matrix(
+                    &format!("{p}.mlp.down_proj.weight"),
+                    d,
+                    c.intermediate_size,
+                    dtype,
+                )?,
             });
         }
         let lm_head = if c.tie_word_embeddings && !src.contains("lm_head.weight") {
@@ -108,9 +127,16 @@ impl Decoder {
         let layer_bytes: usize = self
             .layers
             .iter()
-            .map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].iter().map(|m| m.size_in_bytes()).sum::<usize>())
+            .map(|l| {
+                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+                    .iter()
+                    .map(|m| m.size_in_bytes())
+                    .sum::<usize>()
+            })
             .sum();
-        layer_bytes + self.embed.size_in_bytes() + self.lm_head.as_ref().map_or(0, Matrix::size_in_bytes)
+        layer_bytes
+            + self.embed.size_in_bytes()
+            + self.lm_head.as_ref().map_or(0, Matrix::size_in_bytes)
     }
 
     pub fn weight_dtype_name(&self) -> &'static str {
@@ -133,10 +159,19 @@ impl Decoder {
         let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
         let qkv_width = nq + 2 * nkv;
         self.validate(batch, kv, logits.len())?;
-        ws.prepare(rows, batch.logits_rows.len(), d, qkv_width, nq, inter, hd / 2);
+        ws.prepare(
+            rows,
+            batch.logits_rows.len(),
+            d,
+            qkv_width,
+            nq,
+            inter,
+            hd / 2,
+        );
 
         for (row, &tok) in batch.tokens.iter().enumerate() {
-            self.embed.row_to_f32(tok as usize, &mut ws.hidden[row * d..(row + 1) * d]);
+            self.embed
+                .row_to_f32(tok as usize, &mut ws.hidden[row * d..(row + 1) * d]);
         }
         self.rope_tables(batch, ws);
 
@@ -147,7 +182,12 @@ impl Decoder {
             scale: 1.0 / (hd as f32).sqrt(),
         };
         for (li, layer) in self.layers.iter().enumerate() {
-            rms_norm(&ws.hidden[..rows * d], &layer.input_norm, c.rms_norm_eps, &mut ws.normed[..rows * d]);
+            rms_norm(
+                &ws.hidden[..rows * d],
+                &layer.input_norm,
+                c.rms_norm_eps,
+                &mut ws.normed[..rows * d],
+            );
             let qkv = &mut ws.qkv[..rows * qkv_width];
             matmul(pool, &ws.normed, rows, &[&layer.q, &layer.k, &layer.v], qkv);
             for row in 0..rows {
@@ -162,7 +202,10 @@ impl Decoder {
                     rms_norm_in_place(k, kn, c.rms_norm_eps);
                 }
                 let half = hd / 2;
-                let (cos, sin) = (&ws.cos[row * half..(row + 1) * half], &ws.sin[row * half..(row + 1) * half]);
+                let (cos, sin) = (
+                    &ws.cos[row * half..(row + 1) * half],
+                    &ws.sin[row * half..(row + 1) * half],
+                );
                 apply_rope(q, hd, cos, sin);
                 apply_rope(k, hd, cos, sin);
             }
@@ -175,17 +218,50 @@ impl Decoder {
                     values[slot * nkv..(slot + 1) * nkv].copy_from_slice(&r[nq + nkv..]);
                 }
             }
-            attention(pool, &shape, batch.seqs, qkv, qkv_width, keys, values, &mut ws.attn[..rows * nq]);
+            attention(
+                pool,
+                &shape,
+                batch.seqs,
+                qkv,
+                qkv_width,
+                keys,
+                values,
+                &mut ws.attn[..rows * nq],
+            );
             matmul(pool, &ws.attn, rows, &[&layer.o], &mut ws.proj[..rows * d]);
             if let Some(b) = &layer.o_bias {
-                ws.proj[..rows * d].chunks_exact_mut(d).for_each(|r| add_in_place(r, b));
+                ws.proj[..rows * d]
+                    .chunks_exact_mut(d)
+                    .for_each(|r| add_in_place(r, b));
             }
             add_in_place(&mut ws.hidden[..rows * d], &ws.proj[..rows * d]);
 
-            rms_norm(&ws.hidden[..rows * d], &layer.post_norm, c.rms_norm_eps, &mut ws.normed[..rows * d]);
-            matmul(pool, &ws.normed, rows, &[&layer.gate, &layer.up], &mut ws.gate_up[..rows * 2 * inter]);
-            swiglu_rows(pool, &ws.gate_up[..rows * 2 * inter], inter, &mut ws.act[..rows * inter]);
-            matmul(pool, &ws.act, rows, &[&layer.down], &mut ws.proj[..rows * d]);
+            rms_norm(
+                &ws.hidden[..rows * d],
+                &layer.post_norm,
+                c.rms_norm_eps,
+                &mut ws.normed[..rows * d],
+            );
+            matmul(
+                pool,
+                &ws.normed,
+                rows,
+                &[&layer.gate, &layer.up],
+                &mut ws.gate_up[..rows * 2 * inter],
+            );
+            swiglu_rows(
+                pool,
+                &ws.gate_up[..rows * 2 * inter],
+                inter,
+                &mut ws.act[..rows * inter],
+            );
+            matmul(
+                pool,
+                &ws.act,
+                rows,
+                &[&layer.down],
+                &mut ws.proj[..rows * d],
+            );
             add_in_place(&mut ws.hidden[..rows * d], &ws.proj[..rows * d]);
         }
 
@@ -194,9 +270,20 @@ impl Decoder {
             for (i, &row) in batch.logits_rows.iter().enumerate() {
                 ws.selected[i * d..(i + 1) * d].copy_from_slice(&ws.hidden[row * d..(row + 1) * d]);
             }
-            rms_norm(&ws.selected[..n_out * d], &self.final_norm, c.rms_norm_eps, &mut ws.normed[..n_out * d]);
+            rms_norm(
+                &ws.selected[..n_out * d],
+                &self.final_norm,
+                c.rms_norm_eps,
+                &mut ws.normed[..n_out * d],
+            );
             let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-            matmul(pool, &ws.normed, n_out, &[head], &mut logits[..n_out * c.vocab_size]);
+            matmul(
+                pool,
+                &ws.normed,
+                n_out,
+                &[head],
+                &mut logits[..n_out * c.vocab_size],
+            );
         }
         Ok(())
     }
@@ -205,7 +292,10 @@ impl Decoder {
         let c = &self.config;
         let rows = batch.tokens.len();
         if let Some(&bad) = batch.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            bail_arg!("token id {bad} is outside the vocabulary (size {})", c.vocab_size);
+            bail_arg!(
+                "token id {bad} is outside the vocabulary (size {})",
+                c.vocab_size
+            );
         }
         let mut next = 0;
         for s in batch.seqs {
@@ -215,13 +305,22 @@ impl Decoder {
             next += s.len;
             let end = s.context_len + s.len;
             if end > s.kv.capacity() {
-                bail_arg!("sequence needs {end} KV positions but only {} are allocated", s.kv.capacity());
+                bail_arg!(
+                    "sequence needs {end} KV positions but only {} are allocated",
+                    s.kv.capacity()
+                );
             }
             if end > c.max_position_embeddings {
-                bail_arg!("position {end} exceeds the model's context length {}", c.max_position_embeddings);
+                bail_arg!(
+                    "position {end} exceeds the model's context length {}",
+                    c.max_position_embeddings
+                );
             }
             if (0..end).any(|p| s.kv.slot(p) >= kv.num_slots) {
-                bail_arg!("KV mapping points outside the cache ({} slots)", kv.num_slots);
+                bail_arg!(
+                    "KV mapping points outside the cache ({} slots)",
+                    kv.num_slots
+                );
             }
         }
         if next != rows {
@@ -233,7 +332,10 @@ impl Decoder {
         if logits_len < batch.logits_rows.len() * c.vocab_size {
             bail_arg!("logits buffer too small");
         }
-        if kv.num_layers != c.num_layers || kv.kv_heads != c.num_kv_heads || kv.head_dim != c.head_dim {
+        if kv.num_layers != c.num_layers
+            || kv.kv_heads != c.num_kv_heads
+            || kv.head_dim != c.head_dim
+        {
             bail_arg!("KV storage shape does not match the model");
         }
         Ok(())

@@ -33,14 +33,24 @@ impl WeightSource for WeightFiles {
         };
         let data = match (view.dtype, target) {
             (DType::F32, DType::F32) => MatrixData::F32(slice_of(owner, view.to_f32()?)),
-            (DType::BF16, DType::BF16) => MatrixData::BF16(slice_of(owner, retag(view.as_u16()?, Bf16))),
-            (DType::F16, DType::F16) => MatrixData::F16(slice_of(owner, retag(view.as_u16()?, F16))),
+            (DType::BF16, DType::BF16) => {
+                MatrixData::BF16(slice_of(owner, retag(view.as_u16()?, Bf16)))
+            }
+            (DType::F16, DType::F16) => {
+                MatrixData::F16(slice_of(owner, retag(view.as_u16()?, F16)))
+            }
             (_, DType::F32) => MatrixData::F32(HostSlice::from_vec(view.to_f32()?.into_owned())),
             (_, DType::BF16) => MatrixData::BF16(HostSlice::from_vec(
-                view.to_f32()?.iter().map(|&v| Bf16(half::bf16::from_f32(v).to_bits())).collect(),
+                view.to_f32()?
+                    .iter()
+                    .map(|&v| Bf16(half::bf16::from_f32(v).to_bits()))
+                    .collect(),
             )),
             (_, DType::F16) => MatrixData::F16(HostSlice::from_vec(
-                view.to_f32()?.iter().map(|&v| F16(half::f16::from_f32(v).to_bits())).collect(),
+                view.to_f32()?
+                    .iter()
+                    .map(|&v| F16(half::f16::from_f32(v).to_bits()))
+                    .collect(),
             )),
             (stored, _) => return Err(unsupported_dtype(&view, stored)),
         };
@@ -56,7 +66,8 @@ impl WeightSource for WeightFiles {
 impl WeightFiles {
     /// The mmap holding `name`, as a keep-alive owner for zero-copy slices.
     fn owner_of(&self, name: &str) -> Option<Arc<dyn Any + Send + Sync>> {
-        self.get_mapped(name).map(|m| m.mmap() as Arc<dyn Any + Send + Sync>)
+        self.get_mapped(name)
+            .map(|m| m.map as Arc<dyn Any + Send + Sync>)
     }
 }
 
@@ -85,7 +96,10 @@ where
 }
 
 /// Zero-copy when `data` borrows from the mmap kept alive by `owner`.
-fn slice_of<T: Copy + Send + Sync + 'static>(owner: Option<Arc<dyn Any + Send + Sync>>, data: Cow<'_, [T]>) -> HostSlice<T>
+fn slice_of<T: Copy + Send + Sync + 'static>(
+    owner: Option<Arc<dyn Any + Send + Sync>>,
+    data: Cow<'_, [T]>,
+) -> HostSlice<T>
 where
     [T]: ToOwned<Owned = Vec<T>>,
 {

@@ -388,7 +388,7 @@ fn advise_sequential(file: &File) {
 const MAX_INDEX_BYTES: u64 = 100_000_000;
 
 /// Parses the index's `weight_map` (tensor name → shard file name).
-fn read_weight_map(index_path: &Path) -> Result<HashMap<String, String>> {
+fn read_weight_map(index_path: &Path) -> Result<BTreeMap<String, String>> {
     let ix = index_path.display();
     let len = std::fs::metadata(index_path)
         .map_err(|e| Error::io(format!("cannot stat {ix}"), e))?
@@ -414,7 +414,7 @@ fn read_weight_map(index_path: &Path) -> Result<HashMap<String, String>> {
     if let Some(dup) = first_duplicate_key(&entries) {
         bail_model!("{ix}: tensor '{dup}' is listed twice in 'weight_map'");
     }
-    let mut weight_map = HashMap::with_capacity(entries.len());
+    let mut weight_map = BTreeMap::new();
     for (name, value) in entries {
         let Json::String(shard) = value else {
             bail_model!(
@@ -437,4 +437,17 @@ fn read_weight_map(index_path: &Path) -> Result<HashMap<String, String>> {
         weight_map.insert(name, shard);
     }
     Ok(weight_map)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_can_cross_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<WeightFiles>();
+        send_sync::<MappedTensor>();
+        send_sync::<TensorView<'static>>();
+    }
 }

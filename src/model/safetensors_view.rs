@@ -7,6 +7,7 @@
 compile_error!("the safetensors reader reinterprets little-endian file bytes in place");
 
 use std::borrow::Cow;
+use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -17,7 +18,7 @@ use crate::tensor::DType;
 use crate::{bail_model, Result};
 
 /// A borrowed tensor: its bytes live in a mapped weight file.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct TensorView<'a> {
     pub name: &'a str,
     /// The file the tensor was read from (for error messages).
@@ -26,6 +27,19 @@ pub struct TensorView<'a> {
     pub shape: &'a [usize],
     /// Exactly `numel() * dtype.size_in_bytes()` bytes.
     pub bytes: &'a [u8],
+}
+
+/// Leaves out the bytes, which may be gigabytes.
+impl fmt::Debug for TensorView<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TensorView")
+            .field("name", &self.name)
+            .field("file", &self.file)
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .field("byte_len", &self.bytes.len())
+            .finish()
+    }
 }
 
 impl<'a> TensorView<'a> {
@@ -193,6 +207,10 @@ mod tests {
         let misaligned = view(DType::F32, &[3], &buf.0[1..13]);
         assert!(matches!(misaligned.to_f32().unwrap(), Cow::Owned(v) if v == values));
         assert_eq!(misaligned.numel(), 3);
+        assert_eq!(
+            format!("{misaligned:?}"),
+            r#"TensorView { name: "t", file: "f.safetensors", dtype: F32, shape: [3], byte_len: 12 }"#
+        );
     }
 
     #[test]

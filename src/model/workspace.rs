@@ -23,7 +23,16 @@ fn grow(buf: &mut Vec<f32>, len: usize) {
 
 impl Workspace {
     #[allow(clippy::too_many_arguments)]
-    pub fn prepare(&mut self, rows: usize, out_rows: usize, d: usize, qkv: usize, nq: usize, inter: usize, half: usize) {
+    pub fn prepare(
+        &mut self,
+        rows: usize,
+        out_rows: usize,
+        d: usize,
+        qkv: usize,
+        nq: usize,
+        inter: usize,
+        half: usize,
+    ) {
         grow(&mut self.hidden, rows * d);
         grow(&mut self.normed, rows.max(out_rows) * d);
         grow(&mut self.qkv, rows * qkv);
@@ -38,9 +47,20 @@ impl Workspace {
 
     /// Bytes currently reserved.
     pub fn bytes(&self) -> usize {
-        [&self.hidden, &self.normed, &self.qkv, &self.attn, &self.proj, &self.gate_up, &self.act, &self.cos, &self.sin, &self.selected]
-            .iter()
-            .map(|b| b.capacity() * 4)
-            .sum()
+        [
+            &self.hidden,
+            &self.normed,
+            &self.qkv,
+            &self.attn,
+            &self.proj,
+            &self.gate_up,
+            &self.act,
+            &self.cos,
+            &self.sin,
+            &self.selected,
+        ]
+        .iter()
+        .map(|b| b.capacity() * 4)
+        .sum()
     }
 }

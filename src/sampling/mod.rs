@@ -1,1 +1,20 @@
 //! Token sampling: per-request parameters, logits processors, seeded RNG, stop strings.
+//!
+//! `SamplingParams` (validated once per request) resolves to a `SamplingPlan`;
+//! a per-request `Sampler` runs the fixed stage chain documented in
+//! `processors` on one logits row and draws with its own `Rng` stream.
+//! `StopMatcher` applies stop strings to the detokenized stream.
+
+pub mod history;
+pub mod params;
+pub mod processors;
+pub mod rng;
+pub mod sampler;
+pub mod stop;
+
+pub use history::TokenHistory;
+pub use params::{SamplingParams, SamplingPlan};
+pub use processors::CandidateSet;
+pub use rng::Rng;
+pub use sampler::{SampledToken, Sampler};
+pub use stop::{StopMatcher, StopOutput};

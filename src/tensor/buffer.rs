@@ -21,7 +21,11 @@ impl<T: Copy + Send + Sync + 'static> HostSlice<T> {
     pub fn from_vec(v: Vec<T>) -> Self {
         let owner: Arc<Vec<T>> = Arc::new(v);
         let (ptr, len) = (owner.as_ptr(), owner.len());
-        HostSlice { _owner: owner, ptr, len }
+        HostSlice {
+            _owner: owner,
+            ptr,
+            len,
+        }
     }
 
     /// A view of `slice`, whose memory `owner` keeps alive and never mutates.
@@ -30,7 +34,11 @@ impl<T: Copy + Send + Sync + 'static> HostSlice<T> {
     /// `slice` must point into memory owned by `owner` that stays valid and
     /// unmodified for as long as `owner` lives.
     pub unsafe fn borrowed_from(owner: Arc<dyn Any + Send + Sync>, slice: &[T]) -> Self {
-        HostSlice { _owner: owner, ptr: slice.as_ptr(), len: slice.len() }
+        HostSlice {
+            _owner: owner,
+            ptr: slice.as_ptr(),
+            len: slice.len(),
+        }
     }
 
     /// True when the data lives in the owner given at construction rather than a copy.

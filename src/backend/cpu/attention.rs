@@ -60,18 +60,28 @@ pub fn attention(
     let q_width = h * hd;
     let kv_width = kvh * hd;
     let group = h / kvh;
-    assert!(rows == 0 || q.len() >= (rows - 1) * q_stride + q_width, "attention query buffer too small");
-    assert!(out.len() >= rows * q_width, "attention output buffer too small");
+    assert!(
+        rows == 0 || q.len() >= (rows - 1) * q_stride + q_width,
+        "attention query buffer too small"
+    );
+    assert!(
+        out.len() >= rows * q_width,
+        "attention output buffer too small"
+    );
     let out_ptr = OutPtr(out.as_mut_ptr());
     pool.run(rows * h, &|task| {
         let (row, head) = (task / h, task % h);
-        let seq = seqs.iter().find(|s| row >= s.start && row < s.start + s.len).expect("row belongs to a sequence");
+        let seq = seqs
+            .iter()
+            .find(|s| row >= s.start && row < s.start + s.len)
+            .expect("row belongs to a sequence");
         let pos = seq.context_len + (row - seq.start);
         let kv_head = head / group;
         let qv = &q[row * q_stride + head * hd..row * q_stride + (head + 1) * hd];
         let out_ptr = out_ptr;
         // SAFETY: (row, head) is unique to this task, so this slice is written by nobody else.
-        let ov = unsafe { std::slice::from_raw_parts_mut(out_ptr.0.add(row * q_width + head * hd), hd) };
+        let ov =
+            unsafe { std::slice::from_raw_parts_mut(out_ptr.0.add(row * q_width + head * hd), hd) };
         SCORES.with(|scores| {
             let mut scores = scores.borrow_mut();
             scores.clear();

@@ -18,10 +18,16 @@ fn detect() -> Isa {
     #[cfg(target_arch = "x86_64")]
     {
         let force_avx2 = std::env::var("NANOINFER_ISA").ok().as_deref() == Some("avx2");
-        if !force_avx2 && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
+        if !force_avx2
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+        {
             return Isa::Avx512;
         }
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
             return Isa::Avx2Fma;
         }
     }

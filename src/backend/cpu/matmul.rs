@@ -74,24 +74,39 @@ const MAX_SEGMENTS: usize = 4;
 /// `out[r, col_offset(w) + c] = Σ_j x[r, j] · w[c, j]` for every weight `w` in
 /// `weights` (all with `cols == k`), `r < m`. `out` is `[m, Σ rows]` row-major.
 pub fn matmul(pool: &ThreadPool, x: &[f32], m: usize, weights: &[&Matrix], out: &mut [f32]) {
-    assert!(!weights.is_empty() && weights.len() <= MAX_SEGMENTS, "1..=4 weights per matmul");
+    assert!(
+        !weights.is_empty() && weights.len() <= MAX_SEGMENTS,
+        "1..=4 weights per matmul"
+    );
     let k = weights[0].cols;
-    assert!(weights.iter().all(|w| w.cols == k), "weights disagree on in_features");
+    assert!(
+        weights.iter().all(|w| w.cols == k),
+        "weights disagree on in_features"
+    );
     let n_total: usize = weights.iter().map(|w| w.rows).sum();
-    assert!(x.len() >= m * k && out.len() >= m * n_total, "matmul buffers too small");
+    assert!(
+        x.len() >= m * k && out.len() >= m * n_total,
+        "matmul buffers too small"
+    );
 
     let block = column_block(n_total, pool.threads());
     let mut first_task = [0usize; MAX_SEGMENTS + 1];
     let mut col_offset = [0usize; MAX_SEGMENTS];
     for (i, w) in weights.iter().enumerate() {
         first_task[i + 1] = first_task[i] + w.rows.div_ceil(block);
-        col_offset[i] = if i == 0 { 0 } else { col_offset[i - 1] + weights[i - 1].rows };
+        col_offset[i] = if i == 0 {
+            0
+        } else {
+            col_offset[i - 1] + weights[i - 1].rows
+        };
     }
     let n_tasks = first_task[weights.len()];
     let out_ptr = OutPtr(out.as_mut_ptr());
     let isa = isa();
     pool.run(n_tasks, &|task| {
-        let seg = (0..weights.len()).find(|&s| task < first_task[s + 1]).unwrap_or(0);
+        let seg = (0..weights.len())
+            .find(|&s| task < first_task[s + 1])
+            .unwrap_or(0);
         let w = weights[seg];
         let c0 = (task - first_task[seg]) * block;
         let c1 = (c0 + block).min(w.rows);
@@ -205,7 +220,11 @@ unsafe fn tail<W: WeightElem, const MR: usize, const NR: usize>(
 }
 
 #[inline(always)]
-unsafe fn store<const MR: usize, const NR: usize>(sums: &[[f32; NR]; MR], out: *mut f32, stride: usize) {
+unsafe fn store<const MR: usize, const NR: usize>(
+    sums: &[[f32; NR]; MR],
+    out: *mut f32,
+    stride: usize,
+) {
     for (r, row) in sums.iter().enumerate() {
         for (c, s) in row.iter().enumerate() {
             *out.add(r * stride + c) = *s;
@@ -315,7 +334,9 @@ mod tests {
         let mut out = vec![0.0; m * n];
         for r in 0..m {
             for c in 0..n {
-                out[r * n + c] = (0..k).map(|j| x[r * k + j] as f64 * w[c * k + j] as f64).sum::<f64>() as f32;
+                out[r * n + c] = (0..k)
+                    .map(|j| x[r * k + j] as f64 * w[c * k + j] as f64)
+                    .sum::<f64>() as f32;
             }
         }
         out
@@ -336,25 +357,54 @@ mod tests {
     #[test]
     fn matches_reference_for_all_dtypes_and_shapes() {
         let pool = ThreadPool::new(2);
-        for &(m, k, n) in &[(1, 64, 8), (3, 37, 5), (5, 576, 67), (9, 16, 4), (4, 200, 130)] {
+        for &(m, k, n) in &[
+            (1, 64, 8),
+            (3, 37, 5),
+            (5, 576, 67),
+            (9, 16, 4),
+            (4, 200, 130),
+        ] {
             let x = pseudo_random(m * k, 1);
             let w = pseudo_random(n * k, 2);
             let want = reference(&x, m, k, &w, n);
-            let bf: Vec<Bf16> = w.iter().map(|v| Bf16(half::bf16::from_f32(*v).to_bits())).collect();
-            let hf: Vec<F16> = w.iter().map(|v| F16(half::f16::from_f32(*v).to_bits())).collect();
+            let bf: Vec<Bf16> = w
+                .iter()
+                .map(|v| Bf16(half::bf16::from_f32(*v).to_bits()))
+                .collect();
+            let hf: Vec<F16> = w
+                .iter()
+                .map(|v| F16(half::f16::from_f32(*v).to_bits()))
+                .collect();
             let bf_f32: Vec<f32> = bf.iter().map(|b| b.to_f32()).collect();
             let hf_f32: Vec<f32> = hf.iter().map(|h| h.to_f32()).collect();
             let cases = [
-                (MatrixData::F32(HostSlice::from_vec(w.clone())), want.clone()),
-                (MatrixData::BF16(HostSlice::from_vec(bf)), reference(&x, m, k, &bf_f32, n)),
-                (MatrixData::F16(HostSlice::from_vec(hf)), reference(&x, m, k, &hf_f32, n)),
+                (
+                    MatrixData::F32(HostSlice::from_vec(w.clone())),
+                    want.clone(),
+                ),
+                (
+                    MatrixData::BF16(HostSlice::from_vec(bf)),
+                    reference(&x, m, k, &bf_f32, n),
+                ),
+                (
+                    MatrixData::F16(HostSlice::from_vec(hf)),
+                    reference(&x, m, k, &hf_f32, n),
+                ),
             ];
             for (data, want) in cases {
-                let mat = Matrix { rows: n, cols: k, data };
+                let mat = Matrix {
+                    rows: n,
+                    cols: k,
+                    data,
+                };
                 let mut out = vec![0.0; m * n];
                 matmul(&pool, &x, m, &[&mat], &mut out);
                 for (a, b) in out.iter().zip(&want) {
-                    assert!((a - b).abs() < 1e-3, "{} m={m} k={k} n={n}: {a} vs {b}", mat.dtype_name());
+                    assert!(
+                        (a - b).abs() < 1e-3,
+                        "{} m={m} k={k} n={n}: {a} vs {b}",
+                        mat.dtype_name()
+                    );
                 }
             }
         }
@@ -367,8 +417,16 @@ mod tests {
         let x = pseudo_random(m * k, 3);
         let wa = pseudo_random(10 * k, 4);
         let wb = pseudo_random(6 * k, 5);
-        let a = Matrix { rows: 10, cols: k, data: MatrixData::F32(HostSlice::from_vec(wa.clone())) };
-        let b = Matrix { rows: 6, cols: k, data: MatrixData::F32(HostSlice::from_vec(wb.clone())) };
+        let a = Matrix {
+            rows: 10,
+            cols: k,
+            data: MatrixData::F32(HostSlice::from_vec(wa.clone())),
+        };
+        let b = Matrix {
+            rows: 6,
+            cols: k,
+            data: MatrixData::F32(HostSlice::from_vec(wb.clone())),
+        };
         let mut out = vec![0.0; m * 16];
         matmul(&pool, &x, m, &[&a, &b], &mut out);
         let ra = reference(&x, m, k, &wa, 10);

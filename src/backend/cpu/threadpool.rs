@@ -68,7 +68,11 @@ impl ThreadPool {
                     .expect("spawning a worker thread")
             })
             .collect();
-        ThreadPool { shared, workers, run_lock: Mutex::new(()) }
+        ThreadPool {
+            shared,
+            workers,
+            run_lock: Mutex::new(()),
+        }
     }
 
     /// Total threads including the caller.
@@ -136,7 +140,9 @@ fn worker_loop(s: &Shared) {
                 std::hint::spin_loop();
             } else {
                 let guard = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
-                if s.generation.load(Ordering::Acquire) == seen && !s.shutdown.load(Ordering::Relaxed) {
+                if s.generation.load(Ordering::Acquire) == seen
+                    && !s.shutdown.load(Ordering::Relaxed)
+                {
                     drop(s.wake.wait_timeout(guard, Duration::from_millis(50)));
                 }
             }
@@ -164,7 +170,11 @@ impl Drop for ThreadPool {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Relaxed);
         {
-            let _g = self.shared.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
+            let _g = self
+                .shared
+                .sleep_lock
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             self.shared.wake.notify_all();
         }
         for w in self.workers.drain(..) {

@@ -40,7 +40,11 @@ unsafe fn dot_avx512(a: *const f32, b: *const f32, n: usize) -> f32 {
     let mut i = 0;
     while i + 32 <= n {
         acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a.add(i)), _mm512_loadu_ps(b.add(i)), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a.add(i + 16)), _mm512_loadu_ps(b.add(i + 16)), acc1);
+        acc1 = _mm512_fmadd_ps(
+            _mm512_loadu_ps(a.add(i + 16)),
+            _mm512_loadu_ps(b.add(i + 16)),
+            acc1,
+        );
         i += 32;
     }
     if i + 16 <= n {

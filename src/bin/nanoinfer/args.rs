@@ -28,7 +28,10 @@ impl Args {
             }
             let v = match inline {
                 Some(v) => v,
-                None => it.next().cloned().ok_or_else(|| format!("option --{name} needs a value"))?,
+                None => it
+                    .next()
+                    .cloned()
+                    .ok_or_else(|| format!("option --{name} needs a value"))?,
             };
             values.entry(name.to_string()).or_default().push(v);
         }
@@ -53,7 +56,9 @@ impl Args {
     {
         match self.get(name) {
             None => Ok(default),
-            Some(v) => v.parse().map_err(|e| format!("invalid value `{v}` for --{name}: {e}")),
+            Some(v) => v
+                .parse()
+                .map_err(|e| format!("invalid value `{v}` for --{name}: {e}")),
         }
     }
 

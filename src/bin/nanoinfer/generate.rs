@@ -1,7 +1,9 @@
 //! `nanoinfer generate`: one or many prompts through one session.
 
 use crate::args::Args;
-use crate::session_opts::{load_model, sampling_params, session_params, MODEL_OPTS, SAMPLING_OPTS, SESSION_OPTS};
+use crate::session_opts::{
+    load_model, sampling_params, session_params, MODEL_OPTS, SAMPLING_OPTS, SESSION_OPTS,
+};
 use nanoinfer::engine::{Event, FinishReason, RequestParams, Session, TokenLogprob};
 use nanoinfer::tokenizer::ChatMessage;
 use serde_json::json;
@@ -21,7 +23,14 @@ struct Output {
 }
 
 pub fn run(a: &Args) -> Result<(), String> {
-    let known: Vec<&str> = [MODEL_OPTS, SESSION_OPTS, SAMPLING_OPTS, FLAGS, &["prompt", "prompts-file", "prompt-ids"]].concat();
+    let known: Vec<&str> = [
+        MODEL_OPTS,
+        SESSION_OPTS,
+        SAMPLING_OPTS,
+        FLAGS,
+        &["prompt", "prompts-file", "prompt-ids"],
+    ]
+    .concat();
     a.check_known(&known)?;
     let json_out = a.flag("json");
     let sampling = sampling_params(a)?;
@@ -32,7 +41,11 @@ pub fn run(a: &Args) -> Result<(), String> {
     let mut session = Session::new(model.clone(), session_params).map_err(|e| e.to_string())?;
     let mut ids = Vec::new();
     for p in &prompts {
-        let req = RequestParams { prompt: p.clone(), sampling: sampling.clone(), ..Default::default() };
+        let req = RequestParams {
+            prompt: p.clone(),
+            sampling: sampling.clone(),
+            ..Default::default()
+        };
         ids.push(session.add_request(req).map_err(|e| e.to_string())?);
     }
     let mut outputs: Vec<Output> = prompts
@@ -54,7 +67,10 @@ pub fn run(a: &Args) -> Result<(), String> {
         let events = session.step().map_err(|e| e.to_string())?;
         let now = start.elapsed().as_secs_f64();
         for ev in events {
-            let idx = ids.iter().position(|&i| i == ev.request_id).expect("event for a known request");
+            let idx = ids
+                .iter()
+                .position(|&i| i == ev.request_id)
+                .expect("event for a known request");
             record(&mut outputs[idx], ev, now, stream, &mut stdout);
         }
     }
@@ -75,7 +91,12 @@ pub fn run(a: &Args) -> Result<(), String> {
     if !json_out {
         let total_out: usize = outputs.iter().map(|o| o.output_ids.len()).sum();
         let secs = start.elapsed().as_secs_f64();
-        eprintln!("[{} prompt(s), {total_out} tokens in {:.2}s, load {:.0} ms]", outputs.len(), secs, load_ms);
+        eprintln!(
+            "[{} prompt(s), {total_out} tokens in {:.2}s, load {:.0} ms]",
+            outputs.len(),
+            secs,
+            load_ms
+        );
     }
     Ok(())
 }
@@ -129,12 +150,19 @@ fn to_json(o: &Output, load_ms: f64) -> serde_json::Value {
 fn prompt_ids(a: &Args, model: &nanoinfer::engine::Model) -> Result<Vec<Vec<u32>>, String> {
     if let Some(ids) = a.get("prompt-ids") {
         let parsed: Result<Vec<u32>, _> = ids.split(',').map(|s| s.trim().parse::<u32>()).collect();
-        return parsed.map(|p| vec![p]).map_err(|e| format!("--prompt-ids must be comma-separated token ids: {e}"));
+        return parsed
+            .map(|p| vec![p])
+            .map_err(|e| format!("--prompt-ids must be comma-separated token ids: {e}"));
     }
     let mut texts: Vec<String> = a.all("prompt").to_vec();
     if let Some(path) = a.get("prompts-file") {
-        let body = std::fs::read_to_string(path).map_err(|e| format!("cannot read --prompts-file {path}: {e}"))?;
-        texts.extend(body.lines().filter(|l| !l.trim().is_empty()).map(str::to_string));
+        let body = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read --prompts-file {path}: {e}"))?;
+        texts.extend(
+            body.lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(str::to_string),
+        );
     }
     if texts.is_empty() {
         return Err("give --prompt TEXT, --prompts-file PATH or --prompt-ids".into());
@@ -144,8 +172,13 @@ fn prompt_ids(a: &Args, model: &nanoinfer::engine::Model) -> Result<Vec<Vec<u32>
         .iter()
         .map(|t| {
             if a.flag("chat") {
-                let msgs = [ChatMessage { role: "user".into(), content: t.clone() }];
-                let rendered = tok.apply_chat_template(&msgs, true).map_err(|e| e.to_string())?;
+                let msgs = [ChatMessage {
+                    role: "user".into(),
+                    content: t.clone(),
+                }];
+                let rendered = tok
+                    .apply_chat_template(&msgs, true)
+                    .map_err(|e| e.to_string())?;
                 tok.encode(&rendered, false).map_err(|e| e.to_string())
             } else {
                 tok.encode(t, true).map_err(|e| e.to_string())

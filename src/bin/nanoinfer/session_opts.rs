@@ -37,8 +37,13 @@ pub const SAMPLING_OPTS: &[&str] = &[
 
 pub fn load_model(a: &Args) -> Result<Arc<Model>, String> {
     let dir = PathBuf::from(a.get("model").ok_or("--model DIR is required")?);
-    let params = ModelParams { dtype: a.parse_or("dtype", nanoinfer::model::WeightDType::Auto)?, threads: a.parse_or("threads", 0)? };
-    Model::load(&dir, &params, None).map(Arc::new).map_err(|e| e.to_string())
+    let params = ModelParams {
+        dtype: a.parse_or("dtype", nanoinfer::model::WeightDType::Auto)?,
+        threads: a.parse_or("threads", 0)?,
+    };
+    Model::load(&dir, &params, None)
+        .map(Arc::new)
+        .map_err(|e| e.to_string())
 }
 
 pub fn session_params(a: &Args) -> Result<SessionParams, String> {
@@ -46,7 +51,11 @@ pub fn session_params(a: &Args) -> Result<SessionParams, String> {
     let kv_backend = match a.get("kv-backend").unwrap_or("paged") {
         "paged" => KvBackendKind::Paged,
         "token" => KvBackendKind::Token,
-        other => return Err(format!("--kv-backend must be paged or token, got `{other}`")),
+        other => {
+            return Err(format!(
+                "--kv-backend must be paged or token, got `{other}`"
+            ))
+        }
     };
     Ok(SessionParams {
         kv_backend,
@@ -73,7 +82,10 @@ pub fn sampling_params(a: &Args) -> Result<SamplingParams, String> {
         repetition_penalty: a.parse_or("repetition-penalty", d.repetition_penalty)?,
         presence_penalty: a.parse_or("presence-penalty", d.presence_penalty)?,
         frequency_penalty: a.parse_or("frequency-penalty", d.frequency_penalty)?,
-        seed: a.get("seed").map(|s| s.parse().map_err(|e| format!("invalid --seed `{s}`: {e}"))).transpose()?,
+        seed: a
+            .get("seed")
+            .map(|s| s.parse().map_err(|e| format!("invalid --seed `{s}`: {e}")))
+            .transpose()?,
         max_tokens: a.parse_or("max-tokens", d.max_tokens)?,
         min_tokens: a.parse_or("min-tokens", d.min_tokens)?,
         stop_strings: a.all("stop").to_vec(),

@@ -1,0 +1,245 @@
+//! The tokenizer of a Hugging Face model directory.
+
+use super::chat::{ChatMessage, ChatTemplate};
+use super::config::{SpecialTokens, TemplateSource, TokenizerConfig};
+use crate::{bail_arg, Error, Result};
+use std::collections::HashSet;
+use std::path::Path;
+use tokenizers::PostProcessor;
+
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+enum ChatSlot {
+    None,
+    Ready(ChatTemplate),
+    NoDefault(Vec<String>),
+}
+
+/// `tokenizer.json` + `tokenizer_config.json` (+ chat template files). Immutable after
+/// loading and safe to share between threads.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// One past the largest token id (model vocab and added tokens).
+    vocab_size: usize,
+    /// Set only when some id below `vocab_size` has no token.
+    valid_ids: Option<Vec<bool>>,
+    /// Added tokens marked special: dropped by `decode(.., skip_special_tokens = true)`.
+    special_ids: HashSet<u32>,
+    special: SpecialTokens,
+    bos_id: Option<u32>,
+    eos_id: Option<u32>,
+    /// BOS/EOS that the config asks for but the post-processor does not add.
+    extra_bos: Option<u32>,
+    extra_eos: Option<u32>,
+    chat: ChatSlot,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size)
+            .field("special", &self.special)
+            .field("has_chat_template", &self.has_chat_template())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Tokenizer {
+    /// Loads the tokenizer files of a model directory. `tokenizer.json` is required;
+    /// `tokenizer_config.json`, `chat_template.json` and `chat_template.jinja` are optional.
+    pub fn from_dir(dir: &Path) -> Result<Tokenizer> {
+        let path = dir.join(TOKENIZER_FILE);
+        let bytes = std::fs::read(&path)
+            .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
+            Error::invalid_model(format!("{} is not a valid tokenizer: {e}", path.display()))
+        })?;
+        let config = TokenizerConfig::load(dir)?;
+        Self::new(inner, config, dir)
+    }
+
+    fn new(inner: tokenizers::Tokenizer, config: TokenizerConfig, dir: &Path) -> Result<Tokenizer> {
+        let vocab = inner.get_vocab(true);
+        let vocab_size = vocab.values().map(|&id| id as usize + 1).max().unwrap_or(0);
+        let valid_ids = (vocab.len() != vocab_size).then(|| {
+            let mut valid = vec![false; vocab_size];
+            for &id in vocab.values() {
+                valid[id as usize] = true;
+            }
+            valid
+        });
+        let special_ids = inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, _)| id)
+            .collect();
+
+        let special = config.special;
+        let lookup = |name: &str, token: &Option<String>| -> Result<Option<u32>> {
+            match token {
+                None => Ok(None),
+                Some(t) => match inner.token_to_id(t) {
+                    Some(id) => Ok(Some(id)),
+                    None => Err(Error::invalid_model(format!(
+                        "{}: {name} {t:?} is not in the vocabulary of {TOKENIZER_FILE}",
+                        dir.join(super::config::CONFIG_FILE).display()
+                    ))),
+                },
+            }
+        };
+        let bos_id = lookup("bos_token", &special.bos)?;
+        let eos_id = lookup("eos_token", &special.eos)?;
+        // transformers rebuilds some post-processors from add_bos_token/add_eos_token; we
+        // trust tokenizer.json's post-processor and add the token only when it adds none.
+        let pp_adds = inner
+            .get_post_processor()
+            .map_or(0, |pp| pp.added_tokens(false));
+        let extra_bos = if config.add_bos_token == Some(true) && pp_adds == 0 {
+            bos_id
+        } else {
+            None
+        };
+        let extra_eos = if config.add_eos_token == Some(true) && pp_adds == 0 {
+            eos_id
+        } else {
+            None
+        };
+
+        let chat = match config.chat_template {
+            TemplateSource::None => ChatSlot::None,
+            TemplateSource::NoDefault { names } => ChatSlot::NoDefault(names),
+            TemplateSource::Text { source, origin } => {
+                let origin = dir.join(&origin).display().to_string();
+                ChatSlot::Ready(ChatTemplate::new(&source, &origin, special.clone())?)
+            }
+        };
+        Ok(Tokenizer {
+            inner,
+            vocab_size,
+            valid_ids,
+            special_ids,
+            special,
+            bos_id,
+            eos_id,
+            extra_bos,
+            extra_eos,
+            chat,
+        })
+    }
+
+    /// Token ids of `text`. With `add_special_tokens` the post-processor's tokens
+    /// (e.g. BOS) are added, as in transformers' `encode`. Special tokens written in
+    /// the text (like `<|im_start|>`) are recognised as such.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode_fast(text, add_special_tokens)
+            .map_err(|e| Error::invalid_arg(format!("cannot tokenize text: {e}")))?;
+        let ids = encoding.get_ids();
+        if !add_special_tokens || (self.extra_bos.is_none() && self.extra_eos.is_none()) {
+            return Ok(ids.to_vec());
+        }
+        let mut out = Vec::with_capacity(ids.len() + 2);
+        out.extend(self.extra_bos);
+        out.extend_from_slice(ids);
+        out.extend(self.extra_eos);
+        Ok(out)
+    }
+
+    /// Text of `ids`; every id must be in the vocabulary.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        for &id in ids {
+            self.check_id(id)?;
+        }
+        self.decode_unchecked(ids, skip_special_tokens)
+    }
+
+    pub(crate) fn decode_unchecked(
+        &self,
+        ids: &[u32],
+        skip_special_tokens: bool,
+    ) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| Error::internal(format!("cannot decode token ids: {e}")))
+    }
+
+    /// Fails with a clear error when `id` is not a token of this tokenizer.
+    pub fn check_id(&self, id: u32) -> Result<()> {
+        let idx = id as usize;
+        if idx >= self.vocab_size {
+            bail_arg!(
+                "token id {id} is out of range: the vocabulary has {} ids",
+                self.vocab_size
+            );
+        }
+        if let Some(valid) = &self.valid_ids {
+            if !valid[idx] {
+                bail_arg!("token id {id} has no token in the vocabulary");
+            }
+        }
+        Ok(())
+    }
+
+    /// One past the largest token id, added tokens included: the size a model's
+    /// embedding and logits must cover.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// Id of a token string (vocabulary or added token), e.g. `"<|im_end|>"`.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Token string of an id, as stored in the vocabulary (not decoded text).
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// Whether `id` is an added token marked special (skipped when decoding with
+    /// `skip_special_tokens`).
+    pub fn is_special_id(&self, id: u32) -> bool {
+        self.special_ids.contains(&id)
+    }
+
+    pub fn bos_token_id(&self) -> Option<u32> {
+        self.bos_id
+    }
+
+    pub fn eos_token_id(&self) -> Option<u32> {
+        self.eos_id
+    }
+
+    pub fn special_tokens(&self) -> &SpecialTokens {
+        &self.special
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        matches!(self.chat, ChatSlot::Ready(_))
+    }
+
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        match &self.chat {
+            ChatSlot::Ready(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// Renders a conversation with the model's chat template. The result already holds
+    /// the template's special tokens: encode it with `add_special_tokens = false`.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        match &self.chat {
+            ChatSlot::Ready(t) => t.render(messages, add_generation_prompt),
+            ChatSlot::None => bail_arg!("this tokenizer has no chat template"),
+            ChatSlot::NoDefault(names) => bail_arg!(
+                "the tokenizer config has named chat templates {names:?} but none named \"default\""
+            ),
+        }
+    }
+}

@@ -1,0 +1,136 @@
+//! Incremental detokenization for streaming output.
+//!
+//! Decoding one token at a time is wrong in two ways: a token may hold only part of
+//! a UTF-8 character (byte-level BPE, byte fallback), and decoders change text at
+//! the edges (SentencePiece drops the leading space of a sequence). Following vLLM,
+//! we decode a small window twice, `ids[prefix..read]` (already emitted) and
+//! `ids[prefix..]`, and emit only what the second adds to the first, holding it back
+//! while it ends in U+FFFD (an incomplete character). Both decodes start at the same
+//! token, so edge effects cancel. After each emission the window slides forward and
+//! old ids are dropped, so a step costs O(window), not O(sequence length).
+
+use super::hf::Tokenizer;
+use crate::Result;
+
+const REPLACEMENT: char = '\u{FFFD}';
+
+/// Tokens held back waiting for a character to complete before emitting up to the
+/// last whole character. A UTF-8 character has at most 4 bytes, so this only
+/// triggers for chains of tokens that straddle characters, or for invalid bytes.
+const MAX_HELD: usize = 8;
+
+/// Turns a stream of token ids into text deltas; one per request.
+#[derive(Debug, Clone)]
+pub struct StreamDetokenizer {
+    /// The window: `ids[..read]` were emitted (kept as context), `ids[read..]` not
+    /// yet. Never longer than 2 * MAX_HELD.
+    ids: Vec<u32>,
+    read: usize,
+    /// Text of `ids[read..]` as decoded in the last step (may end in U+FFFD),
+    /// what `flush` returns.
+    held_text: String,
+    skip_special_tokens: bool,
+}
+
+impl Default for StreamDetokenizer {
+    /// Skips special tokens, as chat output usually wants.
+    fn default() -> Self {
+        Self::new(true)
+    }
+}
+
+/// The part of `new` after `prefix`. Decoders may rewrite the text they
+/// already produced; then, like vLLM, skip as many characters as `prefix` has.
+fn suffix_after<'a>(new: &'a str, prefix: &str) -> &'a str {
+    if let Some(rest) = new.strip_prefix(prefix) {
+        return rest;
+    }
+    match new.char_indices().nth(prefix.chars().count()) {
+        Some((at, _)) => &new[at..],
+        None => "",
+    }
+}
+
+impl StreamDetokenizer {
+    pub fn new(skip_special_tokens: bool) -> Self {
+        StreamDetokenizer {
+            ids: Vec::new(),
+            read: 0,
+            held_text: String::new(),
+            skip_special_tokens,
+        }
+    }
+
+    /// Adds one generated token and returns the text it completes (often empty
+    /// while a multi-byte character is still incomplete). Fails on an id outside
+    /// the vocabulary, leaving the state unchanged.
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
+        tok.check_id(id)?;
+        if self.skip_special_tokens && tok.is_special_id(id) {
+            return Ok(String::new());
+        }
+        self.ids.push(id);
+        let prefix_text = tok.decode_unchecked(&self.ids[..self.read], false)?;
+        let new_text = tok.decode_unchecked(&self.ids, false)?;
+        let delta = suffix_after(&new_text, &prefix_text);
+        if !delta.is_empty() && !new_text.ends_with(REPLACEMENT) {
+            let delta = delta.to_string();
+            self.commit(self.ids.len(), String::new());
+            return Ok(delta);
+        }
+        if self.ids.len() - self.read < MAX_HELD {
+            self.held_text = delta.to_string();
+            return Ok(String::new());
+        }
+        // Held too long: tokens that each end inside a character (byte-level BPE
+        // merges can straddle characters), or invalid bytes. Emit up to the last
+        // token boundary where the text is whole; failing that, emit everything.
+        for end in (self.read + 1..self.ids.len()).rev() {
+            let text = tok.decode_unchecked(&self.ids[..end], false)?;
+            let emitted = suffix_after(&text, &prefix_text);
+            if !emitted.is_empty() && !text.ends_with(REPLACEMENT) {
+                let emitted = emitted.to_string();
+                self.commit(end, suffix_after(&new_text, &text).to_string());
+                return Ok(emitted);
+            }
+        }
+        let delta = delta.to_string();
+        self.commit(self.ids.len(), String::new());
+        Ok(delta)
+    }
+
+    /// Marks `ids[..end]` as emitted: `ids[read..end]` become the next window's
+    /// context and older ids are dropped.
+    fn commit(&mut self, end: usize, held_text: String) {
+        self.ids.drain(..self.read);
+        self.read = end - self.read;
+        self.held_text = held_text;
+    }
+
+    /// Returns what is still held back at the end of the stream (an incomplete
+    /// character comes out as U+FFFD) and resets the detokenizer.
+    pub fn flush(&mut self) -> String {
+        let rest = std::mem::take(&mut self.held_text);
+        self.ids.clear();
+        self.read = 0;
+        rest
+    }
+
+    /// Number of ids currently kept for decoding (context plus held back).
+    pub fn window_len(&self) -> usize {
+        self.ids.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn suffix_after_handles_rewrites() {
+        assert_eq!(suffix_after("hello world", "hello"), " world");
+        assert_eq!(suffix_after("héllo", "hello"), "");
+        assert_eq!(suffix_after("a.b c", "a b"), " c");
+        assert_eq!(suffix_after("ab", "abc"), "");
+    }
+}
