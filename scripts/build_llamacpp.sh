@@ -22,6 +22,19 @@ done
 
 log() { echo "[build_llamacpp] $*" >&2; }
 
+# The sdist carries no .git (llama.cpp's own build-info says "unknown"); the
+# llama.cpp commit is named in llama-cpp-python's CHANGELOG for the release.
+record_version() {
+    local sdist commit
+    sdist="$(ls "$ROOT"/sdist/llama_cpp_python-"$VERSION".tar.gz 2>/dev/null || true)"
+    [[ -n "$sdist" ]] || return 0
+    commit="$(tar -xzOf "$sdist" "llama_cpp_python-$VERSION/CHANGELOG.md" 2>/dev/null |
+        awk -v v="## [$VERSION]" '$0 == v {on=1; next} /^## \[/ {on=0} on' |
+        grep -o 'llama\.cpp@[0-9a-f]\+' | head -1 | cut -d@ -f2 || true)"
+    echo "llama-cpp-python $VERSION (PyPI sdist), vendor/llama.cpp at ggml-org/llama.cpp@${commit:-unknown}" \
+        >"$ROOT/LLAMA_CPP_VERSION"
+}
+
 CACHE="${NANOINFER_CACHE:-$HOME/.cache/nanoinfer}"
 ROOT="$CACHE/llama.cpp-$VERSION"
 SRC="$ROOT/src"
@@ -29,6 +42,7 @@ BUILD="$ROOT/build"
 BIN="$BUILD/bin"
 
 if [[ -x "$BIN/llama-bench" && -x "$BIN/llama-quantize" ]]; then
+    [[ -f "$ROOT/LLAMA_CPP_VERSION" ]] || record_version
     log "already built: $BIN ($(cat "$ROOT/LLAMA_CPP_VERSION" 2>/dev/null || echo 'version unknown'))"
     echo "$BIN"
     exit 0
@@ -57,13 +71,8 @@ if [[ ! -f "$SRC/CMakeLists.txt" ]]; then
     rm -rf "$ROOT/extract"
 fi
 
-# The sdist carries no .git; llama.cpp's own version header is the best record.
-LLAMA_BUILD="$(grep -ho 'LLAMA_BUILD_NUMBER[^0-9]*[0-9]\+' "$SRC"/cmake/build-info.cmake 2>/dev/null | grep -o '[0-9]\+$' | head -1 || true)"
-{
-    echo "llama-cpp-python $VERSION (PyPI sdist), vendor/llama.cpp"
-    [[ -n "$LLAMA_BUILD" ]] && echo "llama.cpp build number: $LLAMA_BUILD"
-} >"$ROOT/LLAMA_CPP_VERSION"
-
+record_version
+log "llama.cpp source: $(cat "$ROOT/LLAMA_CPP_VERSION")"
 log "configuring (Release, GGML_NATIVE=ON, LLAMA_CURL=OFF, CPU only) in $BUILD"
 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \

