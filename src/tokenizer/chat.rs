@@ -13,7 +13,7 @@ use crate::{Error, Result};
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{AutoEscape, Environment, ErrorKind, Value};
 
-const TEMPLATE_NAME: &str = "chat";
+const TEMPLATE_NAME: &str = "chat_template";
 
 /// One message of a conversation.
 #[derive(Debug, Clone, PartialEq, Eq)]
