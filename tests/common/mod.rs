@@ -1,0 +1,47 @@
+//! Shared helpers of the integration tests: model paths and golden files.
+#![allow(dead_code)]
+
+use nanoinfer::engine::{Model, ModelParams};
+use nanoinfer::model::WeightDType;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+pub fn repo_path(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
+}
+
+/// The default real model; fails (not skips) when missing, naming the fix.
+pub fn smollm2_dir(dtype_suffix: &str) -> PathBuf {
+    let base = std::env::var("NANOINFER_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| repo_path("models/SmolLM2-135M-Instruct"));
+    let dir = PathBuf::from(format!("{}{dtype_suffix}", base.display()));
+    assert!(
+        dir.join("model.safetensors").exists(),
+        "{} is missing: run `python3 scripts/fetch_model.py{}` (scripts/test.sh does)",
+        dir.display(),
+        if dtype_suffix.is_empty() { String::new() } else { " --dtype bf16".to_string() }
+    );
+    dir
+}
+
+pub fn load_model(dir: &Path, dtype: WeightDType) -> Arc<Model> {
+    let params = ModelParams { dtype, threads: 2 };
+    Arc::new(Model::load(dir, &params, None).unwrap_or_else(|e| panic!("loading {}: {e}", dir.display())))
+}
+
+pub fn golden(name: &str) -> Value {
+    let path = repo_path(&format!("tests/data/goldens/{name}"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).expect("golden is JSON")
+}
+
+pub fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().expect("array of ids").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+}
+
+/// `a` within `rel` of `b`, relative to max(|b|, 1).
+pub fn close(a: f32, b: f32, rel: f32) -> bool {
+    (a - b).abs() <= rel * b.abs().max(1.0)
+}
