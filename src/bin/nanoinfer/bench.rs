@@ -24,13 +24,23 @@ pub const FLAGS: &[&str] = &["json"];
 const OPTS: &[&str] = &["n-prompt", "n-gen", "repetitions", "seed", "quant"];
 
 /// llama-bench's short options, mapped to the long ones `Args` understands.
-const SHORT: &[(&str, &str)] =
-    &[("-p", "--n-prompt"), ("-n", "--n-gen"), ("-r", "--repetitions"), ("-t", "--threads"), ("-m", "--model")];
+const SHORT: &[(&str, &str)] = &[
+    ("-p", "--n-prompt"),
+    ("-n", "--n-gen"),
+    ("-r", "--repetitions"),
+    ("-t", "--threads"),
+    ("-m", "--model"),
+];
 
 /// Rewrites llama-bench style short options (`-p 512`) as long ones.
 pub fn expand_short_options(argv: &[String]) -> Vec<String> {
     argv.iter()
-        .map(|a| SHORT.iter().find(|(s, _)| s == a).map_or_else(|| a.clone(), |(_, long)| long.to_string()))
+        .map(|a| {
+            SHORT
+                .iter()
+                .find(|(s, _)| s == a)
+                .map_or_else(|| a.clone(), |(_, long)| long.to_string())
+        })
         .collect()
 }
 
@@ -46,7 +56,11 @@ fn settings(a: &Args) -> Result<Settings, String> {
     a.check_known(&[MODEL_OPTS, FLAGS, OPTS].concat())?;
     match a.get("quant").unwrap_or("none") {
         "none" => {}
-        other => return Err(format!("--quant {other} is not supported yet (supported: none)")),
+        other => {
+            return Err(format!(
+                "--quant {other} is not supported yet (supported: none)"
+            ))
+        }
     }
     let s = Settings {
         n_prompt: a.parse_or("n-prompt", 512)?,
@@ -72,8 +86,18 @@ pub fn run(a: &Args) -> Result<(), String> {
         ));
     }
     let mut bench = Bench::new(&model, longest, s.seed);
-    let pp = if s.n_prompt > 0 { Some(measure(s.repetitions, s.n_prompt, || bench.prompt(s.n_prompt))?) } else { None };
-    let tg = if s.n_gen > 0 { Some(measure(s.repetitions, s.n_gen, || bench.generate(s.n_gen))?) } else { None };
+    let pp = if s.n_prompt > 0 {
+        Some(measure(s.repetitions, s.n_prompt, || {
+            bench.prompt(s.n_prompt)
+        })?)
+    } else {
+        None
+    };
+    let tg = if s.n_gen > 0 {
+        Some(measure(s.repetitions, s.n_gen, || bench.generate(s.n_gen))?)
+    } else {
+        None
+    };
 
     let dtype = model.decoder.weight_dtype_name();
     let threads = model.pool.threads();
@@ -111,7 +135,12 @@ pub fn run(a: &Args) -> Result<(), String> {
     println!("| ------ | ---------------: |");
     for (name, n, r) in [("pp", s.n_prompt, &pp), ("tg", s.n_gen, &tg)] {
         if let Some(r) = r {
-            println!("| {:<6} | {:>8.2} ± {:>5.2} |", format!("{name}{n}"), r.mean, r.stddev);
+            println!(
+                "| {:<6} | {:>8.2} ± {:>5.2} |",
+                format!("{name}{n}"),
+                r.mean,
+                r.stddev
+            );
         }
     }
     Ok(())
@@ -139,16 +168,33 @@ impl<'m> Bench<'m> {
             slots: (1..=capacity as u32).collect(),
             ws: Workspace::default(),
             logits: vec![0.0; c.vocab_size],
-            tokens: (0..capacity).map(|_| (rng.next() % c.vocab_size as u64) as u32).collect(),
+            tokens: (0..capacity)
+                .map(|_| (rng.next() % c.vocab_size as u64) as u32)
+                .collect(),
         }
     }
 
     fn forward(&mut self, tokens: &[u32], context_len: usize) -> Result<(), String> {
-        let seqs = [AttnSeq { start: 0, len: tokens.len(), context_len, kv: KvMapping::Slots(&self.slots) }];
-        let batch = ForwardBatch { tokens, seqs: &seqs, logits_rows: &[tokens.len() - 1] };
+        let seqs = [AttnSeq {
+            start: 0,
+            len: tokens.len(),
+            context_len,
+            kv: KvMapping::Slots(&self.slots),
+        }];
+        let batch = ForwardBatch {
+            tokens,
+            seqs: &seqs,
+            logits_rows: &[tokens.len() - 1],
+        };
         self.model
             .decoder
-            .forward(&self.model.pool, &batch, &mut self.kv, &mut self.ws, &mut self.logits)
+            .forward(
+                &self.model.pool,
+                &batch,
+                &mut self.kv,
+                &mut self.ws,
+                &mut self.logits,
+            )
             .map_err(|e| e.to_string())
     }
 
@@ -173,7 +219,11 @@ struct Stats {
 }
 
 /// One warm-up run, then `reps` timed runs of `f`, each processing `tokens` tokens.
-fn measure(reps: usize, tokens: usize, mut f: impl FnMut() -> Result<(), String>) -> Result<Stats, String> {
+fn measure(
+    reps: usize,
+    tokens: usize,
+    mut f: impl FnMut() -> Result<(), String>,
+) -> Result<Stats, String> {
     f()?;
     let mut rates = Vec::with_capacity(reps);
     for _ in 0..reps {
@@ -187,21 +237,33 @@ fn measure(reps: usize, tokens: usize, mut f: impl FnMut() -> Result<(), String>
 fn stats(xs: &[f64]) -> Stats {
     let n = xs.len() as f64;
     let mean = xs.iter().sum::<f64>() / n;
-    let stddev =
-        if xs.len() > 1 { (xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt() } else { 0.0 };
+    let stddev = if xs.len() > 1 {
+        (xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt()
+    } else {
+        0.0
+    };
     Stats { mean, stddev }
 }
 
 /// Parameters of the matmuls in the decoder layers.
 fn layer_params(c: &ModelConfig) -> usize {
-    let (d, nq, nkv) = (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    let (d, nq, nkv) = (
+        c.hidden_size,
+        c.num_heads * c.head_dim,
+        c.num_kv_heads * c.head_dim,
+    );
     c.num_layers * (d * nq + 2 * d * nkv + nq * d + 3 * d * c.intermediate_size)
 }
 
 /// All matrix parameters (embedding counted once when tied to the LM head).
 fn param_count(c: &ModelConfig) -> usize {
     let head = c.vocab_size * c.hidden_size;
-    layer_params(c) + if c.tie_word_embeddings { head } else { 2 * head }
+    layer_params(c)
+        + if c.tie_word_embeddings {
+            head
+        } else {
+            2 * head
+        }
 }
 
 /// FLOPs per token of a `p`-token prompt forward: the layer matmuls, causal
@@ -242,7 +304,10 @@ mod tests {
     #[test]
     fn short_options_map_to_long_ones() {
         let a = expand_short_options(&argv("--model m -p 64 -n 0 -r 5 -t 2 --json"));
-        assert_eq!(a, argv("--model m --n-prompt 64 --n-gen 0 --repetitions 5 --threads 2 --json"));
+        assert_eq!(
+            a,
+            argv("--model m --n-prompt 64 --n-gen 0 --repetitions 5 --threads 2 --json")
+        );
         let parsed = Args::parse(&a, FLAGS).unwrap();
         let s = settings(&parsed).unwrap();
         assert_eq!((s.n_prompt, s.n_gen, s.repetitions), (64, 0, 5));
@@ -251,7 +316,8 @@ mod tests {
 
     #[test]
     fn settings_reject_bad_values() {
-        let parse = |s: &str| settings(&Args::parse(&expand_short_options(&argv(s)), FLAGS).unwrap());
+        let parse =
+            |s: &str| settings(&Args::parse(&expand_short_options(&argv(s)), FLAGS).unwrap());
         assert!(parse("-r 0").unwrap_err().contains("--repetitions"));
         assert!(parse("--quant q4_0").unwrap_err().contains("--quant q4_0"));
         assert!(parse("-p -3").unwrap_err().contains("--n-prompt"));
