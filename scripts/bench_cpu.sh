@@ -148,7 +148,11 @@ print(f"Memory read bandwidth ({threads} threads, 1 GiB, best of 10): {bw['bw_gb
 print(f"f32 FMA peak ({bw['isa']}): {bw['fma_gflops']:.0f} GFLOP/s on {threads} threads "
       f"({bw['fma_gflops_1t']:.0f} on 1)")
 print(f"llama.cpp: {llama_version}; llama-bench -p {P} -n {N} -t {threads} -r {reps}")
-print(f"Load average before/after: {load_before} / {load_after}")
+print(f"Load average (1/5/15 min) before/after: {load_before} / {load_after}")
+busy = max(float(load_before.split()[0]), float(load_after.split()[0]))
+if busy > 0.5:
+    print(f"WARNING: other processes were running (1-min load up to {busy}); with only {ncpu} CPUs "
+          "the numbers below understate both engines, llama.cpp's spinning threads most.")
 print()
 print(f"| precision | llama.cpp pp{P} | NanoInfer pp{P} | ratio | llama.cpp tg{N} | NanoInfer tg{N} | ratio "
       f"| NanoInfer tg as % of bandwidth limit |")
