@@ -43,16 +43,9 @@ done
 
 log() { echo "[bench_cpu] $*" >&2; }
 
-PRIORITY="normal"
-if [[ "$BOOST" == 1 ]]; then
-    if [[ -z "${BENCH_CPU_BOOSTED:-}" && -w /proc/self/autogroup ]] && command -v setsid >/dev/null; then
-        exec setsid --wait env BENCH_CPU_BOOSTED=1 "$0" "${ARGS[@]}"
-    fi
-    if [[ -n "${BENCH_CPU_BOOSTED:-}" ]] && echo -20 2>/dev/null >"/proc/$$/autogroup"; then
-        PRIORITY="own session, autogroup nice -20"
-    else
-        log "warning: cannot raise priority (needs root and CONFIG_SCHED_AUTOGROUP); running at normal priority"
-    fi
+# An own session gets an own autogroup, whose nice we raise just before measuring.
+if [[ "$BOOST" == 1 && -z "${BENCH_CPU_SESSION:-}" && -w /proc/self/autogroup ]] && command -v setsid >/dev/null; then
+    exec setsid --wait env BENCH_CPU_SESSION=1 "$0" "${ARGS[@]}"
 fi
 
 CACHE="${NANOINFER_CACHE:-$HOME/.cache/nanoinfer}"
@@ -105,6 +98,14 @@ gguf_for() {  # precision -> GGUF path, requantized from the original Q4_1 once
 }
 
 # --- machine -----------------------------------------------------------------
+PRIORITY="normal"
+if [[ "$BOOST" == 1 ]]; then
+    if [[ -n "${BENCH_CPU_SESSION:-}" ]] && echo -20 2>/dev/null >"/proc/$$/autogroup"; then
+        PRIORITY="own session, autogroup nice -20"
+    else
+        log "warning: cannot raise priority (needs root and CONFIG_SCHED_AUTOGROUP); running at normal priority"
+    fi
+fi
 log "measuring memory bandwidth and FMA peak (scripts/membw.c)"
 "$MEMBW" --threads "$THREADS" --json >"$OUT/membw.json"
 lscpu >"$OUT/lscpu.txt"
