@@ -21,6 +21,7 @@ Outputs (all committed):
 import argparse
 import json
 import os
+import re
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -254,10 +255,16 @@ TRAIN_TEXT = [
 
 
 def write_json(path, obj):
+    """Indented JSON with lists of numbers kept on one line (readable diffs)."""
+    text = json.dumps(obj, ensure_ascii=False, indent=1)
+    text = re.sub(
+        r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]",
+        lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]",
+        text,
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, ensure_ascii=False, indent=1)
-        f.write("\n")
+        f.write(text + "\n")
 
 
 def build_bytelevel(out_dir):

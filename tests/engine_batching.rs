@@ -2,9 +2,9 @@
 //! run concurrently equal each request run alone, whatever the KV backend,
 //! block size, prefix caching and prefill chunk size.
 
-mod common;
+mod engine_common;
 
-use common::*;
+use engine_common::*;
 use nanoinfer::engine::{FinishReason, Model, ModelParams, RequestParams, Session, SessionParams};
 use nanoinfer::kv::KvBackendKind;
 use nanoinfer::model::WeightDType;
@@ -172,12 +172,46 @@ fn max_tokens_is_reached_exactly_and_eos_stops_early() {
     assert_eq!(run_alone(&m_eos, &r).tokens, free_run);
 }
 
+/// The transformers-made tiny models (Llama3 rope scaling, Qwen2 biases,
+/// Qwen3 q/k norms, tied embeddings) batch like the random one.
+#[test]
+fn committed_tiny_models_batched_equal_alone() {
+    for name in ["tiny-llama3", "tiny-qwen2", "tiny-qwen3"] {
+        let m = committed_tiny(name);
+        let vocab = m.config().vocab_size;
+        let mut rng = TestRng::new(8);
+        let base = rng.tokens(40, vocab);
+        let reqs: Vec<RequestParams> = (0..8)
+            .map(|i| {
+                let mut p = if i % 2 == 0 { base.clone() } else { vec![] };
+                let extra = rng.range(1, 50);
+                p.extend(rng.tokens(extra, vocab));
+                let mut r = request(p, 12);
+                r.sampling.ignore_eos = true;
+                r
+            })
+            .collect();
+        let expected: Vec<Vec<u32>> = reqs.iter().map(|r| run_alone(&m, r).tokens).collect();
+        for kind in [KvBackendKind::Paged, KvBackendKind::Token] {
+            let mut s = Session::new(m.clone(), session_params(kind, 4, 400, 7, true)).unwrap();
+            for round in 0..2 {
+                let outs = run_all(&mut s, &reqs);
+                for (i, o) in outs.iter().enumerate() {
+                    assert_eq!(
+                        o.tokens, expected[i],
+                        "{name} {kind:?} round {round}: request {i}"
+                    );
+                }
+            }
+            assert!(s.stats().prefix_cached_tokens > 0);
+        }
+    }
+}
+
 /// The real model with its tokenizer: batched text equals each prompt alone.
 #[test]
 fn smollm2_batched_equals_alone_with_text() {
-    let Some(dir) = repo_model("SmolLM2-135M-Instruct") else {
-        return;
-    };
+    let dir = smollm2_dir();
     let params = ModelParams {
         dtype: WeightDType::F32,
         threads: 2,

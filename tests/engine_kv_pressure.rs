@@ -1,9 +1,9 @@
 //! KV memory pressure: preemption (recompute and swap), prefix reuse,
 //! head-of-line admission and refusal of requests that can never fit.
 
-mod common;
+mod engine_common;
 
-use common::*;
+use engine_common::*;
 use nanoinfer::engine::{FinishReason, PreemptionMode, RequestParams, Session};
 use nanoinfer::kv::KvBackendKind;
 

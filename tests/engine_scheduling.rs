@@ -1,9 +1,9 @@
 //! Scheduling order (FCFS, priority, aging) and cancellation at every point
 //! of a request's life.
 
-mod common;
+mod engine_common;
 
-use common::*;
+use engine_common::*;
 use nanoinfer::engine::{
     FinishReason, RequestId, RequestParams, SchedulePolicyKind, Session, SessionParams,
 };

@@ -4,9 +4,9 @@
 //! invariants hold; every accepted request gets exactly one terminal event;
 //! every request that ran to its end produced what it produces alone.
 
-mod common;
+mod engine_common;
 
-use common::*;
+use engine_common::*;
 use nanoinfer::engine::{
     FinishReason, PreemptionMode, RequestId, RequestParams, SchedulePolicyKind, Session,
     SessionParams,

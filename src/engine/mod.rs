@@ -1,5 +1,6 @@
 //! The serving engine: models, sessions, scheduling, requests and events.
 
+pub mod eval;
 pub mod model;
 pub mod policy;
 pub mod request;

@@ -51,6 +51,22 @@ impl TokenHistory {
         }
     }
 
+    /// Reserves room for `seen` distinct prompt+output tokens and `output`
+    /// distinct output tokens (each capped at the vocabulary size), so that
+    /// later observations do not allocate.
+    pub fn reserve(&mut self, seen: usize, output: usize) {
+        if self.track_seen {
+            let want = seen.min(self.vocab_size);
+            self.seen_list
+                .reserve(want.saturating_sub(self.seen_list.len()));
+        }
+        if self.track_counts {
+            let want = output.min(self.vocab_size);
+            self.counted_list
+                .reserve(want.saturating_sub(self.counted_list.len()));
+        }
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
     }

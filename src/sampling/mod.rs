@@ -5,16 +5,18 @@
 //! `processors` on one logits row and draws with its own `Rng` stream.
 //! `StopMatcher` applies stop strings to the detokenized stream.
 
+pub mod candidates;
 pub mod history;
+mod math;
 pub mod params;
 pub mod processors;
 pub mod rng;
 pub mod sampler;
 pub mod stop;
 
+pub use candidates::CandidateSet;
 pub use history::TokenHistory;
 pub use params::{SamplingParams, SamplingPlan};
-pub use processors::CandidateSet;
 pub use rng::Rng;
 pub use sampler::{SampledToken, Sampler};
 pub use stop::{StopMatcher, StopOutput};

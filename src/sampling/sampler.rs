@@ -1,11 +1,12 @@
 //! The per-request CPU sampler: runs the stage chain of `processors` on one
 //! row of logits and draws a token with the request's own RNG stream.
 
+use super::candidates::CandidateSet;
 use super::history::TokenHistory;
 use super::params::{SamplingParams, SamplingPlan};
 use super::processors::{
     apply_logit_bias, apply_presence_frequency_penalty, apply_repetition_penalty,
-    apply_temperature, argmax, log_sum_exp, suppress_tokens, CandidateSet,
+    apply_temperature, argmax, log_sum_exp, suppress_tokens,
 };
 use super::rng::Rng;
 use crate::{bail_arg, Result};
@@ -36,6 +37,7 @@ pub struct Sampler {
     plan: SamplingPlan,
     logit_bias: Vec<(u32, f32)>,
     logprobs: usize,
+    max_tokens: usize,
     rng: Rng,
     history: Option<TokenHistory>,
     candidates: CandidateSet,
@@ -50,6 +52,7 @@ impl Sampler {
             plan: params.plan(),
             logit_bias: params.logit_bias.clone(),
             logprobs: params.logprobs as usize,
+            max_tokens: params.max_tokens as usize,
             rng: Rng::seed_from_u64(params.seed.unwrap_or(fallback_seed)),
             history: None,
             candidates: CandidateSet::new(),
@@ -117,11 +120,17 @@ impl Sampler {
         let vocab = logits.len();
         let history = match &mut self.history {
             Some(h) if h.vocab_size() == vocab => h,
-            slot => slot.insert(TokenHistory::new(
-                vocab,
-                self.plan.repetition_penalty.is_some(),
-                self.plan.presence_frequency.is_some(),
-            )),
+            slot => {
+                let mut h = TokenHistory::new(
+                    vocab,
+                    self.plan.repetition_penalty.is_some(),
+                    self.plan.presence_frequency.is_some(),
+                );
+                // Distinct tokens are bounded by the request's length.
+                let out_cap = self.max_tokens.max(output.len());
+                h.reserve(prompt.len() + out_cap, out_cap);
+                slot.insert(h)
+            }
         };
         history.sync(prompt, output);
         if let Some(p) = self.plan.repetition_penalty {

@@ -13,7 +13,7 @@ use crate::{Error, Result};
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{AutoEscape, Environment, ErrorKind, Value};
 
-const TEMPLATE_NAME: &str = "chat";
+const TEMPLATE_NAME: &str = "chat_template";
 
 /// One message of a conversation.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -108,7 +108,24 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| Error::internal(format!("compiled chat template is missing: {e}")))?;
-        template.render(Value::from_iter(ctx)).map_err(|e| {
+        let ctx = Value::from_iter(ctx);
+        // minijinja 2.24 (and 3.0) panics on reverse slices of empty sequences, e.g.
+        // `messages[::-1]` with no messages; the environment is only read here, so
+        // nothing is left inconsistent by unwinding out of it.
+        let rendered =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| template.render(ctx)))
+                .map_err(|panic| {
+                    let what = panic
+                        .downcast_ref::<String>()
+                        .map(String::as_str)
+                        .or_else(|| panic.downcast_ref::<&str>().copied())
+                        .unwrap_or("unknown panic");
+                    Error::invalid_arg(format!(
+                        "chat template from {} failed to render: template engine error: {what}",
+                        self.origin
+                    ))
+                })?;
+        rendered.map_err(|e| {
             Error::invalid_arg(format!(
                 "chat template from {} failed to render: {}",
                 self.origin,
@@ -316,6 +333,27 @@ mod tests {
             "{}",
             err.message
         );
+    }
+
+    #[test]
+    fn engine_panics_become_errors() {
+        let err = render(
+            "{% for m in messages[::-1] %}{{ m.role }}{% endfor %}",
+            &[],
+            true,
+        )
+        .unwrap_err();
+        assert_eq!(err.kind, crate::ErrorKind::InvalidArgument);
+        let msgs = [
+            ChatMessage::new("user", "a"),
+            ChatMessage::new("assistant", "b"),
+        ];
+        let out = render(
+            "{% for m in messages[::-1] %}{{ m.role }} {% endfor %}",
+            &msgs,
+            true,
+        );
+        assert_eq!(out.unwrap(), "assistant user ");
     }
 
     #[test]

@@ -11,7 +11,7 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
 enum ChatSlot {
     None,
-    Ready(ChatTemplate),
+    Ready(Box<ChatTemplate>),
     NoDefault(Vec<String>),
 }
 
@@ -111,7 +111,11 @@ impl Tokenizer {
             TemplateSource::NoDefault { names } => ChatSlot::NoDefault(names),
             TemplateSource::Text { source, origin } => {
                 let origin = dir.join(&origin).display().to_string();
-                ChatSlot::Ready(ChatTemplate::new(&source, &origin, special.clone())?)
+                ChatSlot::Ready(Box::new(ChatTemplate::new(
+                    &source,
+                    &origin,
+                    special.clone(),
+                )?))
             }
         };
         Ok(Tokenizer {

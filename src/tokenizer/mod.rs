@@ -1,4 +1,12 @@
 //! Tokenization: HF tokenizer.json, chat templates, streaming detokenizer.
+//!
+//! - [`Tokenizer::from_dir`] loads `tokenizer.json` (required), `tokenizer_config.json`
+//!   (special tokens, `add_bos_token`/`add_eos_token`, `chat_template`) and
+//!   `chat_template.json` / `chat_template.jinja` when present.
+//! - [`Tokenizer::apply_chat_template`] renders a conversation as transformers does
+//!   (Jinja2 semantics, Python value formatting, `tojson`, `raise_exception`,
+//!   `strftime_now`). Encode the result with `add_special_tokens = false`.
+//! - [`StreamDetokenizer`] turns generated ids into UTF-8-safe text deltas.
 
 mod chat;
 mod config;

@@ -14,9 +14,10 @@ use crate::Result;
 
 const REPLACEMENT: char = '\u{FFFD}';
 
-/// Tokens held back waiting for a character to complete before emitting up to the
-/// last whole character. A UTF-8 character has at most 4 bytes, so this only
-/// triggers for chains of tokens that straddle characters, or for invalid bytes.
+/// Tokens held back waiting for a character to complete before giving up and
+/// emitting U+FFFD. A UTF-8 character has at most 4 bytes, so valid text only
+/// reaches this with a chain of 8 tokens that each end inside a character (byte-level
+/// merges can straddle characters; real tokenizers chain 2 or 3 at most).
 const MAX_HELD: usize = 8;
 
 /// Turns a stream of token ids into text deltas; one per request.
@@ -75,36 +76,26 @@ impl StreamDetokenizer {
         let delta = suffix_after(&new_text, &prefix_text);
         if !delta.is_empty() && !new_text.ends_with(REPLACEMENT) {
             let delta = delta.to_string();
-            self.commit(self.ids.len(), String::new());
+            self.commit();
             return Ok(delta);
         }
         if self.ids.len() - self.read < MAX_HELD {
             self.held_text = delta.to_string();
             return Ok(String::new());
         }
-        // Held too long: tokens that each end inside a character (byte-level BPE
-        // merges can straddle characters), or invalid bytes. Emit up to the last
-        // token boundary where the text is whole; failing that, emit everything.
-        for end in (self.read + 1..self.ids.len()).rev() {
-            let text = tok.decode_unchecked(&self.ids[..end], false)?;
-            let emitted = suffix_after(&text, &prefix_text);
-            if !emitted.is_empty() && !text.ends_with(REPLACEMENT) {
-                let emitted = emitted.to_string();
-                self.commit(end, suffix_after(&new_text, &text).to_string());
-                return Ok(emitted);
-            }
-        }
+        // Held too long: invalid bytes, or a long chain of tokens that each end
+        // inside a character. Emit what decodes, replacement characters included.
         let delta = delta.to_string();
-        self.commit(self.ids.len(), String::new());
+        self.commit();
         Ok(delta)
     }
 
-    /// Marks `ids[..end]` as emitted: `ids[read..end]` become the next window's
-    /// context and older ids are dropped.
-    fn commit(&mut self, end: usize, held_text: String) {
+    /// Marks all ids as emitted: the ones emitted in this step become the next
+    /// window's context and older ids are dropped.
+    fn commit(&mut self) {
         self.ids.drain(..self.read);
-        self.read = end - self.read;
-        self.held_text = held_text;
+        self.read = self.ids.len();
+        self.held_text.clear();
     }
 
     /// Returns what is still held back at the end of the stream (an incomplete

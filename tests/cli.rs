@@ -1,0 +1,110 @@
+//! The `nanoinfer` binary as users call it: option names, JSON output, errors.
+
+mod common;
+
+use common::*;
+use serde_json::Value;
+use std::process::Command;
+
+fn nanoinfer(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_nanoinfer")).args(args).output().expect("runs nanoinfer");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn generate_json_matches_transformers_for_the_acceptance_prompt() {
+    let g = golden("smollm2.json");
+    let case = g["cases"].as_array().unwrap().iter().find(|c| c["name"] == "roman").expect("roman case");
+    let dir = smollm2_dir("");
+    let (code, stdout, stderr) = nanoinfer(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        case["text"].as_str().unwrap(),
+        "--max-tokens",
+        "48",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "stderr: {stderr}");
+    let v: Value = serde_json::from_str(stdout.trim()).expect("exactly one JSON object");
+    assert_eq!(ids(&v["prompt_ids"]), ids(&case["prompt_ids"]));
+    let want = ids(&case["output_ids"]);
+    assert_eq!(ids(&v["output_ids"]), want);
+    assert_eq!(v["finish_reason"], "length");
+    assert!(!v["text"].as_str().unwrap().is_empty());
+    for key in ["load_ms", "ttft_ms", "prefill_tokens_per_s", "decode_tokens_per_s"] {
+        assert!(v["timings"][key].as_f64().is_some(), "timings.{key} missing");
+    }
+}
+
+#[test]
+fn generate_several_prompts_prints_one_line_each_in_order() {
+    let dir = smollm2_dir("");
+    let (code, stdout, stderr) = nanoinfer(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "One, two, three,",
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "6",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "stderr: {stderr}");
+    let lines: Vec<Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[0]["output_ids"].as_array().unwrap().len(), 6);
+    assert!(lines[1]["text"].as_str().unwrap().contains("Paris"), "{}", lines[1]["text"]);
+}
+
+#[test]
+fn perplexity_json_matches_transformers() {
+    let g = golden("smollm2.json");
+    let p = &g["perplexity"];
+    let dir = smollm2_dir("");
+    let file = repo_path(p["file"].as_str().unwrap());
+    let (code, stdout, stderr) = nanoinfer(&[
+        "perplexity",
+        "--model",
+        dir.to_str().unwrap(),
+        "--file",
+        file.to_str().unwrap(),
+        "--max-tokens",
+        "512",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "stderr: {stderr}");
+    let v: Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(v["n_tokens"], 512);
+    let (ppl, want) = (v["ppl"].as_f64().unwrap(), p["ppl"].as_f64().unwrap());
+    assert!((ppl - want).abs() / want < 0.005, "{ppl} vs {want}");
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let (code, _, stderr) = nanoinfer(&["generate", "--model", "/nonexistent/model", "--prompt", "hi"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("/nonexistent/model") && stderr.contains("does not exist"), "{stderr}");
+
+    let (code, _, stderr) = nanoinfer(&["generate", "--modle", "x"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("unknown option --modle"), "{stderr}");
+
+    let dir = smollm2_dir("");
+    let (code, _, stderr) =
+        nanoinfer(&["generate", "--model", dir.to_str().unwrap(), "--prompt", "hi", "--temperature", "-1"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("temperature"), "{stderr}");
+
+    let (code, _, stderr) =
+        nanoinfer(&["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", "1,999999", "--max-tokens", "2"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("999999") && stderr.contains("vocabulary"), "{stderr}");
+}
