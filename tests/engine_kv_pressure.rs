@@ -266,3 +266,40 @@ fn requests_that_can_never_fit_are_refused_at_admission() {
         assert_eq!(log.get(id).tokens.len(), 10);
     }
 }
+
+#[test]
+fn requests_arriving_together_compute_a_shared_prefix_once() {
+    let m = default_tiny();
+    let mut rng = TestRng::new(31);
+    let prefix = rng.tokens(100, 100);
+    let reqs: Vec<RequestParams> = (0..8)
+        .map(|i| request(prefixed(&prefix, i, 10, &mut rng), 5))
+        .collect();
+    let expected: Vec<Vec<u32>> = reqs.iter().map(|r| run_alone(&m, r).tokens).collect();
+    for (kind, block) in [
+        (KvBackendKind::Paged, 4),
+        (KvBackendKind::Paged, 16),
+        (KvBackendKind::Token, 1),
+    ] {
+        let mut s =
+            Session::new(m.model.clone(), session_params(kind, block, 2048, 64, true)).unwrap();
+        let outs = run_all(&mut s, &reqs);
+        for (i, o) in outs.iter().enumerate() {
+            assert_eq!(o.tokens, expected[i], "{kind:?}: request {i}");
+        }
+        let st = s.stats();
+        let shared = (100 / block * block) as u64;
+        // The first request computes the prefix (in two chunks of 64); the
+        // other seven wait for it and then reuse it.
+        assert_eq!(
+            st.prefix_cached_tokens,
+            7 * shared,
+            "{kind:?} block {block}: {st:?}"
+        );
+        assert_eq!(
+            st.prefill_tokens,
+            8 * 110 - 7 * shared,
+            "{kind:?} block {block}"
+        );
+    }
+}

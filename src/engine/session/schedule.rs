@@ -3,6 +3,21 @@
 use super::{PreemptionMode, Session};
 use crate::engine::request::{Event, FinishReason, RequestId};
 
+/// Fewest tokens a deferred admission must expect to gain from a prefix
+/// that another request is computing; below that, starting now is cheaper
+/// than waiting a step.
+const MIN_DEFER_GAIN: usize = 32;
+
+/// What `admit` decided for a waiting request.
+enum Admission {
+    /// Started: compute this many rows this step.
+    Start(usize),
+    /// Left waiting: a running request is computing its prefix right now.
+    Defer,
+    /// Left waiting: no KV room. Head of line: admission stops here.
+    NoRoom,
+}
+
 impl Session {
     pub(super) fn rank(&self, id: RequestId) -> (i64, u64) {
         self.policy.rank(&self.requests[&id].rank, self.stats.steps)
@@ -13,7 +28,8 @@ impl Session {
     /// the least urgent when KV runs out), then waiting requests in rank
     /// order while KV allows (head of line: the first one that does not fit
     /// stops admission, so a large urgent request is not starved by small
-    /// later ones).
+    /// later ones). A waiting request whose prompt prefix a running request
+    /// is computing right now is passed over until that prefix is cached.
     pub(super) fn schedule(&mut self, events: &mut Vec<Event>) {
         let mut plan = std::mem::take(&mut self.scratch.plan);
         plan.clear();
@@ -51,19 +67,23 @@ impl Session {
         let mut waiting = std::mem::take(&mut self.waiting);
         waiting.sort_by_key(|&id| self.rank(id));
         self.waiting = waiting;
+        let mut i = 0;
         while !preempted
             && budget > 0
             && self.running.len() < self.params.max_seqs
-            && !self.waiting.is_empty()
+            && i < self.waiting.len()
         {
-            let id = self.waiting[0];
-            let Some(n) = self.admit(id, budget, chunk) else {
-                break;
-            };
-            self.waiting.remove(0);
-            self.running.push(id);
-            plan.push((id, n));
-            budget -= n;
+            let id = self.waiting[i];
+            match self.admit(id, budget, chunk) {
+                Admission::Start(n) => {
+                    self.waiting.remove(i);
+                    self.running.push(id);
+                    plan.push((id, n));
+                    budget -= n;
+                }
+                Admission::Defer => i += 1,
+                Admission::NoRoom => break,
+            }
         }
         if plan.is_empty() && self.running.is_empty() && !preempted {
             // Admission refuses requests that could never fit, so an empty
@@ -89,17 +109,22 @@ impl Session {
     }
 
     /// Tries to start waiting request `id`: attaches its cached prefix,
-    /// allocates its first chunk and restores swapped KV. Returns the rows to
-    /// compute this step, or None (and leaves it waiting, holding no KV).
-    fn admit(&mut self, id: RequestId, budget: usize, chunk: usize) -> Option<usize> {
+    /// allocates its first chunk and restores swapped KV. Unless it starts,
+    /// it stays waiting and holds no KV.
+    fn admit(&mut self, id: RequestId, budget: usize, chunk: usize) -> Admission {
         let req = self.requests.get_mut(&id).expect("waiting request exists");
         let cached = self.kv.begin(id, &req.tokens, req.params.cache_salt);
         let swapped = req.swapped.as_ref().map_or(0, |(n, _)| *n);
         let resume_to = swapped.max(cached);
+        if self.params.prefix_caching && self.prefix_in_flight(id, resume_to) {
+            self.kv.release(id);
+            return Admission::Defer;
+        }
+        let req = self.requests.get_mut(&id).expect("waiting request exists");
         let n = (req.tokens.len() - resume_to).min(chunk).min(budget);
         if n == 0 || !self.kv.allocate(id, resume_to + n) {
             self.kv.release(id);
-            return None;
+            return Admission::NoRoom;
         }
         req.in_kv = true;
         req.computed = cached;
@@ -108,7 +133,34 @@ impl Session {
             self.stats.prefix_cached_tokens += cached as u64;
         }
         self.swap_in(id);
-        Some(n)
+        Admission::Start(n)
+    }
+
+    /// In-batch prefix sharing (as SGLang does): true when a running request
+    /// of the same cache salt is still computing a prompt that shares at
+    /// least `MIN_DEFER_GAIN` more tokens with waiting request `id` than
+    /// `id` has ready (`have`). Starting `id` now would compute those tokens
+    /// a second time; a step or two later they come from the prefix cache.
+    fn prefix_in_flight(&self, id: RequestId, have: usize) -> bool {
+        let w = &self.requests[&id];
+        let granularity = self.kv.stats().granularity.max(1);
+        // `begin` leaves the last prompt token to compute.
+        let reusable = w.tokens.len() - 1;
+        if reusable < have + MIN_DEFER_GAIN {
+            return false;
+        }
+        self.running.iter().any(|r| {
+            let r = &self.requests[r];
+            if r.params.cache_salt != w.params.cache_salt || r.computed >= r.prompt_len {
+                return false;
+            }
+            let shared = r.tokens[..r.prompt_len]
+                .iter()
+                .zip(&w.tokens[..reusable])
+                .take_while(|(a, b)| a == b)
+                .count();
+            shared / granularity * granularity >= have + MIN_DEFER_GAIN
+        })
     }
 
     /// The least urgent running request not yet planned this step. Requests
