@@ -29,6 +29,9 @@ struct Opts {
     suffix_len: usize,
     skip_decode: bool,
     skip_prefix: bool,
+    /// Build a random-weight model with this directory's config.json
+    /// instead of loading `model` (same shapes, so the same speed).
+    random_from: Option<PathBuf>,
 }
 
 fn parse() -> Result<Opts, String> {
@@ -44,6 +47,7 @@ fn parse() -> Result<Opts, String> {
         suffix_len: 16,
         skip_decode: false,
         skip_prefix: false,
+        random_from: None,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -59,6 +63,7 @@ fn parse() -> Result<Opts, String> {
         let num = |v: &str| v.parse::<usize>().map_err(|e| format!("{flag} {v}: {e}"));
         match flag {
             "--model" => o.model = PathBuf::from(v),
+            "--random-from" => o.random_from = Some(PathBuf::from(v)),
             "--threads" => o.threads = num(v)?,
             "--dtype" => o.dtype = v.clone(),
             "--concurrency" => o.concurrency = v.split(',').map(num).collect::<Result<_, _>>()?,
@@ -178,6 +183,72 @@ fn prefix_run(model: &Arc<Model>, o: &Opts, caching: bool) -> PrefixRun {
     }
 }
 
+/// Writes config.json (copied) + random BF16 weights of a Llama-architecture
+/// model into a temp dir and returns it.
+fn random_model(config_dir: &std::path::Path) -> PathBuf {
+    use safetensors::tensor::{Dtype, TensorView};
+    let c = nanoinfer::model::ModelConfig::from_dir(config_dir).expect("config.json");
+    assert!(
+        c.architecture == nanoinfer::model::Architecture::Llama && !c.qkv_bias && !c.o_bias,
+        "--random-from supports plain Llama configs"
+    );
+    let dir = std::env::temp_dir().join(format!("engine-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(config_dir.join("config.json"), dir.join("config.json")).unwrap();
+    let (d, hd, inter, v) = (c.hidden_size, c.head_dim, c.intermediate_size, c.vocab_size);
+    let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
+    let mut shapes: Vec<(String, Vec<usize>)> =
+        vec![("model.embed_tokens.weight".into(), vec![v, d])];
+    for l in 0..c.num_layers {
+        let p = format!("model.layers.{l}");
+        shapes.push((format!("{p}.input_layernorm.weight"), vec![d]));
+        shapes.push((format!("{p}.self_attn.q_proj.weight"), vec![nq, d]));
+        shapes.push((format!("{p}.self_attn.k_proj.weight"), vec![nkv, d]));
+        shapes.push((format!("{p}.self_attn.v_proj.weight"), vec![nkv, d]));
+        shapes.push((format!("{p}.self_attn.o_proj.weight"), vec![d, nq]));
+        shapes.push((format!("{p}.post_attention_layernorm.weight"), vec![d]));
+        shapes.push((format!("{p}.mlp.gate_proj.weight"), vec![inter, d]));
+        shapes.push((format!("{p}.mlp.up_proj.weight"), vec![inter, d]));
+        shapes.push((format!("{p}.mlp.down_proj.weight"), vec![d, inter]));
+    }
+    shapes.push(("model.norm.weight".into(), vec![d]));
+    if !c.tie_word_embeddings {
+        shapes.push(("lm_head.weight".into(), vec![v, d]));
+    }
+    let mut seed = 1u64;
+    let data: Vec<Vec<u8>> = shapes
+        .iter()
+        .map(|(name, shape)| {
+            let n: usize = shape.iter().product();
+            (0..n)
+                .flat_map(|_| {
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let x = if name.ends_with("norm.weight") {
+                        1.0
+                    } else {
+                        ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
+                    };
+                    half::bf16::from_f32(x).to_le_bytes()
+                })
+                .collect()
+        })
+        .collect();
+    let views: Vec<(String, TensorView<'_>)> = shapes
+        .iter()
+        .zip(&data)
+        .map(|((n, s), b)| {
+            (
+                n.clone(),
+                TensorView::new(Dtype::BF16, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    dir
+}
+
 fn main() {
     let o = parse().unwrap_or_else(|e| {
         eprintln!("engine_bench: {e}");
@@ -187,10 +258,19 @@ fn main() {
         dtype: o.dtype.parse().expect("--dtype"),
         threads: o.threads,
     };
-    let model = Arc::new(Model::load(&o.model, &params, None).expect("loading the model"));
+    let model_dir = match &o.random_from {
+        Some(cfg) => random_model(cfg),
+        None => o.model.clone(),
+    };
+    let model = Arc::new(Model::load(&model_dir, &params, None).expect("loading the model"));
     println!(
-        "model {} ({} weights), {} threads",
-        o.model.display(),
+        "model {}{} ({} weights), {} threads",
+        o.random_from.as_ref().unwrap_or(&o.model).display(),
+        if o.random_from.is_some() {
+            " shapes, random weights"
+        } else {
+            ""
+        },
         model.decoder.weight_dtype_name(),
         o.threads
     );
