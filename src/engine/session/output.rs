@@ -4,19 +4,7 @@ use super::Session;
 use crate::backend::cpu::attention::AttnSeq;
 use crate::engine::request::{Event, FinishReason, RequestId, TokenLogprob};
 use crate::model::ForwardBatch;
-use crate::sampling::SamplingParams;
 use crate::Error;
-
-/// Tokens that may not be sampled yet: EOS and stop ids before `min_tokens`.
-fn suppressed_tokens(s: &SamplingParams, eos: &[u32], generated: usize, out: &mut Vec<u32>) {
-    out.clear();
-    if generated < s.min_tokens as usize {
-        if !s.ignore_eos {
-            out.extend_from_slice(eos);
-        }
-        out.extend_from_slice(&s.stop_token_ids);
-    }
-}
 
 impl Session {
     /// One forward over the plan. A sequence wants logits when this step
@@ -116,8 +104,7 @@ impl Session {
             .get_mut(&id)
             .expect("scheduled request exists");
         let suppress = &mut self.scratch.suppress;
-        suppressed_tokens(
-            &req.params.sampling,
+        req.params.sampling.min_tokens_suppression(
             &self.model.eos_token_ids,
             req.tokens.len() - req.prompt_len,
             suppress,
