@@ -7,6 +7,7 @@
 pub mod backend;
 pub mod error;
 pub mod kv;
+pub mod memory;
 pub mod model;
 pub mod sampling;
 pub mod tensor;
