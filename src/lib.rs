@@ -8,6 +8,7 @@ pub mod backend;
 pub mod engine;
 pub mod error;
 pub mod kv;
+pub mod memory;
 pub mod model;
 pub mod sampling;
 pub mod sysinfo;
