@@ -7,6 +7,7 @@
 pub mod backend;
 pub mod engine;
 pub mod error;
+pub mod ffi;
 pub mod kv;
 pub mod memory;
 pub mod model;

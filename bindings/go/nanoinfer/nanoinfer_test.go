@@ -1,0 +1,378 @@
+package nanoinfer
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+)
+
+// The default model: $NANOINFER_MODEL, else models/SmolLM2-135M-Instruct at
+// the repository root (created by scripts/setup.sh).
+func modelDir(t testing.TB) string {
+	dir := os.Getenv("NANOINFER_MODEL")
+	if dir == "" {
+		dir = filepath.Join("..", "..", "..", "models", "SmolLM2-135M-Instruct")
+	}
+	if _, err := os.Stat(filepath.Join(dir, "config.json")); err != nil {
+		t.Fatalf("default model not found at %s (run scripts/setup.sh or set NANOINFER_MODEL): %v", dir, err)
+	}
+	return dir
+}
+
+var (
+	sharedOnce  sync.Once
+	sharedModel *Model
+	sharedErr   error
+)
+
+func model(t *testing.T) *Model {
+	t.Helper()
+	sharedOnce.Do(func() { sharedModel, sharedErr = LoadModel(modelDir(t), &ModelOptions{Threads: 2}) })
+	if sharedErr != nil {
+		t.Fatal(sharedErr)
+	}
+	return sharedModel
+}
+
+func session(t *testing.T) *Session {
+	t.Helper()
+	s, err := NewSession(model(t), &SessionOptions{KVCapacityTokens: 4096})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	return s
+}
+
+func chatPrompt(t *testing.T, question string) string {
+	t.Helper()
+	text, err := model(t).ApplyChatTemplate([]ChatMessage{{Role: "user", Content: question}}, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return text
+}
+
+func TestVersion(t *testing.T) {
+	if Version() == "" || !strings.Contains(Version(), ".") {
+		t.Fatalf("version %q", Version())
+	}
+	if ABIVersion() != HeaderABIVersion {
+		t.Fatalf("library ABI %d, header ABI %d", ABIVersion(), HeaderABIVersion)
+	}
+}
+
+func TestModelInfoAndText(t *testing.T) {
+	m := model(t)
+	info, err := m.Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Architecture != "LlamaForCausalLM" || info.VocabSize != 49152 || info.ContextLength != 8192 {
+		t.Fatalf("unexpected info %+v", info)
+	}
+	if len(info.EOSTokenIDs) == 0 || !info.HasTokenizer || !info.HasChatTemplate {
+		t.Fatalf("unexpected info %+v", info)
+	}
+	text := "Hello, wörld! 你好"
+	ids, err := m.Tokenize(text, false)
+	if err != nil || len(ids) == 0 {
+		t.Fatalf("tokenize: %v %v", ids, err)
+	}
+	back, err := m.Detokenize(ids, false)
+	if err != nil || back != text {
+		t.Fatalf("round trip gave %q, %v", back, err)
+	}
+	rendered := chatPrompt(t, "Hi")
+	if want := "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"; !strings.HasSuffix(rendered, want) {
+		t.Fatalf("chat template gave %q", rendered)
+	}
+	if _, err := m.Detokenize([]uint32{1 << 30}, false); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("bad id: %v", err)
+	}
+}
+
+func TestGenerate(t *testing.T) {
+	s := session(t)
+	var text strings.Builder
+	var tokens []uint32
+	var last Event
+	for ev, err := range s.Generate(context.Background(), Request{Text: chatPrompt(t, "What is the capital of France?"), MaxTokens: 24}) {
+		if err != nil {
+			t.Fatal(err)
+		}
+		text.WriteString(ev.Text)
+		tokens = append(tokens, ev.Tokens...)
+		last = ev
+	}
+	if last.Finish != FinishEOS && last.Finish != FinishLength {
+		t.Fatalf("finish %v (%s)", last.Finish, last.Error)
+	}
+	if !strings.Contains(text.String(), "Paris") {
+		t.Fatalf("expected Paris in %q", text.String())
+	}
+	// The streamed text is the detokenized output (special tokens skipped).
+	want, err := model(t).Detokenize(tokens, true)
+	if err != nil || want != text.String() {
+		t.Fatalf("streamed %q, detokenized %q (%v)", text.String(), want, err)
+	}
+	st, err := s.Stats()
+	if err != nil || st.Running != 0 || st.Waiting != 0 || st.KVUsedTokens != 0 || st.DecodeTokens == 0 {
+		t.Fatalf("stats after generation: %+v %v", st, err)
+	}
+}
+
+func TestGenerateMatchesStepAndSeeds(t *testing.T) {
+	s := session(t)
+	prompt, err := model(t).Tokenize("Once upon a time", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	run := func(req Request) []uint32 {
+		var out []uint32
+		for ev, err := range s.Generate(context.Background(), req) {
+			if err != nil {
+				t.Fatal(err)
+			}
+			out = append(out, ev.Tokens...)
+		}
+		return out
+	}
+	greedy := run(Request{Prompt: prompt, MaxTokens: 8})
+	// Driving the session by hand gives the same greedy tokens.
+	id, err := s.AddRequest(Request{Prompt: prompt, MaxTokens: 8})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var manual []uint32
+	for s.HasWork() {
+		events, err := s.Step()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, ev := range events {
+			if ev.RequestID == id {
+				manual = append(manual, ev.Tokens...)
+			}
+		}
+	}
+	if len(greedy) != 8 || !equal(greedy, manual) {
+		t.Fatalf("generate %v, step %v", greedy, manual)
+	}
+	seed := uint64(42)
+	a := run(Request{Prompt: prompt, MaxTokens: 8, Temperature: 1, Seed: &seed})
+	b := run(Request{Prompt: prompt, MaxTokens: 8, Temperature: 1, Seed: &seed})
+	if !equal(a, b) {
+		t.Fatalf("same seed differs: %v vs %v", a, b)
+	}
+}
+
+func TestStopStringAndLogprobs(t *testing.T) {
+	s := session(t)
+	req := Request{Text: chatPrompt(t, "What is the capital of France?"), MaxTokens: 24, StopStrings: []string{"zzz-none", "Paris"}, Logprobs: 2}
+	var text strings.Builder
+	var last Event
+	n := 0
+	for ev, err := range s.Generate(context.Background(), req) {
+		if err != nil {
+			t.Fatal(err)
+		}
+		text.WriteString(ev.Text)
+		for _, lp := range ev.Logprobs {
+			if lp.Logprob > 0 || len(lp.Top) != 2 || lp.Top[0].Token != lp.Token {
+				t.Fatalf("bad logprob %+v", lp)
+			}
+		}
+		n += len(ev.Logprobs)
+		last = ev
+	}
+	if last.Finish != FinishStopString || last.StopStringIndex != 1 {
+		t.Fatalf("finish %v index %d, text %q", last.Finish, last.StopStringIndex, text.String())
+	}
+	if strings.Contains(text.String(), "Paris") || n == 0 {
+		t.Fatalf("stop text leaked or no logprobs: %q %d", text.String(), n)
+	}
+}
+
+func TestCancelWithContext(t *testing.T) {
+	s := session(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	events := 0
+	var gotErr error
+	var last Event
+	for ev, err := range s.Generate(ctx, Request{Text: chatPrompt(t, "Write a long story about a dragon."), MaxTokens: 300, IgnoreEOS: true}) {
+		if err != nil {
+			gotErr, last = err, ev
+			break
+		}
+		events++
+		if events == 3 {
+			cancel()
+		}
+	}
+	if !errors.Is(gotErr, context.Canceled) || last.Finish != FinishCancelled {
+		t.Fatalf("expected cancellation, got %v / %v after %d events", gotErr, last.Finish, events)
+	}
+	st, err := s.Stats()
+	if err != nil || st.Running+st.Waiting != 0 || st.KVUsedTokens != 0 || s.HasWork() {
+		t.Fatalf("session not idle after cancel: %+v %v", st, err)
+	}
+}
+
+func TestCancelFromAnotherGoroutineAndBreak(t *testing.T) {
+	s := session(t)
+	prompt := chatPrompt(t, "Count from one to one hundred.")
+	keep, err := s.AddRequest(Request{Text: prompt, MaxTokens: 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	victim, err := s.AddRequest(Request{Text: prompt, MaxTokens: 300, IgnoreEOS: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	finish := map[RequestID]FinishReason{}
+	cancelled := false
+	for s.HasWork() {
+		events, err := s.Step()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, ev := range events {
+			if ev.Finish != FinishNone {
+				finish[ev.RequestID] = ev.Finish
+			}
+		}
+		if !cancelled {
+			done := make(chan error)
+			go func() { done <- s.Cancel(victim) }()
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
+			cancelled = true
+		}
+	}
+	if finish[victim] != FinishCancelled || (finish[keep] != FinishLength && finish[keep] != FinishEOS) {
+		t.Fatalf("finish reasons %v", finish)
+	}
+	if err := s.Cancel(victim); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("second cancel: %v", err)
+	}
+	// Breaking out of Generate early cancels the request and leaves the session clean.
+	for range s.Generate(context.Background(), Request{Text: prompt, MaxTokens: 100, IgnoreEOS: true}) {
+		break
+	}
+	if st, _ := s.Stats(); st.Running+st.Waiting != 0 || st.KVUsedTokens != 0 {
+		t.Fatalf("not idle after break: %+v", st)
+	}
+}
+
+func TestErrors(t *testing.T) {
+	s := session(t)
+	cases := []struct {
+		req  Request
+		want string
+	}{
+		{Request{Prompt: []uint32{1, 2}, Temperature: -1}, "temperature"},
+		{Request{Prompt: []uint32{1, 2}, TopP: 1.5}, "top_p"},
+		{Request{Prompt: []uint32{1, 999999}}, "999999"},
+		{Request{}, "prompt is empty"},
+		{Request{Text: "a\xffb"}, "UTF-8"},
+		{Request{Prompt: []uint32{1}, StopStrings: []string{""}}, "stop_strings[0]"},
+	}
+	for _, c := range cases {
+		_, err := s.AddRequest(c.req)
+		var e *Error
+		if !errors.As(err, &e) || !errors.Is(err, ErrInvalidArgument) || !strings.Contains(e.Message, c.want) {
+			t.Errorf("request %+v: got %v, want an invalid-argument error mentioning %q", c.req, err, c.want)
+		}
+	}
+	if _, err := LoadModel("/nonexistent/model", nil); !errors.Is(err, ErrIO) {
+		t.Errorf("missing model: %v", err)
+	}
+	_, err := LoadModel(modelDir(t), &ModelOptions{Threads: 1, Progress: func(p float32) bool { return p < 0.5 }})
+	if !errors.Is(err, ErrCancelled) {
+		t.Errorf("progress cancel: %v", err)
+	}
+	// Closed objects refuse calls; closing twice is fine.
+	s2, err := NewSession(model(t), &SessionOptions{KVCapacityTokens: 1024})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s2.Close()
+	s2.Close()
+	if _, err := s2.AddRequest(Request{Prompt: []uint32{1}}); !errors.Is(err, ErrClosed) {
+		t.Errorf("closed session: %v", err)
+	}
+}
+
+func TestModelClosedWhileSessionLives(t *testing.T) {
+	m, err := LoadModel(modelDir(t), &ModelOptions{Threads: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := NewSession(m, &SessionOptions{KVCapacityTokens: 1024})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	m.Close()
+	if _, err := m.Tokenize("x", false); !errors.Is(err, ErrClosed) {
+		t.Fatalf("closed model: %v", err)
+	}
+	n := 0
+	for ev, err := range s.Generate(context.Background(), Request{Prompt: []uint32{1, 2, 3}, MaxTokens: 3}) {
+		if err != nil {
+			t.Fatal(err)
+		}
+		n += len(ev.Tokens)
+	}
+	if n == 0 {
+		t.Fatal("no tokens after closing the model")
+	}
+}
+
+func TestLogger(t *testing.T) {
+	var mu sync.Mutex
+	var messages []string
+	if err := SetLogger(func(level LogLevel, msg string) {
+		mu.Lock()
+		defer mu.Unlock()
+		messages = append(messages, msg)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := NewSession(model(t), &SessionOptions{KVCapacityTokens: 1024})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	if err := SetLogger(nil); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	found := false
+	for _, m := range messages {
+		found = found || strings.Contains(m, "session created")
+	}
+	if !found {
+		t.Fatalf("no session log in %q", messages)
+	}
+}
+
+func equal(a, b []uint32) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,270 @@
+//! Model handles: load, inspect, free.
+
+use super::args;
+use super::boundary::{ffi_call, ffi_value};
+use super::log::{emit, NI_LOG_INFO};
+use super::status::ni_status;
+use crate::engine::{Model, ModelParams};
+use crate::model::WeightDType;
+use crate::{bail_arg, Error, Result};
+use std::ffi::{c_char, c_void, CString};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Compute device.
+pub type ni_device = u32;
+/// The CPU backend (SIMD kernels, a thread pool per model).
+pub const NI_DEVICE_CPU: ni_device = 0;
+/// An NVIDIA GPU. Not available in this build: loading returns `NI_ERR_UNSUPPORTED`.
+pub const NI_DEVICE_CUDA: ni_device = 1;
+
+/// Weight data type.
+pub type ni_dtype = u32;
+/// Keep the checkpoint's dtype (zero-copy from the file where possible).
+pub const NI_DTYPE_AUTO: ni_dtype = 0;
+pub const NI_DTYPE_F32: ni_dtype = 1;
+pub const NI_DTYPE_F16: ni_dtype = 2;
+pub const NI_DTYPE_BF16: ni_dtype = 3;
+
+/// Reports load progress in [0, 1]; return false to cancel the load (which
+/// then fails with `NI_ERR_CANCELLED`). Called on the loading thread, during
+/// `ni_model_load` only.
+pub type ni_progress_callback =
+    Option<unsafe extern "C" fn(progress: f32, user_data: *mut c_void) -> bool>;
+
+/// How to load a model. Fill with `ni_model_params_init`, then change fields.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ni_model_params {
+    /// `sizeof(ni_model_params)`, set by `ni_model_params_init`.
+    pub struct_size: u32,
+    /// `NI_DEVICE_*`; default `NI_DEVICE_CPU`.
+    pub device: ni_device,
+    /// Device ordinal for GPU devices; ignored on CPU. Default 0.
+    pub device_index: i32,
+    /// `NI_DTYPE_*`; default `NI_DTYPE_AUTO`.
+    pub dtype: ni_dtype,
+    /// Threads for the CPU kernels; 0 (default) = all available cores.
+    pub n_threads: u32,
+    /// Optional progress callback; default NULL.
+    pub progress: ni_progress_callback,
+    /// Passed to `progress` unchanged.
+    pub progress_user_data: *mut c_void,
+}
+
+impl Default for ni_model_params {
+    fn default() -> Self {
+        ni_model_params {
+            struct_size: size_of::<ni_model_params>() as u32,
+            device: NI_DEVICE_CPU,
+            device_index: 0,
+            dtype: NI_DTYPE_AUTO,
+            n_threads: 0,
+            progress: None,
+            progress_user_data: std::ptr::null_mut(),
+        }
+    }
+}
+
+/// A loaded model (weights, tokenizer, kernel thread pool). Immutable after
+/// loading: one model may be used by any number of sessions and text calls
+/// on any threads at once.
+pub struct ni_model {
+    pub(crate) model: Arc<Model>,
+    architecture: CString,
+}
+
+/// Facts about a loaded model, filled by `ni_model_get_info`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ni_model_info {
+    /// Set to `sizeof(ni_model_info)` before calling `ni_model_get_info`.
+    pub struct_size: u32,
+    /// HuggingFace architecture name, e.g. `"LlamaForCausalLM"`. Owned by the
+    /// model; valid until `ni_model_free`.
+    pub architecture: *const c_char,
+    /// Rows of the embedding / logits: one past the largest token id.
+    pub vocab_size: u32,
+    /// Longest sequence (prompt + generated tokens) the model supports.
+    pub context_length: u32,
+    pub n_layers: u32,
+    pub hidden_size: u32,
+    pub n_heads: u32,
+    pub n_kv_heads: u32,
+    pub head_dim: u32,
+    /// Beginning-of-sequence token id, or -1 when the model has none.
+    pub bos_token_id: i64,
+    /// Token ids that end generation. Owned by the model; valid until `ni_model_free`.
+    pub eos_token_ids: *const u32,
+    pub n_eos_token_ids: usize,
+    /// Whether the directory had a tokenizer.json (text calls need one).
+    pub has_tokenizer: bool,
+    /// Whether the tokenizer has a usable chat template.
+    pub has_chat_template: bool,
+}
+
+fn weight_dtype(d: ni_dtype) -> Result<WeightDType> {
+    Ok(match d {
+        NI_DTYPE_AUTO => WeightDType::Auto,
+        NI_DTYPE_F32 => WeightDType::F32,
+        NI_DTYPE_F16 => WeightDType::F16,
+        NI_DTYPE_BF16 => WeightDType::BF16,
+        _ => bail_arg!("model params: dtype {d} is not an NI_DTYPE_* value"),
+    })
+}
+
+#[cfg(unix)]
+fn path_from_bytes(bytes: &[u8]) -> PathBuf {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::OsStr::from_bytes(bytes).into()
+}
+
+#[cfg(not(unix))]
+fn path_from_bytes(bytes: &[u8]) -> PathBuf {
+    String::from_utf8_lossy(bytes).into_owned().into()
+}
+
+/// Fills `params` with the defaults (CPU, dtype auto, all cores, no
+/// progress callback) and sets `struct_size`. NULL is a no-op.
+///
+/// Thread-safety: any thread.
+#[no_mangle]
+pub unsafe extern "C" fn ni_model_params_init(params: *mut ni_model_params) {
+    ffi_value("ni_model_params_init", (), || {
+        if let Ok(p) = args::out_ptr(params, "params") {
+            // SAFETY: non-NULL and aligned (checked); the caller provides room for the struct.
+            unsafe { p.write(ni_model_params::default()) };
+        }
+    })
+}
+
+/// Loads the HuggingFace model directory `path` (NUL-terminated; config.json,
+/// *.safetensors, optionally tokenizer.json and generation_config.json).
+/// `params` may be NULL for the defaults.
+///
+/// On success `*out_model` receives a new handle, to be freed with
+/// `ni_model_free`; on failure it is left untouched.
+/// Thread-safety: any thread; loads may run concurrently.
+#[no_mangle]
+pub unsafe extern "C" fn ni_model_load(
+    path: *const c_char,
+    params: *const ni_model_params,
+    out_model: *mut *mut ni_model,
+) -> ni_status {
+    ffi_call("ni_model_load", || {
+        // SAFETY: per this function's contract.
+        let path_bytes = unsafe { args::cstr_bytes(path, "path")? };
+        // SAFETY: per this function's contract.
+        let p = unsafe { args::params(params, ni_model_params::default, "params")? };
+        let out = args::out_ptr(out_model, "out_model")?;
+        if path_bytes.is_empty() {
+            bail_arg!("path is empty");
+        }
+        match p.device {
+            NI_DEVICE_CPU => {}
+            NI_DEVICE_CUDA => {
+                return Err(Error::unsupported(
+                    "device NI_DEVICE_CUDA: this build of nanoinfer has no CUDA backend",
+                ))
+            }
+            d => bail_arg!("model params: device {d} is not an NI_DEVICE_* value"),
+        }
+        let model_params = ModelParams {
+            dtype: weight_dtype(p.dtype)?,
+            threads: p.n_threads as usize,
+        };
+        let dir = path_from_bytes(path_bytes);
+        let model = match p.progress {
+            Some(cb) => {
+                let user_data = p.progress_user_data;
+                // SAFETY: the host installed this callback with this user_data for this call.
+                let mut report = |f: f32| unsafe { cb(f, user_data) };
+                Model::load(&dir, &model_params, Some(&mut report))?
+            }
+            None => Model::load(&dir, &model_params, None)?,
+        };
+        let c = model.config();
+        emit(
+            NI_LOG_INFO,
+            &format!(
+                "loaded {} from {}: {} layers, vocab {}, context {}, {} kernel threads, {:.0} ms",
+                c.architecture.hf_name(),
+                dir.display(),
+                c.num_layers,
+                c.vocab_size,
+                c.max_position_embeddings,
+                model.pool.threads(),
+                model.load_ms
+            ),
+        );
+        let architecture = CString::new(c.architecture.hf_name()).unwrap_or_default();
+        let handle = Box::new(ni_model {
+            model: Arc::new(model),
+            architecture,
+        });
+        // SAFETY: out was checked non-NULL and aligned.
+        unsafe { out.write(Box::into_raw(handle)) };
+        Ok(())
+    })
+}
+
+/// Releases a model handle. Sessions created from it keep the model alive
+/// until they are freed, so the order of `ni_model_free` and
+/// `ni_session_free` does not matter. NULL is a no-op.
+///
+/// Thread-safety: no other call may use this handle during or after this one.
+#[no_mangle]
+pub unsafe extern "C" fn ni_model_free(model: *mut ni_model) {
+    ffi_value("ni_model_free", (), || {
+        if !model.is_null() {
+            // SAFETY: a non-NULL handle came from Box::into_raw in ni_model_load
+            // and is freed once, per the contract.
+            drop(unsafe { Box::from_raw(model) });
+        }
+    })
+}
+
+/// Fills `*out_info` (whose `struct_size` the caller has set to
+/// `sizeof(ni_model_info)`). Pointers inside stay valid until `ni_model_free`.
+///
+/// Thread-safety: any thread, concurrently with any other use of the model.
+#[no_mangle]
+pub unsafe extern "C" fn ni_model_get_info(
+    model: *const ni_model,
+    out_info: *mut ni_model_info,
+) -> ni_status {
+    ffi_call("ni_model_get_info", || {
+        // SAFETY: per this function's contract.
+        let m = unsafe { args::handle(model, "model")? };
+        let out = args::out_struct(out_info, "out_info")?;
+        let c = m.model.config();
+        let tok = m.model.tokenizer.as_ref();
+        let eos = &m.model.eos_token_ids;
+        let info = ni_model_info {
+            struct_size: size_of::<ni_model_info>() as u32,
+            architecture: m.architecture.as_ptr(),
+            vocab_size: c.vocab_size as u32,
+            context_length: c.max_position_embeddings as u32,
+            n_layers: c.num_layers as u32,
+            hidden_size: c.hidden_size as u32,
+            n_heads: c.num_heads as u32,
+            n_kv_heads: c.num_kv_heads as u32,
+            head_dim: c.head_dim as u32,
+            bos_token_id: c
+                .bos_token_id
+                .or_else(|| tok.and_then(|t| t.bos_token_id()))
+                .map_or(-1, i64::from),
+            eos_token_ids: if eos.is_empty() {
+                std::ptr::null()
+            } else {
+                eos.as_ptr()
+            },
+            n_eos_token_ids: eos.len(),
+            has_tokenizer: tok.is_some(),
+            has_chat_template: tok.is_some_and(|t| t.has_chat_template()),
+        };
+        // SAFETY: out was checked non-NULL, aligned and of the right size.
+        unsafe { out.write(info) };
+        Ok(())
+    })
+}

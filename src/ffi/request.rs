@@ -1,0 +1,200 @@
+//! `ni_request_params`: what `ni_session_add_request` takes, and its
+//! conversion into the engine's `RequestParams`.
+
+use super::args;
+use super::boundary::ffi_value;
+use crate::engine::{Model, RequestParams};
+use crate::sampling::SamplingParams;
+use crate::{bail_arg, Result};
+use std::ffi::c_char;
+
+/// A bias added to one token's logit.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ni_logit_bias {
+    pub token: u32,
+    /// In [-100, 100]; -100 effectively bans the token.
+    pub bias: f32,
+}
+
+/// One generation request. Fill with `ni_request_params_init`, then set the
+/// prompt and change what you need. All arrays and strings are copied by
+/// `ni_session_add_request`; they need to live only during that call.
+///
+/// The prompt is either token ids (`prompt_tokens`) or text (`prompt_text`,
+/// tokenized with the model's tokenizer), not both. Sampling runs the fixed
+/// chain repetition penalty → presence/frequency penalty → logit bias →
+/// temperature → top-k → top-p → min-p → draw. Invalid values are rejected by
+/// `ni_session_add_request` with `NI_ERR_INVALID_ARGUMENT` and a message
+/// naming the parameter.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ni_request_params {
+    /// `sizeof(ni_request_params)`, set by `ni_request_params_init`.
+    pub struct_size: u32,
+    /// Prompt token ids (NULL with `n_prompt_tokens` 0 when `prompt_text` is used).
+    pub prompt_tokens: *const u32,
+    pub n_prompt_tokens: usize,
+    /// Prompt text, `prompt_text_len` bytes of UTF-8 (no NUL needed); NULL
+    /// when `prompt_tokens` is used.
+    pub prompt_text: *const c_char,
+    pub prompt_text_len: usize,
+    /// Tokenize `prompt_text` with the tokenizer's special tokens (e.g. BOS).
+    /// Default false: right for text from `ni_apply_chat_template`.
+    pub add_special_tokens: bool,
+    /// Most tokens to generate, >= 1. Default 256.
+    pub max_tokens: u32,
+    /// EOS and stop tokens are suppressed until this many were generated. Default 0.
+    pub min_tokens: u32,
+    /// 0 = greedy (default); otherwise logits are divided by it. Finite, >= 0.
+    pub temperature: f32,
+    /// Keep the k most likely tokens; 0 = off (default). >= 0.
+    pub top_k: i32,
+    /// Nucleus sampling mass in (0, 1]; 1 = off (default).
+    pub top_p: f32,
+    /// Drop tokens below min_p times the top probability, in [0, 1]; 0 = off (default).
+    pub min_p: f32,
+    /// HF repetition penalty over prompt + output, in (0, 10]; 1 = off (default).
+    pub repetition_penalty: f32,
+    /// OpenAI presence penalty in [-2, 2]; 0 = off (default).
+    pub presence_penalty: f32,
+    /// OpenAI frequency penalty in [-2, 2]; 0 = off (default).
+    pub frequency_penalty: f32,
+    /// Per-token logit biases (distinct ids in the vocabulary).
+    pub logit_bias: *const ni_logit_bias,
+    pub n_logit_bias: usize,
+    /// Seed of the request's own random stream when `use_seed` is true, so the
+    /// same request gives the same tokens regardless of other requests.
+    /// Otherwise (default) the stream is seeded from the session's seed.
+    pub seed: u64,
+    pub use_seed: bool,
+    /// Token ids that end generation (the stop token is emitted).
+    pub stop_token_ids: *const u32,
+    pub n_stop_token_ids: usize,
+    /// NUL-terminated UTF-8 stop strings (at most 16, each 1-256 bytes). A
+    /// match ends generation; the stop text itself is not emitted.
+    pub stop_strings: *const *const c_char,
+    pub n_stop_strings: usize,
+    /// Keep generating after an end-of-sequence token. Default false.
+    pub ignore_eos: bool,
+    /// Number of top alternatives (0-20) to return with each token's logprob;
+    /// 0 (default) returns no logprobs.
+    pub logprobs: u32,
+    /// Scheduling priority under `NI_SCHEDULE_PRIORITY`: lower is more urgent.
+    /// Default 0.
+    pub priority: i32,
+    /// Requests share cached prompt prefixes only with requests of the same
+    /// salt (tenant isolation). Default 0.
+    pub cache_salt: u64,
+}
+
+impl Default for ni_request_params {
+    fn default() -> Self {
+        let s = SamplingParams::default();
+        ni_request_params {
+            struct_size: size_of::<ni_request_params>() as u32,
+            prompt_tokens: std::ptr::null(),
+            n_prompt_tokens: 0,
+            prompt_text: std::ptr::null(),
+            prompt_text_len: 0,
+            add_special_tokens: false,
+            max_tokens: s.max_tokens,
+            min_tokens: s.min_tokens,
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: s.top_p,
+            min_p: s.min_p,
+            repetition_penalty: s.repetition_penalty,
+            presence_penalty: s.presence_penalty,
+            frequency_penalty: s.frequency_penalty,
+            logit_bias: std::ptr::null(),
+            n_logit_bias: 0,
+            seed: 0,
+            use_seed: false,
+            stop_token_ids: std::ptr::null(),
+            n_stop_token_ids: 0,
+            stop_strings: std::ptr::null(),
+            n_stop_strings: 0,
+            ignore_eos: s.ignore_eos,
+            logprobs: s.logprobs,
+            priority: 0,
+            cache_salt: 0,
+        }
+    }
+}
+
+/// Fills `params` with the defaults (greedy, 256 tokens, no stops, priority
+/// 0, no prompt) and sets `struct_size`. NULL is a no-op.
+///
+/// Thread-safety: any thread.
+#[no_mangle]
+pub unsafe extern "C" fn ni_request_params_init(params: *mut ni_request_params) {
+    ffi_value("ni_request_params_init", (), || {
+        if let Ok(p) = args::out_ptr(params, "params") {
+            // SAFETY: non-NULL and aligned (checked); the caller provides room for the struct.
+            unsafe { p.write(ni_request_params::default()) };
+        }
+    })
+}
+
+/// Copies the caller's request into engine parameters, tokenizing a text
+/// prompt. Range checks of sampling values are left to the engine, which
+/// names the parameter in its error.
+///
+/// # Safety
+/// Every pointer in `p` must honour its documented contract.
+pub(crate) unsafe fn to_engine(p: &ni_request_params, model: &Model) -> Result<RequestParams> {
+    let prompt = if !p.prompt_text.is_null() {
+        if p.n_prompt_tokens != 0 || !p.prompt_tokens.is_null() {
+            bail_arg!("request: set either prompt_tokens or prompt_text, not both");
+        }
+        // SAFETY: forwarded contract.
+        let text = unsafe { args::text(p.prompt_text, p.prompt_text_len, "request.prompt_text")? };
+        model.tokenizer()?.encode(text, p.add_special_tokens)?
+    } else {
+        // SAFETY: forwarded contract.
+        unsafe { args::slice(p.prompt_tokens, p.n_prompt_tokens, "request.prompt_tokens")? }
+            .to_vec()
+    };
+    // SAFETY: forwarded contract.
+    let bias = unsafe { args::slice(p.logit_bias, p.n_logit_bias, "request.logit_bias")? };
+    // SAFETY: forwarded contract.
+    let stop_ids = unsafe {
+        args::slice(
+            p.stop_token_ids,
+            p.n_stop_token_ids,
+            "request.stop_token_ids",
+        )?
+    };
+    // SAFETY: forwarded contract.
+    let stop_ptrs =
+        unsafe { args::slice(p.stop_strings, p.n_stop_strings, "request.stop_strings")? };
+    let mut stop_strings = Vec::with_capacity(stop_ptrs.len());
+    for (i, &s) in stop_ptrs.iter().enumerate() {
+        // SAFETY: each entry is a NUL-terminated string (contract).
+        stop_strings
+            .push(unsafe { args::cstr(s, &format!("request.stop_strings[{i}]"))? }.to_string());
+    }
+    Ok(RequestParams {
+        prompt,
+        sampling: SamplingParams {
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            repetition_penalty: p.repetition_penalty,
+            presence_penalty: p.presence_penalty,
+            frequency_penalty: p.frequency_penalty,
+            logit_bias: bias.iter().map(|b| (b.token, b.bias)).collect(),
+            seed: p.use_seed.then_some(p.seed),
+            max_tokens: p.max_tokens,
+            min_tokens: p.min_tokens,
+            stop_token_ids: stop_ids.to_vec(),
+            stop_strings,
+            ignore_eos: p.ignore_eos,
+            logprobs: p.logprobs,
+        },
+        priority: p.priority,
+        cache_salt: p.cache_salt,
+    })
+}

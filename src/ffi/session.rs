@@ -1,0 +1,445 @@
+//! Session handles: create, add requests, cancel, stats, free.
+
+use super::args;
+use super::boundary::{ffi_call, ffi_value};
+use super::log::{emit, NI_LOG_INFO, NI_LOG_WARN};
+use super::model::ni_model;
+use super::request::{self, ni_request_params};
+use super::status::ni_status;
+use crate::engine::{Model, PreemptionMode, SchedulePolicyKind, Session, SessionParams};
+use crate::kv::KvBackendKind;
+use crate::{bail_arg, Error, Result};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// KV cache manager.
+pub type ni_kv_backend = u32;
+/// vLLM-style paged blocks with hash-chained prefix reuse (default).
+pub const NI_KV_BACKEND_PAGED: ni_kv_backend = 0;
+/// SGLang-style token pool with a radix-tree prefix cache.
+pub const NI_KV_BACKEND_TOKEN: ni_kv_backend = 1;
+
+/// Where per-step scratch memory comes from.
+pub type ni_memory_pool = u32;
+/// The engine's choice (default).
+pub const NI_MEMORY_POOL_DEFAULT: ni_memory_pool = 0;
+/// The system allocator (what the default is today).
+pub const NI_MEMORY_POOL_SYSTEM: ni_memory_pool = 1;
+/// Bump-pointer arena reset every step. Not yet selectable: `NI_ERR_UNSUPPORTED`.
+pub const NI_MEMORY_POOL_CPU_ARENA: ni_memory_pool = 2;
+/// Power-of-two slab allocator. Not yet selectable: `NI_ERR_UNSUPPORTED`.
+pub const NI_MEMORY_POOL_CPU_SLAB: ni_memory_pool = 3;
+
+/// Scheduling policy.
+pub type ni_schedule_policy = u32;
+/// First come, first served (default).
+pub const NI_SCHEDULE_FCFS: ni_schedule_policy = 0;
+/// Lower `priority` first; waiting requests age so nothing starves.
+pub const NI_SCHEDULE_PRIORITY: ni_schedule_policy = 1;
+
+/// What happens to a running request when KV memory runs out.
+pub type ni_preemption_mode = u32;
+/// Free its KV and recompute it when resumed (default).
+pub const NI_PREEMPTION_RECOMPUTE: ni_preemption_mode = 0;
+/// Copy its KV to host memory and back when resumed.
+pub const NI_PREEMPTION_SWAP: ni_preemption_mode = 1;
+
+/// Shape of a session. Fill with `ni_session_params_init`, then change fields.
+///
+/// KV capacity is taken from the first non-zero of `kv_capacity_tokens`,
+/// `kv_memory_bytes`, `kv_memory_fraction`; when all are 0 the engine picks
+/// a budget (a quarter of available memory, at most 2 GiB). The KV cache is
+/// allocated once, at creation.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ni_session_params {
+    /// `sizeof(ni_session_params)`, set by `ni_session_params_init`.
+    pub struct_size: u32,
+    /// `NI_KV_BACKEND_*`; default paged.
+    pub kv_backend: ni_kv_backend,
+    /// `NI_MEMORY_POOL_*`; default `NI_MEMORY_POOL_DEFAULT`.
+    pub memory_pool: ni_memory_pool,
+    /// Tokens per KV block (paged backend), 1-1024. Default 16.
+    pub block_size: u32,
+    /// KV capacity in tokens; 0 = use the byte budget.
+    pub kv_capacity_tokens: u64,
+    /// KV budget in bytes; 0 = use the fraction.
+    pub kv_memory_bytes: u64,
+    /// KV budget as a fraction (0, 1] of the memory available now; 0 = automatic.
+    pub kv_memory_fraction: f32,
+    /// Token budget of one step (prefill chunks + decode tokens). Default 512.
+    pub max_batched_tokens: u32,
+    /// Most requests in one step. Default 64.
+    pub max_seqs: u32,
+    /// Longest prefill piece of one request in one step. Default 512.
+    pub prefill_chunk_size: u32,
+    /// `NI_SCHEDULE_*`; default FCFS.
+    pub policy: ni_schedule_policy,
+    /// Steps a waiting request needs to gain one priority level. Default 64.
+    pub aging_steps: u64,
+    /// Reuse KV of shared prompt prefixes. Default true.
+    pub prefix_caching: bool,
+    /// `NI_PREEMPTION_*`; default recompute.
+    pub preemption: ni_preemption_mode,
+    /// Seeds the random stream of requests without their own seed. Default 0.
+    pub seed: u64,
+}
+
+impl Default for ni_session_params {
+    fn default() -> Self {
+        let d = SessionParams::default();
+        ni_session_params {
+            struct_size: size_of::<ni_session_params>() as u32,
+            kv_backend: match d.kv_backend {
+                KvBackendKind::Paged => NI_KV_BACKEND_PAGED,
+                KvBackendKind::Token => NI_KV_BACKEND_TOKEN,
+            },
+            memory_pool: NI_MEMORY_POOL_DEFAULT,
+            block_size: d.block_size as u32,
+            kv_capacity_tokens: d.kv_capacity_tokens as u64,
+            kv_memory_bytes: d.kv_memory_bytes as u64,
+            kv_memory_fraction: 0.0,
+            max_batched_tokens: d.max_batched_tokens as u32,
+            max_seqs: d.max_seqs as u32,
+            prefill_chunk_size: d.prefill_chunk_size as u32,
+            policy: match d.policy {
+                SchedulePolicyKind::Fcfs => NI_SCHEDULE_FCFS,
+                SchedulePolicyKind::Priority => NI_SCHEDULE_PRIORITY,
+            },
+            aging_steps: d.aging_steps,
+            prefix_caching: d.prefix_caching,
+            preemption: match d.preemption {
+                PreemptionMode::Recompute => NI_PREEMPTION_RECOMPUTE,
+                PreemptionMode::Swap => NI_PREEMPTION_SWAP,
+            },
+            seed: d.seed,
+        }
+    }
+}
+
+fn to_usize(v: u64, what: &str) -> Result<usize> {
+    usize::try_from(v).map_err(|_| {
+        Error::invalid_arg(format!("session params: {what} {v} does not fit in memory"))
+    })
+}
+
+fn to_engine(p: &ni_session_params) -> Result<SessionParams> {
+    let kv_backend = match p.kv_backend {
+        NI_KV_BACKEND_PAGED => KvBackendKind::Paged,
+        NI_KV_BACKEND_TOKEN => KvBackendKind::Token,
+        v => bail_arg!("session params: kv_backend {v} is not an NI_KV_BACKEND_* value"),
+    };
+    match p.memory_pool {
+        NI_MEMORY_POOL_DEFAULT | NI_MEMORY_POOL_SYSTEM => {}
+        NI_MEMORY_POOL_CPU_ARENA | NI_MEMORY_POOL_CPU_SLAB => {
+            return Err(Error::unsupported(format!(
+                "session params: memory_pool {} is not selectable in this build yet (use NI_MEMORY_POOL_DEFAULT)",
+                p.memory_pool
+            )))
+        }
+        v => bail_arg!("session params: memory_pool {v} is not an NI_MEMORY_POOL_* value"),
+    }
+    let policy = match p.policy {
+        NI_SCHEDULE_FCFS => SchedulePolicyKind::Fcfs,
+        NI_SCHEDULE_PRIORITY => SchedulePolicyKind::Priority,
+        v => bail_arg!("session params: policy {v} is not an NI_SCHEDULE_* value"),
+    };
+    let preemption = match p.preemption {
+        NI_PREEMPTION_RECOMPUTE => PreemptionMode::Recompute,
+        NI_PREEMPTION_SWAP => PreemptionMode::Swap,
+        v => bail_arg!("session params: preemption {v} is not an NI_PREEMPTION_* value"),
+    };
+    let f = p.kv_memory_fraction;
+    if !(0.0..=1.0).contains(&f) {
+        bail_arg!("session params: kv_memory_fraction must be in [0, 1] (0 = automatic), got {f}");
+    }
+    let mut kv_memory_bytes = to_usize(p.kv_memory_bytes, "kv_memory_bytes")?;
+    if p.kv_capacity_tokens == 0 && kv_memory_bytes == 0 && f > 0.0 {
+        let available = crate::sysinfo::available_memory_bytes().ok_or_else(|| {
+            Error::unsupported("session params: kv_memory_fraction needs the available memory, which this OS does not report; set kv_memory_bytes")
+        })?;
+        kv_memory_bytes = ((available as f64) * f as f64) as usize;
+        if kv_memory_bytes == 0 {
+            bail_arg!(
+                "session params: kv_memory_fraction {f} of {available} available bytes is 0 bytes"
+            );
+        }
+    }
+    Ok(SessionParams {
+        kv_backend,
+        block_size: p.block_size as usize,
+        kv_capacity_tokens: to_usize(p.kv_capacity_tokens, "kv_capacity_tokens")?,
+        kv_memory_bytes,
+        max_batched_tokens: p.max_batched_tokens as usize,
+        max_seqs: p.max_seqs as usize,
+        prefill_chunk_size: p.prefill_chunk_size as usize,
+        policy,
+        aging_steps: p.aging_steps,
+        prefix_caching: p.prefix_caching,
+        preemption,
+        seed: p.seed,
+    })
+}
+
+/// A serving session: requests, scheduler and KV cache over one model.
+/// Internally serialized by a mutex, so calls from different threads are
+/// memory-safe; see each function for what may overlap usefully.
+pub struct ni_session {
+    /// The model, also reachable without the lock (for tokenizing prompts).
+    pub(crate) model: Arc<Model>,
+    pub(crate) state: Mutex<SessionState>,
+}
+
+pub(crate) struct SessionState {
+    pub(crate) session: Session,
+    /// Test hook (`ni_debug_force_panic`): the next step panics while locked.
+    pub(crate) panic_next_step: bool,
+}
+
+impl ni_session {
+    /// Locks the session. If an earlier call panicked while holding the lock,
+    /// the session is reused only when its consistency checks pass.
+    pub(crate) fn lock(&self) -> Result<MutexGuard<'_, SessionState>> {
+        match self.state.lock() {
+            Ok(guard) => Ok(guard),
+            Err(poisoned) => {
+                let guard = poisoned.into_inner();
+                if let Err(e) = guard.session.check_invariants() {
+                    return Err(Error::internal(format!(
+                        "the session is unusable after an internal panic ({e}); free it and create a new one"
+                    )));
+                }
+                self.state.clear_poison();
+                emit(
+                    NI_LOG_WARN,
+                    "session recovered after an internal panic; its consistency checks pass",
+                );
+                Ok(guard)
+            }
+        }
+    }
+}
+
+/// Fills `params` with the defaults and sets `struct_size`. NULL is a no-op.
+///
+/// Thread-safety: any thread.
+#[no_mangle]
+pub unsafe extern "C" fn ni_session_params_init(params: *mut ni_session_params) {
+    ffi_value("ni_session_params_init", (), || {
+        if let Ok(p) = args::out_ptr(params, "params") {
+            // SAFETY: non-NULL and aligned (checked); the caller provides room for the struct.
+            unsafe { p.write(ni_session_params::default()) };
+        }
+    })
+}
+
+/// Creates a session over `model` (`params` may be NULL for the defaults)
+/// and allocates its KV cache. The session holds its own reference to the
+/// model: `ni_model_free` may be called before `ni_session_free`.
+///
+/// On success `*out_session` receives a handle to free with
+/// `ni_session_free`. Fails with `NI_ERR_OUT_OF_MEMORY` when the KV budget
+/// cannot hold one context.
+/// Thread-safety: any thread; several sessions may share one model and be
+/// driven from different threads at once.
+#[no_mangle]
+pub unsafe extern "C" fn ni_session_create(
+    model: *const ni_model,
+    params: *const ni_session_params,
+    out_session: *mut *mut ni_session,
+) -> ni_status {
+    ffi_call("ni_session_create", || {
+        // SAFETY: per this function's contract.
+        let m = unsafe { args::handle(model, "model")? };
+        // SAFETY: per this function's contract.
+        let p = unsafe { args::params(params, ni_session_params::default, "params")? };
+        let out = args::out_ptr(out_session, "out_session")?;
+        let engine_params = to_engine(&p)?;
+        let session = Session::new(m.model.clone(), engine_params)?;
+        let st = session.stats();
+        emit(
+            NI_LOG_INFO,
+            &format!(
+                "session created: {} KV backend, {} tokens of KV capacity, {} tokens per block",
+                p_kv_name(p.kv_backend),
+                st.kv_capacity_tokens,
+                st.kv.granularity
+            ),
+        );
+        let handle = Box::new(ni_session {
+            model: m.model.clone(),
+            state: Mutex::new(SessionState {
+                session,
+                panic_next_step: false,
+            }),
+        });
+        // SAFETY: out was checked non-NULL and aligned.
+        unsafe { out.write(Box::into_raw(handle)) };
+        Ok(())
+    })
+}
+
+fn p_kv_name(k: ni_kv_backend) -> &'static str {
+    if k == NI_KV_BACKEND_TOKEN {
+        "token"
+    } else {
+        "paged"
+    }
+}
+
+/// Frees a session, its KV cache and every request still in it (no events
+/// are delivered for them). NULL is a no-op.
+///
+/// Thread-safety: no other call may use this session during or after this one.
+#[no_mangle]
+pub unsafe extern "C" fn ni_session_free(session: *mut ni_session) {
+    ffi_value("ni_session_free", (), || {
+        if !session.is_null() {
+            // SAFETY: a non-NULL handle came from Box::into_raw in
+            // ni_session_create and is freed once, per the contract.
+            drop(unsafe { Box::from_raw(session) });
+        }
+    })
+}
+
+/// Validates `request` and queues it; on success `*out_id` receives its id
+/// (ids start at 1 and are never reused within a session). Nothing is queued
+/// on failure: `NI_ERR_INVALID_ARGUMENT` names the bad parameter (empty
+/// prompt, token id outside the vocabulary, prompt + max_tokens beyond the
+/// context length or the KV capacity, NaN temperature, top_p outside
+/// (0, 1], ...).
+///
+/// Thread-safety: any thread; serialized with other calls on this session
+/// (it waits for a running `ni_session_step`).
+#[no_mangle]
+pub unsafe extern "C" fn ni_session_add_request(
+    session: *mut ni_session,
+    request: *const ni_request_params,
+    out_id: *mut u64,
+) -> ni_status {
+    ffi_call("ni_session_add_request", || {
+        // SAFETY: per this function's contract.
+        let s = unsafe { args::handle(session, "session")? };
+        if request.is_null() {
+            bail_arg!("request is NULL");
+        }
+        // SAFETY: per this function's contract.
+        let p = unsafe { args::params(request, ni_request_params::default, "request")? };
+        let out = args::out_ptr(out_id, "out_id")?;
+        // SAFETY: the pointers inside the request follow its documented contract.
+        let engine_request = unsafe { request::to_engine(&p, &s.model)? };
+        let id = s.lock()?.session.add_request(engine_request)?;
+        // SAFETY: out was checked non-NULL and aligned.
+        unsafe { out.write(id) };
+        Ok(())
+    })
+}
+
+/// Cancels a waiting or running request. Its terminal event (finish reason
+/// `NI_FINISH_CANCELLED`) is delivered by the next `ni_session_step`, and its
+/// KV is freed at once. An unknown, finished or already cancelled id fails
+/// with `NI_ERR_INVALID_ARGUMENT` and changes nothing.
+///
+/// Thread-safety: any thread; serialized with other calls on this session
+/// (it waits for a running `ni_session_step`).
+#[no_mangle]
+pub unsafe extern "C" fn ni_session_cancel(session: *mut ni_session, request_id: u64) -> ni_status {
+    ffi_call("ni_session_cancel", || {
+        // SAFETY: per this function's contract.
+        let s = unsafe { args::handle(session, "session")? };
+        s.lock()?.session.cancel(request_id)
+    })
+}
+
+/// Counters and occupancy of a session, filled by `ni_session_get_stats`.
+/// KV figures are in tokens; `kv_block_size` is the allocation granularity
+/// (block size for paged, 1 for the token pool), so blocks = tokens / it.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ni_session_stats {
+    /// Set to `sizeof(ni_session_stats)` before calling `ni_session_get_stats`.
+    pub struct_size: u32,
+    /// Requests scheduled in the KV cache / waiting for admission.
+    pub running: u64,
+    pub waiting: u64,
+    /// Usable KV capacity.
+    pub kv_capacity_tokens: u64,
+    pub kv_block_size: u64,
+    /// Slots referenced by live requests.
+    pub kv_used_tokens: u64,
+    /// Slots on the free list.
+    pub kv_free_tokens: u64,
+    /// Slots holding reusable cached prefixes nobody references (evictable).
+    pub kv_cached_tokens: u64,
+    /// Engine steps run.
+    pub steps: u64,
+    /// Prompt tokens computed / tokens decoded.
+    pub prefill_tokens: u64,
+    pub decode_tokens: u64,
+    /// Prefix-cache lookups that reused at least one token, and tokens reused.
+    pub prefix_cache_hits: u64,
+    pub prefix_cache_tokens_reused: u64,
+    /// Running requests preempted for KV room, and tokens swapped to host memory.
+    pub preemptions: u64,
+    pub swapped_out_tokens: u64,
+}
+
+/// Fills `*out_stats` (whose `struct_size` the caller has set to
+/// `sizeof(ni_session_stats)`).
+///
+/// Thread-safety: any thread; serialized with other calls on this session
+/// (it waits for a running `ni_session_step`).
+#[no_mangle]
+pub unsafe extern "C" fn ni_session_get_stats(
+    session: *mut ni_session,
+    out_stats: *mut ni_session_stats,
+) -> ni_status {
+    ffi_call("ni_session_get_stats", || {
+        // SAFETY: per this function's contract.
+        let s = unsafe { args::handle(session, "session")? };
+        let out = args::out_struct(out_stats, "out_stats")?;
+        let st = s.lock()?.session.stats();
+        let stats = ni_session_stats {
+            struct_size: size_of::<ni_session_stats>() as u32,
+            running: st.running as u64,
+            waiting: st.waiting as u64,
+            kv_capacity_tokens: st.kv_capacity_tokens as u64,
+            kv_block_size: st.kv.granularity as u64,
+            kv_used_tokens: st.kv.used_slots as u64,
+            kv_free_tokens: st.kv.free_slots as u64,
+            kv_cached_tokens: st.kv.evictable_slots as u64,
+            steps: st.steps,
+            prefill_tokens: st.prefill_tokens,
+            decode_tokens: st.decode_tokens,
+            prefix_cache_hits: st.kv.prefix_hits,
+            prefix_cache_tokens_reused: st.kv.prefix_tokens_reused,
+            preemptions: st.preemptions,
+            swapped_out_tokens: st.swapped_out_tokens,
+        };
+        // SAFETY: out was checked non-NULL, aligned and of the right size.
+        unsafe { out.write(stats) };
+        Ok(())
+    })
+}
+
+/// Whether the session has requests that still need `ni_session_step`
+/// (waiting, running, or with an undelivered terminal event). False for NULL
+/// and for a session that is unusable after an internal panic.
+///
+/// Thread-safety: any thread; serialized with other calls on this session.
+#[no_mangle]
+pub unsafe extern "C" fn ni_session_has_work(session: *mut ni_session) -> bool {
+    ffi_value("ni_session_has_work", false, || {
+        // SAFETY: per this function's contract.
+        let Ok(s) = (unsafe { args::handle(session, "session") }) else {
+            return false;
+        };
+        s.lock().map(|st| st.session.has_work()).unwrap_or(false)
+    })
+}
+
+// Handles are used from several threads (see the thread-safety notes).
+const _: () = {
+    const fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<ni_session>();
+    assert_send_sync::<ni_model>();
+};
