@@ -32,7 +32,8 @@ fn main() {
     let result = match cmd.as_str() {
         "generate" => Args::parse(rest, generate::FLAGS).and_then(|a| generate::run(&a)),
         "perplexity" => Args::parse(rest, perplexity::FLAGS).and_then(|a| perplexity::run(&a)),
-        "bench" => Args::parse(&bench::expand_short_options(rest), bench::FLAGS).and_then(|a| bench::run(&a)),
+        "bench" => Args::parse(&bench::expand_short_options(rest), bench::FLAGS)
+            .and_then(|a| bench::run(&a)),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             Ok(())
