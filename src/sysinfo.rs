@@ -24,6 +24,11 @@ pub fn rss_bytes() -> Option<usize> {
 fn kib_field(path: &str, key: &str) -> Option<usize> {
     let text = std::fs::read_to_string(path).ok()?;
     let line = text.lines().find(|l| l.starts_with(key))?;
-    let kib: usize = line[key.len()..].trim().trim_end_matches("kB").trim().parse().ok()?;
+    let kib: usize = line[key.len()..]
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
     Some(kib * 1024)
 }

@@ -7,7 +7,10 @@ use serde_json::Value;
 use std::process::Command;
 
 fn nanoinfer(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_nanoinfer")).args(args).output().expect("runs nanoinfer");
+    let out = Command::new(env!("CARGO_BIN_EXE_nanoinfer"))
+        .args(args)
+        .output()
+        .expect("runs nanoinfer");
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -18,7 +21,12 @@ fn nanoinfer(args: &[&str]) -> (i32, String, String) {
 #[test]
 fn generate_json_matches_transformers_for_the_acceptance_prompt() {
     let g = golden("smollm2.json");
-    let case = g["cases"].as_array().unwrap().iter().find(|c| c["name"] == "roman").expect("roman case");
+    let case = g["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "roman")
+        .expect("roman case");
     let dir = smollm2_dir("");
     let (code, stdout, stderr) = nanoinfer(&[
         "generate",
@@ -37,8 +45,16 @@ fn generate_json_matches_transformers_for_the_acceptance_prompt() {
     assert_eq!(ids(&v["output_ids"]), want);
     assert_eq!(v["finish_reason"], "length");
     assert!(!v["text"].as_str().unwrap().is_empty());
-    for key in ["load_ms", "ttft_ms", "prefill_tokens_per_s", "decode_tokens_per_s"] {
-        assert!(v["timings"][key].as_f64().is_some(), "timings.{key} missing");
+    for key in [
+        "load_ms",
+        "ttft_ms",
+        "prefill_tokens_per_s",
+        "decode_tokens_per_s",
+    ] {
+        assert!(
+            v["timings"][key].as_f64().is_some(),
+            "timings.{key} missing"
+        );
     }
 }
 
@@ -58,10 +74,17 @@ fn generate_several_prompts_prints_one_line_each_in_order() {
         "--json",
     ]);
     assert_eq!(code, 0, "stderr: {stderr}");
-    let lines: Vec<Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(lines.len(), 2);
     assert_eq!(lines[0]["output_ids"].as_array().unwrap().len(), 6);
-    assert!(lines[1]["text"].as_str().unwrap().contains("Paris"), "{}", lines[1]["text"]);
+    assert!(
+        lines[1]["text"].as_str().unwrap().contains("Paris"),
+        "{}",
+        lines[1]["text"]
+    );
 }
 
 #[test]
@@ -89,22 +112,48 @@ fn perplexity_json_matches_transformers() {
 
 #[test]
 fn bad_input_is_a_clear_error() {
-    let (code, _, stderr) = nanoinfer(&["generate", "--model", "/nonexistent/model", "--prompt", "hi"]);
+    let (code, _, stderr) = nanoinfer(&[
+        "generate",
+        "--model",
+        "/nonexistent/model",
+        "--prompt",
+        "hi",
+    ]);
     assert_eq!(code, 1);
-    assert!(stderr.contains("/nonexistent/model") && stderr.contains("does not exist"), "{stderr}");
+    assert!(
+        stderr.contains("/nonexistent/model") && stderr.contains("does not exist"),
+        "{stderr}"
+    );
 
     let (code, _, stderr) = nanoinfer(&["generate", "--modle", "x"]);
     assert_eq!(code, 1);
     assert!(stderr.contains("unknown option --modle"), "{stderr}");
 
     let dir = smollm2_dir("");
-    let (code, _, stderr) =
-        nanoinfer(&["generate", "--model", dir.to_str().unwrap(), "--prompt", "hi", "--temperature", "-1"]);
+    let (code, _, stderr) = nanoinfer(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--temperature",
+        "-1",
+    ]);
     assert_eq!(code, 1);
     assert!(stderr.contains("temperature"), "{stderr}");
 
-    let (code, _, stderr) =
-        nanoinfer(&["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", "1,999999", "--max-tokens", "2"]);
+    let (code, _, stderr) = nanoinfer(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt-ids",
+        "1,999999",
+        "--max-tokens",
+        "2",
+    ]);
     assert_eq!(code, 1);
-    assert!(stderr.contains("999999") && stderr.contains("vocabulary"), "{stderr}");
+    assert!(
+        stderr.contains("999999") && stderr.contains("vocabulary"),
+        "{stderr}"
+    );
 }

@@ -47,11 +47,19 @@ fn cases(g: &Value) -> Vec<Case> {
 fn check_greedy_and_logits(model: &Model, cases: &[Case], rel: f32) {
     for case in cases {
         let (out, rows) = greedy_with_logits(model, &case.prompt, case.output.len()).unwrap();
-        assert_eq!(out, case.output, "{}: greedy ids differ from transformers", case.name);
+        assert_eq!(
+            out, case.output,
+            "{}: greedy ids differ from transformers",
+            case.name
+        );
         for (step, (row, want)) in rows.iter().zip(&case.top_logits).enumerate() {
             for &(id, logit) in want {
                 let got = row[id as usize];
-                assert!(close(got, logit, rel), "{} step {step} token {id}: logit {got} vs transformers {logit}", case.name);
+                assert!(
+                    close(got, logit, rel),
+                    "{} step {step} token {id}: logit {got} vs transformers {logit}",
+                    case.name
+                );
             }
         }
     }
@@ -62,8 +70,20 @@ fn check_batched_session(model: &std::sync::Arc<Model>, cases: &[Case], params: 
     let mut session = Session::new(model.clone(), params).unwrap();
     let mut ids = Vec::new();
     for c in cases {
-        let sampling = SamplingParams { max_tokens: c.output.len() as u32, ignore_eos: true, ..Default::default() };
-        ids.push(session.add_request(RequestParams { prompt: c.prompt.clone(), sampling, ..Default::default() }).unwrap());
+        let sampling = SamplingParams {
+            max_tokens: c.output.len() as u32,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        ids.push(
+            session
+                .add_request(RequestParams {
+                    prompt: c.prompt.clone(),
+                    sampling,
+                    ..Default::default()
+                })
+                .unwrap(),
+        );
     }
     let mut outputs = vec![Vec::new(); cases.len()];
     while session.has_work() {
@@ -73,17 +93,29 @@ fn check_batched_session(model: &std::sync::Arc<Model>, cases: &[Case], params: 
         }
     }
     for (c, out) in cases.iter().zip(outputs) {
-        assert_eq!(out, c.output, "{}: batched session output differs from transformers", c.name);
+        assert_eq!(
+            out, c.output,
+            "{}: batched session output differs from transformers",
+            c.name
+        );
     }
     session.check_invariants().unwrap();
 }
 
 fn tiny(arch: &str) {
     let g = golden(&format!("tiny-{arch}.json"));
-    let model = load_model(&repo_path(&format!("tests/data/tiny-{arch}")), WeightDType::F32);
+    let model = load_model(
+        &repo_path(&format!("tests/data/tiny-{arch}")),
+        WeightDType::F32,
+    );
     let cases = cases(&g);
     check_greedy_and_logits(&model, &cases, 1e-3);
-    let params = SessionParams { kv_capacity_tokens: 1024, block_size: 4, prefill_chunk_size: 7, ..Default::default() };
+    let params = SessionParams {
+        kv_capacity_tokens: 1024,
+        block_size: 4,
+        prefill_chunk_size: 7,
+        ..Default::default()
+    };
     check_batched_session(&model, &cases, params);
 }
 
@@ -111,8 +143,20 @@ fn smollm2_tokenizer_and_chat_template_give_transformers_prompt_ids() {
     for c in g["cases"].as_array().unwrap() {
         let text = c["text"].as_str().unwrap();
         let got = if c["chat"].as_bool().unwrap() {
-            let rendered = tok.apply_chat_template(&[ChatMessage { role: "user".into(), content: text.into() }], true).unwrap();
-            assert_eq!(rendered, c["rendered"].as_str().unwrap(), "chat rendering of {text:?}");
+            let rendered = tok
+                .apply_chat_template(
+                    &[ChatMessage {
+                        role: "user".into(),
+                        content: text.into(),
+                    }],
+                    true,
+                )
+                .unwrap();
+            assert_eq!(
+                rendered,
+                c["rendered"].as_str().unwrap(),
+                "chat rendering of {text:?}"
+            );
             tok.encode(&rendered, false).unwrap()
         } else {
             tok.encode(text, add_special).unwrap()
@@ -127,16 +171,30 @@ fn smollm2_f32_matches_transformers() {
     let model = load_model(&smollm2_dir(""), WeightDType::Auto);
     let cases = cases(&g);
     check_greedy_and_logits(&model, &cases, 1e-3);
-    check_batched_session(&model, &cases, SessionParams { kv_capacity_tokens: 8192, ..Default::default() });
+    check_batched_session(
+        &model,
+        &cases,
+        SessionParams {
+            kv_capacity_tokens: 8192,
+            ..Default::default()
+        },
+    );
 
     let p = &g["perplexity"];
     let text = std::fs::read_to_string(repo_path(p["file"].as_str().unwrap())).unwrap();
-    let mut tokens = model.tokenizer().unwrap().encode(&text, p["add_special_tokens"].as_bool().unwrap()).unwrap();
+    let mut tokens = model
+        .tokenizer()
+        .unwrap()
+        .encode(&text, p["add_special_tokens"].as_bool().unwrap())
+        .unwrap();
     tokens.truncate(p["max_tokens"].as_u64().unwrap() as usize);
     assert_eq!(tokens.len() as u64, p["n_tokens"].as_u64().unwrap());
     let ppl = perplexity(&model, &tokens).unwrap();
     let want = p["ppl"].as_f64().unwrap();
-    assert!((ppl - want).abs() / want < 0.005, "perplexity {ppl} vs transformers {want}");
+    assert!(
+        (ppl - want).abs() / want < 0.005,
+        "perplexity {ppl} vs transformers {want}"
+    );
 }
 
 #[test]
@@ -150,7 +208,11 @@ fn smollm2_bf16_weights_stay_close() {
         let (out, _) = greedy_with_logits(&model, &c.prompt, 16).unwrap();
         same += usize::from(out == c.output[..16]);
     }
-    assert!(same * 4 >= cases.len() * 3, "only {same}/{} prompts kept their first 16 greedy tokens in bf16", cases.len());
+    assert!(
+        same * 4 >= cases.len() * 3,
+        "only {same}/{} prompts kept their first 16 greedy tokens in bf16",
+        cases.len()
+    );
 
     let p = &g["perplexity"];
     let text = std::fs::read_to_string(repo_path(p["file"].as_str().unwrap())).unwrap();
@@ -158,5 +220,8 @@ fn smollm2_bf16_weights_stay_close() {
     tokens.truncate(p["max_tokens"].as_u64().unwrap() as usize);
     let ppl = perplexity(&model, &tokens).unwrap();
     let want = p["ppl"].as_f64().unwrap();
-    assert!((ppl - want).abs() / want < 0.02, "bf16 perplexity {ppl} vs f32 transformers {want}");
+    assert!(
+        (ppl - want).abs() / want < 0.02,
+        "bf16 perplexity {ppl} vs f32 transformers {want}"
+    );
 }

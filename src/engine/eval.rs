@@ -37,11 +37,26 @@ impl PrivateCache {
         logits: &mut Vec<f32>,
     ) -> Result<()> {
         let vocab = model.config().vocab_size;
-        let rows: Vec<usize> = if all_logits { (0..tokens.len()).collect() } else { vec![tokens.len() - 1] };
+        let rows: Vec<usize> = if all_logits {
+            (0..tokens.len()).collect()
+        } else {
+            vec![tokens.len() - 1]
+        };
         logits.resize(rows.len() * vocab, 0.0);
-        let seqs = [AttnSeq { start: 0, len: tokens.len(), context_len, kv: KvMapping::Slots(&self.slots) }];
-        let batch = ForwardBatch { tokens, seqs: &seqs, logits_rows: &rows };
-        model.decoder.forward(&model.pool, &batch, &mut self.storage, ws, logits)
+        let seqs = [AttnSeq {
+            start: 0,
+            len: tokens.len(),
+            context_len,
+            kv: KvMapping::Slots(&self.slots),
+        }];
+        let batch = ForwardBatch {
+            tokens,
+            seqs: &seqs,
+            logits_rows: &rows,
+        };
+        model
+            .decoder
+            .forward(&model.pool, &batch, &mut self.storage, ws, logits)
     }
 }
 
@@ -58,7 +73,14 @@ pub fn perplexity(model: &Model, ids: &[u32]) -> Result<f64> {
     let mut nll = 0f64;
     for start in (0..ids.len() - 1).step_by(CHUNK) {
         let len = CHUNK.min(ids.len() - 1 - start);
-        cache.forward(model, &mut ws, &ids[start..start + len], start, true, &mut logits)?;
+        cache.forward(
+            model,
+            &mut ws,
+            &ids[start..start + len],
+            start,
+            true,
+            &mut logits,
+        )?;
         for r in 0..len {
             let row = &logits[r * vocab..(r + 1) * vocab];
             nll += log_sum_exp(row) - row[ids[start + r + 1] as usize] as f64;
@@ -69,12 +91,20 @@ pub fn perplexity(model: &Model, ids: &[u32]) -> Result<f64> {
 
 fn log_sum_exp(row: &[f32]) -> f64 {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    max + row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln()
+    max + row
+        .iter()
+        .map(|&v| (v as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
 }
 
 /// Greedy decoding of `n` tokens after `prompt` (no EOS stop), returning the
 /// tokens and the logits row each was chosen from.
-pub fn greedy_with_logits(model: &Model, prompt: &[u32], n: usize) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
+pub fn greedy_with_logits(
+    model: &Model,
+    prompt: &[u32],
+    n: usize,
+) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
     if prompt.is_empty() {
         bail_arg!("prompt is empty");
     }

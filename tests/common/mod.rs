@@ -21,14 +21,25 @@ pub fn smollm2_dir(dtype_suffix: &str) -> PathBuf {
         dir.join("model.safetensors").exists(),
         "{} is missing: run `python3 scripts/fetch_model.py{}` (scripts/test.sh does)",
         dir.display(),
-        if dtype_suffix.is_empty() { String::new() } else { " --dtype bf16".to_string() }
+        if dtype_suffix.is_empty() {
+            String::new()
+        } else {
+            " --dtype bf16".to_string()
+        }
     );
     dir
 }
 
 pub fn load_model(dir: &Path, dtype: WeightDType) -> Arc<Model> {
-    let params = ModelParams { dtype, threads: 2 };
-    Arc::new(Model::load(dir, &params, None).unwrap_or_else(|e| panic!("loading {}: {e}", dir.display())))
+    let params = ModelParams {
+        dtype,
+        threads: 2,
+        ..Default::default()
+    };
+    Arc::new(
+        Model::load(dir, &params, None)
+            .unwrap_or_else(|e| panic!("loading {}: {e}", dir.display())),
+    )
 }
 
 pub fn golden(name: &str) -> Value {
@@ -38,7 +49,11 @@ pub fn golden(name: &str) -> Value {
 }
 
 pub fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().expect("array of ids").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+    v.as_array()
+        .expect("array of ids")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
 }
 
 /// `a` within `rel` of `b`, relative to max(|b|, 1).

@@ -112,9 +112,7 @@ type MicroArgs = (
 /// `out[MR, valid] (+)= x[MR, kc] · panel[kc, 32]`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn micro<const R: usize>(
-    (x, ldx, panel, kc, out, ldo, valid, accumulate): MicroArgs,
-) {
+unsafe fn micro<const R: usize>((x, ldx, panel, kc, out, ldo, valid, accumulate): MicroArgs) {
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
     for kk in 0..kc {
         let b0 = _mm512_loadu_ps(panel.add(kk * NR));
@@ -125,7 +123,11 @@ unsafe fn micro<const R: usize>(
             a[1] = _mm512_fmadd_ps(xv, b1, a[1]);
         }
     }
-    let m0: __mmask16 = if valid >= 16 { 0xffff } else { (1u32 << valid) as u16 - 1 };
+    let m0: __mmask16 = if valid >= 16 {
+        0xffff
+    } else {
+        (1u32 << valid) as u16 - 1
+    };
     let m1: __mmask16 = if valid >= 32 {
         0xffff
     } else if valid <= 16 {

@@ -12,7 +12,7 @@
 use super::elem::{Bf16, WeightElem, F16};
 use super::gemm;
 use super::isa::{isa, Isa};
-use super::q8::{QActs, Q8Matrix, BLOCK_ROWS};
+use super::q8::{Q8Matrix, QActs, BLOCK_ROWS};
 use super::q8_kernels::{q8_blocks, q8_isa};
 use super::threadpool::ThreadPool;
 use crate::tensor::HostSlice;
@@ -178,11 +178,17 @@ fn matmul_with(
             let out_base = out_ptr.0.add(col_offset[seg]);
             match &w.data {
                 #[cfg(target_arch = "x86_64")]
-                MatrixData::F32(d) if use_gemm => gemm::gemm_block(x, m, k, d, c0, c1, out_base, n_total),
+                MatrixData::F32(d) if use_gemm => {
+                    gemm::gemm_block(x, m, k, d, c0, c1, out_base, n_total)
+                }
                 #[cfg(target_arch = "x86_64")]
-                MatrixData::F16(d) if use_gemm => gemm::gemm_block(x, m, k, d, c0, c1, out_base, n_total),
+                MatrixData::F16(d) if use_gemm => {
+                    gemm::gemm_block(x, m, k, d, c0, c1, out_base, n_total)
+                }
                 #[cfg(target_arch = "x86_64")]
-                MatrixData::BF16(d) if use_gemm => gemm::gemm_block(x, m, k, d, c0, c1, out_base, n_total),
+                MatrixData::BF16(d) if use_gemm => {
+                    gemm::gemm_block(x, m, k, d, c0, c1, out_base, n_total)
+                }
                 MatrixData::F32(d) => run_block(isa, x, m, k, d, c0, c1, out_base, n_total),
                 MatrixData::F16(d) => run_block(isa, x, m, k, d, c0, c1, out_base, n_total),
                 MatrixData::BF16(d) => run_block(isa, x, m, k, d, c0, c1, out_base, n_total),
@@ -534,8 +540,16 @@ mod tests {
             v
         };
         let (da, db) = (deq(&qa, 40), deq(&qb, 24));
-        let a = Matrix { rows: 40, cols: k, data: MatrixData::Q8_0(qa) };
-        let b = Matrix { rows: 24, cols: k, data: MatrixData::Q8_0(qb) };
+        let a = Matrix {
+            rows: 40,
+            cols: k,
+            data: MatrixData::Q8_0(qa),
+        };
+        let b = Matrix {
+            rows: 24,
+            cols: k,
+            data: MatrixData::Q8_0(qb),
+        };
         for m in [1usize, 3, 17] {
             let x = pseudo_random(m * k, 8);
             let mut out = vec![0.0; m * 64];
@@ -544,10 +558,16 @@ mod tests {
             for r in 0..m {
                 // Activation rounding: |err| <= Σ|w|·d_x/2 ≈ 96 · 0.5 · (1/127) / 2.
                 for c in 0..40 {
-                    assert!((out[r * 64 + c] - ra[r * 40 + c]).abs() < 0.2, "m={m} a {r},{c}");
+                    assert!(
+                        (out[r * 64 + c] - ra[r * 40 + c]).abs() < 0.2,
+                        "m={m} a {r},{c}"
+                    );
                 }
                 for c in 0..24 {
-                    assert!((out[r * 64 + 40 + c] - rb[r * 24 + c]).abs() < 0.2, "m={m} b {r},{c}");
+                    assert!(
+                        (out[r * 64 + 40 + c] - rb[r * 24 + c]).abs() < 0.2,
+                        "m={m} b {r},{c}"
+                    );
                 }
             }
         }

@@ -134,7 +134,8 @@ impl Q8Matrix {
     /// Quantized value of weight `(r, c)`.
     pub fn q(&self, r: usize, c: usize) -> i8 {
         let (b, j) = (r / BLOCK_ROWS, r % BLOCK_ROWS);
-        let idx = b * self.kp * BLOCK_ROWS + (c / K_STEP) * K_STEP * BLOCK_ROWS + j * K_STEP + c % K_STEP;
+        let idx =
+            b * self.kp * BLOCK_ROWS + (c / K_STEP) * K_STEP * BLOCK_ROWS + j * K_STEP + c % K_STEP;
         (self.packed[idx] as i16 - 128) as i8
     }
 
@@ -225,7 +226,9 @@ mod tests {
     #[test]
     fn packing_round_trips_every_weight_and_scale() {
         let (rows, cols, group) = (19, 70, 32);
-        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 255) as f32 / 31.0 - 4.0).collect();
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919) % 255) as f32 / 31.0 - 4.0)
+            .collect();
         let m = Q8Matrix::quantize(rows, cols, group, &w).unwrap();
         assert_eq!(m.n_groups(), 3);
         let mut row = vec![0f32; cols];
@@ -233,7 +236,10 @@ mod tests {
             m.row_to_f32(r, &mut row);
             for c in 0..cols {
                 let d = m.scale(r, c / group);
-                assert!((row[c] - w[r * cols + c]).abs() <= d * 0.5 + 1e-6, "({r},{c})");
+                assert!(
+                    (row[c] - w[r * cols + c]).abs() <= d * 0.5 + 1e-6,
+                    "({r},{c})"
+                );
             }
         }
     }

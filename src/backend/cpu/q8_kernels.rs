@@ -3,7 +3,7 @@
 //! scalar. Each group's integer dot products are exact; the f32 scales are
 //! applied once per group.
 
-use super::q8::{QActs, Q8Matrix, BLOCK_ROWS, K_STEP};
+use super::q8::{Q8Matrix, QActs, BLOCK_ROWS, K_STEP};
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -96,7 +96,6 @@ pub unsafe fn q8_blocks(
     }
 }
 
-
 /// Writes `acc` (MR rows × NB·16 columns) keeping only the first `valid` columns.
 #[inline(always)]
 unsafe fn store_rows<const MR: usize, const NB: usize>(
@@ -133,7 +132,9 @@ unsafe fn micro_scalar(
             for gi in 0..ng {
                 let mut isum = 0i32;
                 for kk in gi * g..((gi + 1) * g).min(kp) {
-                    let wq = wb[(kk / K_STEP) * K_STEP * BLOCK_ROWS + j * K_STEP + kk % K_STEP] as i32 - 128;
+                    let wq = wb[(kk / K_STEP) * K_STEP * BLOCK_ROWS + j * K_STEP + kk % K_STEP]
+                        as i32
+                        - 128;
                     isum += wq * x[kk] as i32;
                 }
                 let sw = w.scales[(b * ng + gi) * BLOCK_ROWS + j];
@@ -173,7 +174,9 @@ unsafe fn micro_vnni<const MR: usize, const NB: usize>(
         while kk < k1 {
             let mut wv = [_mm512_setzero_si512(); NB];
             for (nb, v) in wv.iter_mut().enumerate() {
-                *v = _mm512_loadu_si512(wbase.add(nb * kp * BLOCK_ROWS + kk * BLOCK_ROWS) as *const _);
+                *v = _mm512_loadu_si512(
+                    wbase.add(nb * kp * BLOCK_ROWS + kk * BLOCK_ROWS) as *const _
+                );
             }
             for (r, row) in ints.iter_mut().enumerate() {
                 let xb = _mm512_set1_epi32((xbase.add(r * kp + kk) as *const i32).read_unaligned());
@@ -331,7 +334,10 @@ mod tests {
                 // SAFETY: the ISA is available; shapes match; all blocks are computed.
                 unsafe { q8_blocks(isa, &a, &w, 0, n.div_ceil(BLOCK_ROWS), out.as_mut_ptr(), n) };
                 for (i, (g, e)) in out.iter().zip(&want).enumerate() {
-                    assert!((g - e).abs() <= 1e-4 * e.abs().max(1.0), "{isa:?} m={m} k={k} n={n} g={group} #{i}: {g} vs {e}");
+                    assert!(
+                        (g - e).abs() <= 1e-4 * e.abs().max(1.0),
+                        "{isa:?} m={m} k={k} n={n} g={group} #{i}: {g} vs {e}"
+                    );
                 }
             }
         }
