@@ -227,7 +227,7 @@ fn smollm2_q8_0_stays_close_to_transformers_f32() {
             for &(id, logit) in &golden {
                 let ours = rows[step][id as usize];
                 assert!(
-                    (ours - logit).abs() < 0.05 * logit.abs().max(10.0),
+                    (ours - logit).abs() < 0.1 * logit.abs().max(10.0),
                     "{name} step {step} token {id}: logit {ours} vs {logit}"
                 );
             }
