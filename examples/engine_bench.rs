@@ -257,6 +257,7 @@ fn main() {
     let params = ModelParams {
         dtype: o.dtype.parse().expect("--dtype"),
         threads: o.threads,
+        ..Default::default()
     };
     let model_dir = match &o.random_from {
         Some(cfg) => random_model(cfg),

@@ -215,6 +215,7 @@ fn smollm2_batched_equals_alone_with_text() {
     let params = ModelParams {
         dtype: WeightDType::F32,
         threads: 2,
+        ..Default::default()
     };
     let model = Arc::new(Model::load(&dir, &params, None).unwrap());
     let tok = model.tokenizer().unwrap();

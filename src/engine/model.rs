@@ -4,7 +4,7 @@
 
 use crate::backend::cpu::ThreadPool;
 use crate::model::config::token_ids;
-use crate::model::{Decoder, ModelConfig, WeightDType};
+use crate::model::{Decoder, ModelConfig, QuantMode, WeightDType};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use std::path::Path;
@@ -18,6 +18,8 @@ pub struct ModelParams {
     pub dtype: WeightDType,
     /// Threads for the kernels; 0 = all available cores.
     pub threads: usize,
+    /// Quantize dense weights at load (a quantized checkpoint loads quantized regardless).
+    pub quant: QuantMode,
 }
 
 impl Default for ModelParams {
@@ -25,6 +27,7 @@ impl Default for ModelParams {
         ModelParams {
             dtype: WeightDType::Auto,
             threads: 0,
+            quant: QuantMode::None,
         }
     }
 }
@@ -70,7 +73,7 @@ impl Model {
         let config = ModelConfig::from_dir(dir)?;
         let weights = crate::model::loader::open_weights(dir)?;
         report(0.1)?;
-        let decoder = Decoder::load(config, &weights, params.dtype)?;
+        let decoder = Decoder::load(config, &weights, params.dtype, params.quant)?;
         weights.finish_loading();
         report(0.9)?;
         let tokenizer = if dir.join("tokenizer.json").exists() {

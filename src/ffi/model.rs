@@ -172,6 +172,7 @@ pub unsafe extern "C" fn ni_model_load(
         let model_params = ModelParams {
             dtype: weight_dtype(p.dtype)?,
             threads: p.n_threads as usize,
+            ..Default::default()
         };
         let dir = path_from_bytes(path_bytes);
         let model = match p.progress {

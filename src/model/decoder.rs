@@ -3,11 +3,12 @@
 //! RMSNorm → LM head, computed for a `ForwardBatch` of mixed sequences.
 
 use super::config::ModelConfig;
+use super::quant::{QuantMethod, QuantMode};
 use super::weights::{WeightDType, WeightSource};
 use super::workspace::Workspace;
 use crate::backend::cpu::attention::{attention, AttnSeq, AttnShape};
 use crate::backend::cpu::ops::{add_in_place, apply_rope, rms_norm, rms_norm_in_place, silu_mul};
-use crate::backend::cpu::{matmul, Matrix, ThreadPool};
+use crate::backend::cpu::{matmul, Matrix, MatrixData, ThreadPool};
 use crate::kv::KvStorage;
 use crate::{bail_arg, Result};
 
@@ -50,14 +51,22 @@ pub struct Decoder {
 }
 
 impl Decoder {
+    /// Loads the weights; `quant` quantizes the dense linear layers (and the
+    /// LM head when its method says so) at load.
     pub fn load(
         config: ModelConfig,
         src: &dyn WeightSource,
         dtype: WeightDType,
+        quant: QuantMode,
     ) -> Result<Decoder> {
+        let method = quant.method()?;
+        let method = method.as_deref();
         let c = &config;
         let (d, hd) = (c.hidden_size, c.head_dim);
         let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
+        let linear = |name: &str, rows: usize, cols: usize| {
+            load_linear(src, name, rows, cols, dtype, method)
+        };
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let p = format!("model.layers.{i}");
@@ -76,44 +85,49 @@ impl Decoder {
                     Ok(None)
                 }
             };
+            let inter = c.intermediate_size;
             layers.push(Layer {
                 input_norm: src.vector(&format!("{p}.input_layernorm.weight"), d)?,
-                q: src.matrix(&format!("{p}.self_attn.q_proj.weight"), nq, d, dtype)?,
-                k: src.matrix(&format!("{p}.self_attn.k_proj.weight"), nkv, d, dtype)?,
-                v: src.matrix(&format!("{p}.self_attn.v_proj.weight"), nkv, d, dtype)?,
+                q: linear(&format!("{p}.self_attn.q_proj.weight"), nq, d)?,
+                k: linear(&format!("{p}.self_attn.k_proj.weight"), nkv, d)?,
+                v: linear(&format!("{p}.self_attn.v_proj.weight"), nkv, d)?,
                 qkv_bias,
-                o: src.matrix(&format!("{p}.self_attn.o_proj.weight"), d, nq, dtype)?,
+                o: linear(&format!("{p}.self_attn.o_proj.weight"), d, nq)?,
                 o_bias: opt("self_attn.o_proj.bias", d, c.o_bias)?,
                 q_norm: opt("self_attn.q_norm.weight", hd, c.qk_norm)?,
                 k_norm: opt("self_attn.k_norm.weight", hd, c.qk_norm)?,
                 post_norm: src.vector(&format!("{p}.post_attention_layernorm.weight"), d)?,
-                gate: src.matrix(
-                    &format!("{p}.mlp.gate_proj.weight"),
-                    c.intermediate_size,
-                    d,
-                    dtype,
-                )?,
-                up: src.matrix(
-                    &format!("{p}.mlp.up_proj.weight"),
-                    c.intermediate_size,
-                    d,
-                    dtype,
-                )?,
-                down: src.matrix(
-                    &format!("{p}.mlp.down_proj.weight"),
-                    d,
-                    c.intermediate_size,
-                    dtype,
-                )?,
+                gate: linear(&format!("{p}.mlp.gate_proj.weight"), inter, d)?,
+                up: linear(&format!("{p}.mlp.up_proj.weight"), inter, d)?,
+                down: linear(&format!("{p}.mlp.down_proj.weight"), d, inter)?,
             });
         }
-        let lm_head = if c.tie_word_embeddings && !src.contains("lm_head.weight") {
-            None
+        let embed_name = "model.embed_tokens.weight";
+        let head_method = method.filter(|m| m.quantizes_lm_head());
+        let lm_head = if src.contains("lm_head.weight") || !c.tie_word_embeddings {
+            Some(load_linear(
+                src,
+                "lm_head.weight",
+                c.vocab_size,
+                d,
+                dtype,
+                head_method,
+            )?)
+        } else if head_method.is_some() {
+            // Tied: the head gets its own quantized copy, lookups stay dense.
+            Some(load_linear(
+                src,
+                embed_name,
+                c.vocab_size,
+                d,
+                dtype,
+                head_method,
+            )?)
         } else {
-            Some(src.matrix("lm_head.weight", c.vocab_size, d, dtype)?)
+            None
         };
         Ok(Decoder {
-            embed: src.matrix("model.embed_tokens.weight", c.vocab_size, d, dtype)?,
+            embed: src.matrix(embed_name, c.vocab_size, d, dtype)?,
             layers,
             final_norm: src.vector("model.norm.weight", d)?,
             lm_head,
@@ -139,8 +153,17 @@ impl Decoder {
             + self.lm_head.as_ref().map_or(0, Matrix::size_in_bytes)
     }
 
+    /// The linear layers' weight format ("f32", "bf16", "q8_0", ...).
     pub fn weight_dtype_name(&self) -> &'static str {
-        self.embed.dtype_name()
+        self.layers
+            .first()
+            .map_or(&self.embed, |l| &l.q)
+            .dtype_name()
+    }
+
+    /// The LM head's weight format.
+    pub fn lm_head_dtype_name(&self) -> &'static str {
+        self.lm_head.as_ref().unwrap_or(&self.embed).dtype_name()
     }
 
     /// Runs the batch, writes its keys/values into `kv` and the logits of
@@ -355,6 +378,26 @@ impl Decoder {
                 }
             }
         }
+    }
+}
+
+/// A linear layer's weight: as stored (quantized checkpoints stay
+/// quantized), else quantized by `method` when there is one.
+fn load_linear(
+    src: &dyn WeightSource,
+    name: &str,
+    rows: usize,
+    cols: usize,
+    dtype: WeightDType,
+    method: Option<&dyn QuantMethod>,
+) -> Result<Matrix> {
+    let Some(method) = method else {
+        return src.matrix(name, rows, cols, dtype);
+    };
+    let m = src.matrix(name, rows, cols, WeightDType::F32)?;
+    match &m.data {
+        MatrixData::F32(w) => method.quantize(rows, cols, w),
+        _ => Ok(m),
     }
 }
 

@@ -1,6 +1,8 @@
 //! Decoder weights from safetensors files: zero-copy views into the mmap when
-//! the stored dtype is the one computed with, converted copies otherwise.
+//! the stored dtype is the one computed with, converted copies otherwise;
+//! int8 tensors through the checkpoint's quantization method.
 
+use super::quant::method_from_metadata;
 use super::safetensors::{TensorView, WeightFiles};
 use super::weights::{WeightDType, WeightSource};
 use crate::backend::cpu::elem::{Bf16, F16};
@@ -24,6 +26,15 @@ impl WeightSource for WeightFiles {
 
     fn matrix(&self, name: &str, rows: usize, cols: usize, dtype: WeightDType) -> Result<Matrix> {
         let view = self.require(name, &[rows, cols])?;
+        if view.dtype == DType::I8 {
+            return match method_from_metadata(self.metadata())? {
+                Some(method) => method.load(self, name, rows, cols),
+                None => Err(Error::invalid_model(format!(
+                    "{}: tensor `{name}` is I8 but the checkpoint's metadata names no quantization (expected {{\"quantization\": \"q8_0\", \"group_size\": ..}})",
+                    view.file.display()
+                ))),
+            };
+        }
         let owner = self.owner_of(name);
         let target = match dtype {
             WeightDType::Auto => view.dtype,

@@ -3,6 +3,9 @@
 pub mod config;
 pub mod decoder;
 pub mod loader;
+pub mod quant;
+pub mod quant_checkpoint;
+pub mod quant_q8;
 pub mod safetensors;
 mod safetensors_header;
 mod safetensors_json;
@@ -12,5 +15,7 @@ pub mod workspace;
 
 pub use config::{Architecture, ModelConfig};
 pub use decoder::{Decoder, ForwardBatch};
+pub use quant::{QuantMethod, QuantMode};
+pub use quant_checkpoint::{quantize_checkpoint, QuantizeReport};
 pub use weights::{WeightDType, WeightSource};
 pub use workspace::Workspace;

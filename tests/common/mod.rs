@@ -31,7 +31,11 @@ pub fn smollm2_dir(dtype_suffix: &str) -> PathBuf {
 }
 
 pub fn load_model(dir: &Path, dtype: WeightDType) -> Arc<Model> {
-    let params = ModelParams { dtype, threads: 2 };
+    let params = ModelParams {
+        dtype,
+        threads: 2,
+        ..Default::default()
+    };
     Arc::new(
         Model::load(dir, &params, None)
             .unwrap_or_else(|e| panic!("loading {}: {e}", dir.display())),

@@ -248,6 +248,7 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
     let params = ModelParams {
         dtype: WeightDType::F32,
         threads: 1,
+        ..Default::default()
     };
     let model = Model::load(dir.path(), &params, None).expect("loading the tiny model");
     TinyModel {
@@ -458,6 +459,7 @@ pub fn committed_tiny(name: &str) -> Arc<Model> {
     let params = ModelParams {
         dtype: WeightDType::F32,
         threads: 1,
+        ..Default::default()
     };
     Arc::new(
         Model::load(&dir, &params, None)

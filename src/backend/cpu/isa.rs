@@ -34,7 +34,25 @@ fn detect() -> Isa {
     Isa::Scalar
 }
 
-/// The instruction set the kernels use (override with `NANOINFER_ISA=scalar|avx2`).
+/// The instruction set the kernels use (override with `NANOINFER_ISA=scalar|avx2|avx512`).
 pub fn isa() -> Isa {
     *DETECTED
+}
+
+static VNNI: Lazy<bool> = Lazy::new(|| {
+    #[cfg(target_arch = "x86_64")]
+    {
+        isa() == Isa::Avx512
+            && std::env::var("NANOINFER_ISA").ok().as_deref() != Some("avx512")
+            && is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+});
+
+/// AVX-512 VNNI (`vpdpbusd`) for the int8 kernels (off with `NANOINFER_ISA=avx512`).
+pub fn has_vnni() -> bool {
+    *VNNI
 }

@@ -1,16 +1,22 @@
-//! Dense matrix multiplication `out = x · Wᵀ` with weights in HF layout
-//! `[out_features, in_features]` (F32, F16 or BF16) and f32 activations.
+//! Matrix multiplication `out = x · Wᵀ` with weights in HF layout
+//! `[out_features, in_features]` (F32, F16, BF16 or Q8_0) and f32 activations.
 //!
-//! One kernel serves decode (m = 1, a GEMV) and prefill (m > 1): a register
-//! tile of up to 4 activation rows × 4 weight rows accumulates 16 dot
-//! products at once, so each weight vector loaded feeds 4 FMAs. Work is split
-//! over output-column blocks, so several weights (q/k/v or gate/up) run as one
-//! parallel job writing side by side into one output row.
+//! Few activation rows (decode, small batches): a register tile of up to 4
+//! activation rows × 4 weight rows accumulates 16 dot products at once, so
+//! each weight vector loaded feeds 4 FMAs. Many rows (prefill) on AVX-512: the
+//! packed GEMM of `gemm.rs`. Q8_0 weights: the int8 kernels of
+//! `q8_kernels.rs`. Work is split over output-column blocks, so several
+//! weights (q/k/v or gate/up) run as one parallel job writing side by side
+//! into one output row.
 
 use super::elem::{Bf16, WeightElem, F16};
+use super::gemm;
 use super::isa::{isa, Isa};
+use super::q8::{Q8Matrix, QActs, BLOCK_ROWS};
+use super::q8_kernels::{q8_blocks, q8_isa};
 use super::threadpool::ThreadPool;
 use crate::tensor::HostSlice;
+use std::cell::RefCell;
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -19,6 +25,8 @@ pub enum MatrixData {
     F32(HostSlice<f32>),
     F16(HostSlice<F16>),
     BF16(HostSlice<Bf16>),
+    /// Int8 weights with per-group scales (see [`Q8Matrix`]).
+    Q8_0(Q8Matrix),
 }
 
 /// A weight matrix `[rows = out_features, cols = in_features]`, row-major.
@@ -34,6 +42,7 @@ impl Matrix {
             MatrixData::F32(_) => "f32",
             MatrixData::F16(_) => "f16",
             MatrixData::BF16(_) => "bf16",
+            MatrixData::Q8_0(_) => "q8_0",
         }
     }
 
@@ -44,15 +53,17 @@ impl Matrix {
             MatrixData::F32(d) => out.copy_from_slice(&d[range]),
             MatrixData::F16(d) => widen(&d[range], out),
             MatrixData::BF16(d) => widen(&d[range], out),
+            MatrixData::Q8_0(q) => q.row_to_f32(r, out),
         }
     }
 
+    /// Bytes a full pass over the weights reads.
     pub fn size_in_bytes(&self) -> usize {
-        let elem = match self.data {
-            MatrixData::F32(_) => 4,
-            _ => 2,
-        };
-        self.rows * self.cols * elem
+        match &self.data {
+            MatrixData::F32(_) => self.rows * self.cols * 4,
+            MatrixData::F16(_) | MatrixData::BF16(_) => self.rows * self.cols * 2,
+            MatrixData::Q8_0(q) => q.size_in_bytes(),
+        }
     }
 }
 
@@ -70,9 +81,17 @@ unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 const MAX_SEGMENTS: usize = 4;
+/// Activation rows from which dense weights go through the packed GEMM.
+const GEMM_MIN_ROWS: usize = 8;
+
+thread_local! {
+    /// Quantized activations of the current int8 matmul (caller's thread).
+    static QACTS: RefCell<QActs> = RefCell::new(QActs::default());
+}
 
 /// `out[r, col_offset(w) + c] = Σ_j x[r, j] · w[c, j]` for every weight `w` in
 /// `weights` (all with `cols == k`), `r < m`. `out` is `[m, Σ rows]` row-major.
+/// Q8_0 weights (all of one group size) multiply int8-quantized activations.
 pub fn matmul(pool: &ThreadPool, x: &[f32], m: usize, weights: &[&Matrix], out: &mut [f32]) {
     assert!(
         !weights.is_empty() && weights.len() <= MAX_SEGMENTS,
@@ -88,8 +107,49 @@ pub fn matmul(pool: &ThreadPool, x: &[f32], m: usize, weights: &[&Matrix], out: 
         x.len() >= m * k && out.len() >= m * n_total,
         "matmul buffers too small"
     );
+    if m == 0 {
+        return;
+    }
+    let q8_group = weights.iter().find_map(|w| match &w.data {
+        MatrixData::Q8_0(q) => Some(q.group),
+        _ => None,
+    });
+    match q8_group {
+        None => matmul_with(pool, x, m, weights, out, None),
+        Some(group) => {
+            assert!(
+                weights.iter().all(|w| match &w.data {
+                    MatrixData::Q8_0(q) => q.group == group,
+                    _ => true,
+                }),
+                "Q8_0 weights of one matmul must share a group size"
+            );
+            QACTS.with(|qa| {
+                let mut qa = qa.borrow_mut();
+                qa.quantize(x, m, k, group);
+                matmul_with(pool, x, m, weights, out, Some(&qa));
+            });
+        }
+    }
+}
 
-    let block = column_block(n_total, pool.threads());
+fn matmul_with(
+    pool: &ThreadPool,
+    x: &[f32],
+    m: usize,
+    weights: &[&Matrix],
+    out: &mut [f32],
+    qacts: Option<&QActs>,
+) {
+    let k = weights[0].cols;
+    let n_total: usize = weights.iter().map(|w| w.rows).sum();
+    let isa = isa();
+    let use_gemm = isa == Isa::Avx512 && m >= GEMM_MIN_ROWS;
+    let block = if use_gemm {
+        gemm::NR
+    } else {
+        column_block(n_total, pool.threads())
+    };
     let mut first_task = [0usize; MAX_SEGMENTS + 1];
     let mut col_offset = [0usize; MAX_SEGMENTS];
     for (i, w) in weights.iter().enumerate() {
@@ -102,7 +162,7 @@ pub fn matmul(pool: &ThreadPool, x: &[f32], m: usize, weights: &[&Matrix], out: 
     }
     let n_tasks = first_task[weights.len()];
     let out_ptr = OutPtr(out.as_mut_ptr());
-    let isa = isa();
+    let q8isa = q8_isa();
     pool.run(n_tasks, &|task| {
         let seg = (0..weights.len())
             .find(|&s| task < first_task[s + 1])
@@ -112,21 +172,41 @@ pub fn matmul(pool: &ThreadPool, x: &[f32], m: usize, weights: &[&Matrix], out: 
         let c1 = (c0 + block).min(w.rows);
         let out_ptr = out_ptr;
         // SAFETY: columns [col_offset+c0, col_offset+c1) of every row belong to
-        // this task alone; x and w bounds were checked above.
+        // this task alone; x and w bounds were checked by `matmul`; `block`
+        // is a multiple of the Q8 block height, so c0 starts a packed block.
         unsafe {
             let out_base = out_ptr.0.add(col_offset[seg]);
             match &w.data {
+                #[cfg(target_arch = "x86_64")]
+                MatrixData::F32(d) if use_gemm => {
+                    gemm::gemm_block(x, m, k, d, c0, c1, out_base, n_total)
+                }
+                #[cfg(target_arch = "x86_64")]
+                MatrixData::F16(d) if use_gemm => {
+                    gemm::gemm_block(x, m, k, d, c0, c1, out_base, n_total)
+                }
+                #[cfg(target_arch = "x86_64")]
+                MatrixData::BF16(d) if use_gemm => {
+                    gemm::gemm_block(x, m, k, d, c0, c1, out_base, n_total)
+                }
                 MatrixData::F32(d) => run_block(isa, x, m, k, d, c0, c1, out_base, n_total),
                 MatrixData::F16(d) => run_block(isa, x, m, k, d, c0, c1, out_base, n_total),
                 MatrixData::BF16(d) => run_block(isa, x, m, k, d, c0, c1, out_base, n_total),
+                MatrixData::Q8_0(q) => {
+                    let qa = qacts.expect("activations quantized for Q8_0 weights");
+                    let (b0, b1) = (c0 / BLOCK_ROWS, c1.div_ceil(BLOCK_ROWS));
+                    q8_blocks(q8isa, qa, q, b0, b1, out_base, n_total)
+                }
             }
         }
     });
 }
 
+/// Columns per task for the dot-product kernels: about 16 tasks per thread,
+/// a multiple of the Q8 block height.
 fn column_block(n_total: usize, threads: usize) -> usize {
     let target = n_total / (threads * 16).max(1);
-    (target.div_ceil(4) * 4).clamp(8, 64)
+    (target.div_ceil(BLOCK_ROWS) * BLOCK_ROWS).clamp(BLOCK_ROWS, 64)
 }
 
 /// Computes columns `c0..c1` for all rows, in tiles of ≤4 rows × 4 columns.
@@ -363,6 +443,9 @@ mod tests {
             (5, 576, 67),
             (9, 16, 4),
             (4, 200, 130),
+            (20, 400, 70),
+            (8, 576, 33),
+            (13, 193, 96),
         ] {
             let x = pseudo_random(m * k, 1);
             let w = pseudo_random(n * k, 2);
@@ -437,6 +520,55 @@ mod tests {
             }
             for c in 0..6 {
                 assert!((out[r * 16 + 10 + c] - rb[r * 6 + c]).abs() < 1e-4);
+            }
+        }
+    }
+
+    #[test]
+    fn q8_segments_match_dequantized_reference() {
+        let pool = ThreadPool::new(2);
+        let k = 96;
+        let wa = pseudo_random(40 * k, 6);
+        let wb = pseudo_random(24 * k, 7);
+        let qa = Q8Matrix::quantize(40, k, 32, &wa).unwrap();
+        let qb = Q8Matrix::quantize(24, k, 32, &wb).unwrap();
+        let deq = |q: &Q8Matrix, n: usize| {
+            let mut v = vec![0f32; n * k];
+            for r in 0..n {
+                q.row_to_f32(r, &mut v[r * k..(r + 1) * k]);
+            }
+            v
+        };
+        let (da, db) = (deq(&qa, 40), deq(&qb, 24));
+        let a = Matrix {
+            rows: 40,
+            cols: k,
+            data: MatrixData::Q8_0(qa),
+        };
+        let b = Matrix {
+            rows: 24,
+            cols: k,
+            data: MatrixData::Q8_0(qb),
+        };
+        for m in [1usize, 3, 17] {
+            let x = pseudo_random(m * k, 8);
+            let mut out = vec![0.0; m * 64];
+            matmul(&pool, &x, m, &[&a, &b], &mut out);
+            let (ra, rb) = (reference(&x, m, k, &da, 40), reference(&x, m, k, &db, 24));
+            for r in 0..m {
+                // Activation rounding: |err| <= Σ|w|·d_x/2 ≈ 96 · 0.5 · (1/127) / 2.
+                for c in 0..40 {
+                    assert!(
+                        (out[r * 64 + c] - ra[r * 40 + c]).abs() < 0.2,
+                        "m={m} a {r},{c}"
+                    );
+                }
+                for c in 0..24 {
+                    assert!(
+                        (out[r * 64 + 40 + c] - rb[r * 24 + c]).abs() < 0.2,
+                        "m={m} b {r},{c}"
+                    );
+                }
             }
         }
     }

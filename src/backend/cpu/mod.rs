@@ -3,11 +3,15 @@
 
 pub mod attention;
 pub mod elem;
+mod gemm;
 pub mod isa;
 pub mod matmul;
 pub mod ops;
+pub mod q8;
+pub mod q8_kernels;
 pub mod threadpool;
 pub mod vector;
 
 pub use matmul::{matmul, Matrix, MatrixData};
+pub use q8::Q8Matrix;
 pub use threadpool::ThreadPool;

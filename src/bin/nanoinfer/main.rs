@@ -5,6 +5,7 @@ mod args;
 mod bench;
 mod generate;
 mod perplexity;
+mod quantize;
 mod session_opts;
 
 use args::Args;
@@ -14,13 +15,16 @@ const USAGE: &str = "usage:
                      [--chat] [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--min-p P]
                      [--repetition-penalty R] [--presence-penalty P] [--frequency-penalty F]
                      [--seed S] [--stop STR ...] [--logprobs N] [--ignore-eos]
-                     [--threads N] [--dtype auto|f32|f16|bf16] [--json]
+                     [--threads N] [--dtype auto|f32|f16|bf16] [--quant none|q8_0] [--json]
                      [--kv-backend paged|token] [--block-size N] [--kv-capacity TOKENS]
                      [--max-batched-tokens N] [--max-seqs N] [--prefill-chunk N]
                      [--policy fcfs|priority] [--preemption recompute|swap] [--no-prefix-cache]
-  nanoinfer perplexity --model DIR --file PATH [--max-tokens 1024] [--threads N] [--dtype ..] [--json]
+  nanoinfer perplexity --model DIR --file PATH [--max-tokens 1024] [--threads N] [--dtype ..] [--quant ..] [--json]
   nanoinfer bench --model DIR [-p 512] [-n 128] [-r|--repetitions 3] [-t|--threads N]
-                  [--dtype auto|f32|f16|bf16] [--quant none] [--seed S] [--json]";
+                  [--dtype auto|f32|f16|bf16] [--quant none] [--seed S] [--json]
+  nanoinfer quantize --model DIR --out DIR --method q8_0 [--group-size 32|64|128] [--lm-head q8_0|dense] [--json]
+  --quant q8_0 quantizes at load; --quant-group-size 32|64|128 (default 32) and
+  --quant-lm-head q8_0|dense (default q8_0) refine it.";
 
 fn main() {
     let argv: Vec<String> = std::env::args().skip(1).collect();
@@ -34,6 +38,7 @@ fn main() {
         "perplexity" => Args::parse(rest, perplexity::FLAGS).and_then(|a| perplexity::run(&a)),
         "bench" => Args::parse(&bench::expand_short_options(rest), bench::FLAGS)
             .and_then(|a| bench::run(&a)),
+        "quantize" => Args::parse(rest, quantize::FLAGS).and_then(|a| quantize::run(&a)),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             Ok(())

@@ -3,11 +3,19 @@
 use crate::args::Args;
 use nanoinfer::engine::{Model, ModelParams, SessionParams};
 use nanoinfer::kv::KvBackendKind;
+use nanoinfer::model::QuantMode;
 use nanoinfer::sampling::SamplingParams;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-pub const MODEL_OPTS: &[&str] = &["model", "threads", "dtype"];
+pub const MODEL_OPTS: &[&str] = &[
+    "model",
+    "threads",
+    "dtype",
+    "quant",
+    "quant-group-size",
+    "quant-lm-head",
+];
 pub const SESSION_OPTS: &[&str] = &[
     "kv-backend",
     "block-size",
@@ -40,10 +48,48 @@ pub fn load_model(a: &Args) -> Result<Arc<Model>, String> {
     let params = ModelParams {
         dtype: a.parse_or("dtype", nanoinfer::model::WeightDType::Auto)?,
         threads: a.parse_or("threads", 0)?,
+        quant: quant_mode(a)?,
     };
     Model::load(&dir, &params, None)
         .map(Arc::new)
         .map_err(|e| e.to_string())
+}
+
+/// `--quant none|q8_0 [--quant-group-size 32|64|128] [--quant-lm-head q8_0|dense]`.
+pub fn quant_mode(a: &Args) -> Result<QuantMode, String> {
+    let mode: QuantMode = a.parse_or("quant", QuantMode::None)?;
+    let has_options = a.get("quant-group-size").is_some() || a.get("quant-lm-head").is_some();
+    match mode {
+        QuantMode::None if has_options => {
+            Err("--quant-group-size and --quant-lm-head need --quant q8_0".to_string())
+        }
+        QuantMode::None => Ok(mode),
+        QuantMode::Q8_0 {
+            group_size,
+            lm_head,
+        } => {
+            let group_size = a.parse_or("quant-group-size", group_size)?;
+            if ![32, 64, 128].contains(&group_size) {
+                return Err(format!(
+                    "--quant-group-size must be 32, 64 or 128, got {group_size}"
+                ));
+            }
+            let lm_head = match a.get("quant-lm-head") {
+                None => lm_head,
+                Some("q8_0") => true,
+                Some("dense") => false,
+                Some(other) => {
+                    return Err(format!(
+                        "--quant-lm-head must be q8_0 or dense, got `{other}`"
+                    ))
+                }
+            };
+            Ok(QuantMode::Q8_0 {
+                group_size,
+                lm_head,
+            })
+        }
+    }
 }
 
 pub fn session_params(a: &Args) -> Result<SessionParams, String> {

@@ -1,0 +1,54 @@
+//! `nanoinfer quantize`: writes a quantized copy of a dense model directory.
+
+use crate::args::Args;
+use crate::session_opts::quant_mode;
+use nanoinfer::model::{quantize_checkpoint, QuantMode};
+use serde_json::json;
+use std::path::Path;
+use std::time::Instant;
+
+pub const FLAGS: &[&str] = &["json"];
+
+pub fn run(a: &Args) -> Result<(), String> {
+    a.check_known(&[FLAGS, &["model", "out", "method", "group-size", "lm-head"]].concat())?;
+    let model = a.get("model").ok_or("--model DIR is required")?;
+    let out = a.get("out").ok_or("--out DIR is required")?;
+    let method = a.get("method").ok_or("--method q8_0 is required")?;
+    // Same option checks as --quant on the other commands.
+    let mut forwarded = vec!["--quant".to_string(), method.to_string()];
+    for (ours, theirs) in [
+        ("group-size", "quant-group-size"),
+        ("lm-head", "quant-lm-head"),
+    ] {
+        if let Some(v) = a.get(ours) {
+            forwarded.extend([format!("--{theirs}"), v.to_string()]);
+        }
+    }
+    let mode = quant_mode(&Args::parse(&forwarded, &[])?)?;
+    if mode == QuantMode::None {
+        return Err("--method must name a quantization (q8_0)".to_string());
+    }
+    let start = Instant::now();
+    let r =
+        quantize_checkpoint(Path::new(model), Path::new(out), mode).map_err(|e| e.to_string())?;
+    let secs = start.elapsed().as_secs_f64();
+    if a.flag("json") {
+        println!(
+            "{}",
+            json!({
+                "quantized": r.quantized, "kept": r.kept, "files_copied": r.files_copied,
+                "bytes_in": r.bytes_in, "bytes_out": r.bytes_out, "seconds": secs,
+            })
+        );
+    } else {
+        println!(
+            "{model} -> {out}: {} matrices quantized, {} tensors kept, {} files copied, {:.1} MB -> {:.1} MB in {secs:.1} s",
+            r.quantized,
+            r.kept,
+            r.files_copied,
+            r.bytes_in as f64 / 1e6,
+            r.bytes_out as f64 / 1e6
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,242 @@
+//! Q8_0 int8 weights: the offline checkpoint (route A) and quantization at
+//! load (route B) give the same model; quality on SmolLM2 against the F32
+//! transformers goldens; malformed quantized checkpoints fail clearly.
+
+mod common;
+
+use common::*;
+use nanoinfer::engine::eval::{greedy_with_logits, perplexity};
+use nanoinfer::engine::{Model, ModelParams};
+use nanoinfer::model::safetensors::WeightFiles;
+use nanoinfer::model::{quantize_checkpoint, QuantMode, WeightDType};
+use nanoinfer::tensor::DType;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+fn scratch_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("nanoinfer-q8-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn load(dir: &Path, quant: QuantMode) -> Arc<Model> {
+    let params = ModelParams {
+        dtype: WeightDType::Auto,
+        threads: 2,
+        quant,
+    };
+    Arc::new(
+        Model::load(dir, &params, None)
+            .unwrap_or_else(|e| panic!("loading {}: {e}", dir.display())),
+    )
+}
+
+#[test]
+fn offline_checkpoint_equals_online_quantization() {
+    let src = repo_path("tests/data/tiny-llama3");
+    for (group, lm_head) in [(32, true), (64, false)] {
+        let out = scratch_dir(&format!("tiny-{group}"));
+        let mode = QuantMode::Q8_0 {
+            group_size: group,
+            lm_head,
+        };
+        let report = quantize_checkpoint(&src, &out, mode).unwrap();
+        assert_eq!(
+            report.quantized,
+            2 * 7 + usize::from(lm_head),
+            "7 linear layers per block, plus the head"
+        );
+        assert!(out.join("config.json").exists());
+
+        let files = WeightFiles::open(&out).unwrap();
+        assert_eq!(
+            files.metadata().get("quantization").map(String::as_str),
+            Some("q8_0")
+        );
+        assert_eq!(files.metadata().get("group_size"), Some(&group.to_string()));
+        let q = files.get("model.layers.0.mlp.down_proj.weight").unwrap();
+        assert_eq!((q.dtype, q.shape), (DType::I8, &[64usize, 128][..]));
+        let s = files
+            .get("model.layers.0.mlp.down_proj.weight_scale")
+            .unwrap();
+        assert_eq!(
+            (s.dtype, s.shape),
+            (DType::F32, &[64usize, 128 / group][..])
+        );
+        assert_eq!(
+            files.get("model.embed_tokens.weight").unwrap().dtype,
+            DType::F32
+        );
+        assert_eq!(files.get("model.norm.weight").unwrap().dtype, DType::F32);
+        assert_eq!(files.contains("lm_head.weight_scale"), lm_head);
+
+        let offline = load(&out, QuantMode::None);
+        let online = load(&src, mode);
+        let dense = load(&src, QuantMode::None);
+        assert_eq!(offline.decoder.weight_dtype_name(), "q8_0");
+        assert_eq!(
+            online.decoder.lm_head_dtype_name(),
+            if lm_head { "q8_0" } else { "f32" }
+        );
+        let prompt: Vec<u32> = (0..20).map(|i| (i * 37 + 5) % 200).collect();
+        let (ids_a, logits_a) = greedy_with_logits(&offline, &prompt, 8).unwrap();
+        let (ids_b, logits_b) = greedy_with_logits(&online, &prompt, 8).unwrap();
+        assert_eq!(ids_a, ids_b);
+        assert_eq!(
+            logits_a, logits_b,
+            "route A and route B must compute identically"
+        );
+        let (_, logits_f) = greedy_with_logits(&dense, &prompt, 1).unwrap();
+        let n = logits_f[0].len() as f32;
+        let rms = |v: &mut dyn Iterator<Item = f32>| (v.map(|x| x * x).sum::<f32>() / n).sqrt();
+        let err = rms(&mut logits_a[0].iter().zip(&logits_f[0]).map(|(a, b)| a - b));
+        let spread = rms(&mut logits_f[0].iter().copied());
+        assert!(
+            err < 0.08 * spread,
+            "q8_0 logits drift {err} rms (f32 logits rms {spread})"
+        );
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+}
+
+#[test]
+fn quantizing_twice_or_in_place_is_refused() {
+    let src = repo_path("tests/data/tiny-qwen2");
+    let out = scratch_dir("twice");
+    quantize_checkpoint(&src, &out, QuantMode::Q8_0_DEFAULT).unwrap();
+    let again =
+        quantize_checkpoint(&out, &scratch_dir("twice2"), QuantMode::Q8_0_DEFAULT).unwrap_err();
+    assert!(again.to_string().contains("already quantized"), "{again}");
+    let in_place = quantize_checkpoint(&src, &src, QuantMode::Q8_0_DEFAULT).unwrap_err();
+    assert!(in_place.to_string().contains("must differ"), "{in_place}");
+    let none = quantize_checkpoint(&src, &out, QuantMode::None).unwrap_err();
+    assert!(none.to_string().contains("choose a quantization"), "{none}");
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
+/// Rewrites `dir/model.safetensors` with `edit` applied to its tensors and metadata.
+fn rewrite(
+    dir: &Path,
+    edit: impl Fn(
+        &mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>,
+        &mut std::collections::HashMap<String, String>,
+    ),
+) {
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let mut meta = header.metadata().clone().unwrap_or_default();
+    let mut tensors: Vec<_> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    edit(&mut tensors, &mut meta);
+    let views: Vec<_> = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::tensor::serialize_to_file(views, Some(meta), &path).unwrap();
+}
+
+#[test]
+fn malformed_quantized_checkpoints_fail_with_clear_errors() {
+    let src = repo_path("tests/data/tiny-qwen3");
+    let params = ModelParams {
+        threads: 1,
+        ..Default::default()
+    };
+    let cases: [(
+        &str,
+        fn(
+            &mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>,
+            &mut std::collections::HashMap<String, String>,
+        ),
+    ); 4] = [
+        ("names no quantization", |_, m| {
+            m.remove("quantization");
+        }),
+        ("no `model.layers.0.mlp.up_proj.weight_scale`", |t, _| {
+            t.retain(|x| x.0 != "model.layers.0.mlp.up_proj.weight_scale")
+        }),
+        ("`group_size` is `abc`", |_, m| {
+            m.insert("group_size".into(), "abc".into());
+        }),
+        ("not supported", |_, m| {
+            m.insert("quantization".into(), "awq".into());
+        }),
+    ];
+    for (i, (want, edit)) in cases.into_iter().enumerate() {
+        let out = scratch_dir(&format!("bad{i}"));
+        quantize_checkpoint(&src, &out, QuantMode::Q8_0_DEFAULT).unwrap();
+        rewrite(&out, edit);
+        let err = Model::load(&out, &params, None)
+            .err()
+            .expect("load must fail");
+        assert!(
+            err.to_string().contains(want),
+            "expected `{want}` in: {err}"
+        );
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+}
+
+#[test]
+fn smollm2_q8_0_stays_close_to_transformers_f32() {
+    let g = golden("smollm2.json");
+    let model = load(&smollm2_dir(""), QuantMode::Q8_0_DEFAULT);
+    assert_eq!(model.decoder.weight_dtype_name(), "q8_0");
+
+    let p = &g["perplexity"];
+    let text = std::fs::read_to_string(repo_path(p["file"].as_str().unwrap())).unwrap();
+    let mut tokens = model
+        .tokenizer()
+        .unwrap()
+        .encode(&text, p["add_special_tokens"].as_bool().unwrap())
+        .unwrap();
+    tokens.truncate(p["max_tokens"].as_u64().unwrap() as usize);
+    let ppl = perplexity(&model, &tokens).unwrap();
+    let want = p["ppl"].as_f64().unwrap();
+    assert!(
+        (ppl - want).abs() / want < 0.01,
+        "q8_0 perplexity {ppl} vs f32 transformers {want}"
+    );
+
+    // Greedy decoding follows transformers until a near-tie: where the ids
+    // first differ, ours must be within a small margin of transformers' top
+    // logit at that step; logits along the shared prefix stay close.
+    for c in g["cases"].as_array().unwrap() {
+        let name = c["name"].as_str().unwrap();
+        let want_ids = ids(&c["output_ids"]);
+        let (out, rows) =
+            greedy_with_logits(&model, &ids(&c["prompt_ids"]), want_ids.len()).unwrap();
+        let top = c["top_logits"].as_array().unwrap();
+        for (step, (&got, &want)) in out.iter().zip(&want_ids).enumerate() {
+            let golden: Vec<(u32, f32)> = top[step]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| (p[0].as_u64().unwrap() as u32, p[1].as_f64().unwrap() as f32))
+                .collect();
+            for &(id, logit) in &golden {
+                let ours = rows[step][id as usize];
+                assert!(
+                    (ours - logit).abs() < 0.1 * logit.abs().max(10.0),
+                    "{name} step {step} token {id}: logit {ours} vs {logit}"
+                );
+            }
+            if got != want {
+                let best = golden[0].1;
+                let ours = golden.iter().find(|p| p.0 == got).map(|p| p.1);
+                assert!(ours.is_some_and(|o| best - o < 0.2), "{name} step {step}: q8_0 picked {got}, transformers' logit for it {ours:?} vs top {best}");
+                break;
+            }
+        }
+    }
+}
