@@ -1,0 +1,137 @@
+import CNanoInfer
+import Foundation
+
+public enum DType: UInt32 {
+    case auto = 0, f32, f16, bf16
+}
+
+public struct ModelOptions {
+    public var dtype: DType
+    /// CPU kernel threads; 0 = all cores.
+    public var threads: Int
+    /// Called with values in [0, 1] while loading; return false to cancel.
+    public var progress: ((Float) -> Bool)?
+
+    public init(dtype: DType = .auto, threads: Int = 0, progress: ((Float) -> Bool)? = nil) {
+        self.dtype = dtype
+        self.threads = threads
+        self.progress = progress
+    }
+}
+
+public struct ChatMessage {
+    public var role: String
+    public var content: String
+    public init(role: String, content: String) {
+        self.role = role
+        self.content = content
+    }
+}
+
+public struct ModelInfo {
+    public let architecture: String
+    public let vocabSize: Int
+    public let contextLength: Int
+    public let layers: Int
+    public let hiddenSize: Int
+    public let heads: Int
+    public let kvHeads: Int
+    public let headDim: Int
+    /// -1 when the model has none.
+    public let bosTokenID: Int
+    public let eosTokenIDs: [UInt32]
+    public let hasTokenizer: Bool
+    public let hasChatTemplate: Bool
+}
+
+private final class ProgressBox {
+    let fn: (Float) -> Bool
+    init(_ fn: @escaping (Float) -> Bool) { self.fn = fn }
+}
+
+/// A loaded model. Immutable; safe to use from any thread. Sessions keep it
+/// alive, so it may be released while they are open.
+public final class Model {
+    let handle: OpaquePointer
+
+    public init(path: String, options: ModelOptions = ModelOptions()) throws {
+        var params = ni_model_params()
+        ni_model_params_init(&params)
+        params.dtype = ni_dtype(options.dtype.rawValue)
+        params.n_threads = UInt32(options.threads)
+        var box: Unmanaged<ProgressBox>?
+        if let progress = options.progress {
+            let b = Unmanaged.passRetained(ProgressBox(progress))
+            box = b
+            params.progress = { value, userData in
+                Unmanaged<ProgressBox>.fromOpaque(userData!).takeUnretainedValue().fn(value)
+            }
+            params.progress_user_data = b.toOpaque()
+        }
+        defer { box?.release() }
+        var raw: OpaquePointer?
+        try path.withCString { try check("ni_model_load", ni_model_load($0, &params, &raw)) }
+        handle = raw!
+    }
+
+    deinit { ni_model_free(handle) }
+
+    public func info() throws -> ModelInfo {
+        var ci = ni_model_info()
+        ci.struct_size = UInt32(MemoryLayout<ni_model_info>.size)
+        try check("ni_model_get_info", ni_model_get_info(handle, &ci))
+        return ModelInfo(
+            architecture: String(cString: ci.architecture),
+            vocabSize: Int(ci.vocab_size),
+            contextLength: Int(ci.context_length),
+            layers: Int(ci.n_layers),
+            hiddenSize: Int(ci.hidden_size),
+            heads: Int(ci.n_heads),
+            kvHeads: Int(ci.n_kv_heads),
+            headDim: Int(ci.head_dim),
+            bosTokenID: Int(ci.bos_token_id),
+            eosTokenIDs: tokens(ci.eos_token_ids, count: ci.n_eos_token_ids),
+            hasTokenizer: ci.has_tokenizer,
+            hasChatTemplate: ci.has_chat_template)
+    }
+
+    /// Token ids of `text`; `addSpecialTokens` adds e.g. BOS (not for chat-templated text).
+    public func tokenize(_ text: String, addSpecialTokens: Bool = false) throws -> [UInt32] {
+        var out: UnsafeMutablePointer<UInt32>?
+        var count = 0
+        let byteCount = text.utf8.count
+        try text.withCString {
+            try check("ni_tokenize", ni_tokenize(handle, $0, byteCount, addSpecialTokens, &out, &count))
+        }
+        defer { ni_tokens_free(out) }
+        return tokens(UnsafePointer(out), count: count)
+    }
+
+    public func detokenize(_ ids: [UInt32], skipSpecialTokens: Bool = false) throws -> String {
+        var out: UnsafeMutablePointer<CChar>?
+        var length = 0
+        try ids.withUnsafeBufferPointer {
+            try check("ni_detokenize", ni_detokenize(handle, $0.baseAddress, $0.count, skipSpecialTokens, &out, &length))
+        }
+        defer { ni_string_free(out) }
+        return string(UnsafePointer(out), count: length)
+    }
+
+    /// Renders `messages` with the model's chat template.
+    public func applyChatTemplate(_ messages: [ChatMessage], addGenerationPrompt: Bool = true) throws -> String {
+        let arena = CArena()
+        let cmsgs = messages.map {
+            ni_chat_message(role: arena.cString($0.role), content: arena.cString($0.content))
+        }
+        var out: UnsafeMutablePointer<CChar>?
+        var length = 0
+        try withExtendedLifetime(arena) {
+            try cmsgs.withUnsafeBufferPointer {
+                try check("ni_apply_chat_template",
+                          ni_apply_chat_template(handle, $0.baseAddress, $0.count, addGenerationPrompt, &out, &length))
+            }
+        }
+        defer { ni_string_free(out) }
+        return string(UnsafePointer(out), count: length)
+    }
+}

@@ -1,0 +1,284 @@
+import CNanoInfer
+import Foundation
+
+public enum KVBackend: UInt32 { case paged = 0, token }
+public enum SchedulePolicy: UInt32 { case fcfs = 0, priority }
+public enum Preemption: UInt32 { case recompute = 0, swap }
+
+/// Shape of a session; nil / zero fields keep the library defaults.
+public struct SessionOptions {
+    public var kvBackend: KVBackend = .paged
+    public var blockSize: Int = 0
+    public var kvCapacityTokens: Int = 0
+    public var kvMemoryBytes: UInt64 = 0
+    public var kvMemoryFraction: Float = 0
+    public var maxBatchedTokens: Int = 0
+    public var maxSeqs: Int = 0
+    public var prefillChunkSize: Int = 0
+    public var policy: SchedulePolicy = .fcfs
+    public var agingSteps: Int = 0
+    public var prefixCaching: Bool = true
+    public var preemption: Preemption = .recompute
+    public var seed: UInt64 = 0
+
+    public init(kvCapacityTokens: Int = 0) { self.kvCapacityTokens = kvCapacityTokens }
+}
+
+/// One generation request: set `prompt` (token ids) or `text`. Defaults
+/// match the library's: greedy, up to 256 tokens, every filter off.
+public struct Request {
+    public var prompt: [UInt32] = []
+    public var text: String = ""
+    public var addSpecialTokens = false
+    public var maxTokens = 256
+    public var minTokens = 0
+    public var temperature: Float = 0
+    public var topK = 0
+    public var topP: Float = 1
+    public var minP: Float = 0
+    public var repetitionPenalty: Float = 1
+    public var presencePenalty: Float = 0
+    public var frequencyPenalty: Float = 0
+    public var logitBias: [UInt32: Float] = [:]
+    public var seed: UInt64?
+    public var stopTokenIDs: [UInt32] = []
+    public var stopStrings: [String] = []
+    public var ignoreEOS = false
+    public var logprobs = 0
+    public var priority: Int32 = 0
+    public var cacheSalt: UInt64 = 0
+
+    public init(prompt: [UInt32] = [], text: String = "", maxTokens: Int = 256) {
+        self.prompt = prompt
+        self.text = text
+        self.maxTokens = maxTokens
+    }
+}
+
+public typealias RequestID = UInt64
+
+public enum FinishReason: UInt32 {
+    case none = 0, eos, stopToken, stopString, length, cancelled, error
+}
+
+public struct TokenLogprob {
+    public let token: UInt32
+    public let logprob: Float
+    public let top: [(token: UInt32, logprob: Float)]
+}
+
+/// What happened to one request in one step; exactly one event per request
+/// has `finish != .none`, and it is its last.
+public struct Event {
+    public let requestID: RequestID
+    public let tokens: [UInt32]
+    public let text: String
+    public let logprobs: [TokenLogprob]
+    public let finish: FinishReason
+    public let stopTokenID: UInt32
+    public let stopStringIndex: Int
+    public let errorMessage: String?
+}
+
+public struct SessionStats {
+    public let running: Int, waiting: Int
+    public let kvCapacityTokens: Int, kvBlockSize: Int
+    public let kvUsedTokens: Int, kvFreeTokens: Int, kvCachedTokens: Int
+    public let steps: UInt64, prefillTokens: UInt64, decodeTokens: UInt64
+    public let prefixCacheHits: UInt64, prefixCacheTokensReused: UInt64
+    public let preemptions: UInt64, swappedOutTokens: UInt64
+}
+
+/// A serving session (continuous batching over one model). Calls are
+/// serialized, so `cancel` and `stats` from other threads wait for a
+/// running `step`.
+public final class Session {
+    private let handle: OpaquePointer
+    private let output: OpaquePointer
+    private let lock = NSLock()
+    /// Events `generate` stepped past that belong to other requests.
+    private var backlog: [Event] = []
+
+    public init(model: Model, options: SessionOptions = SessionOptions()) throws {
+        var p = ni_session_params()
+        ni_session_params_init(&p)
+        p.kv_backend = ni_kv_backend(options.kvBackend.rawValue)
+        if options.blockSize != 0 { p.block_size = UInt32(options.blockSize) }
+        p.kv_capacity_tokens = UInt64(options.kvCapacityTokens)
+        p.kv_memory_bytes = options.kvMemoryBytes
+        p.kv_memory_fraction = options.kvMemoryFraction
+        if options.maxBatchedTokens != 0 { p.max_batched_tokens = UInt32(options.maxBatchedTokens) }
+        if options.maxSeqs != 0 { p.max_seqs = UInt32(options.maxSeqs) }
+        if options.prefillChunkSize != 0 { p.prefill_chunk_size = UInt32(options.prefillChunkSize) }
+        p.policy = ni_schedule_policy(options.policy.rawValue)
+        if options.agingSteps != 0 { p.aging_steps = UInt64(options.agingSteps) }
+        p.prefix_caching = options.prefixCaching
+        p.preemption = ni_preemption_mode(options.preemption.rawValue)
+        p.seed = options.seed
+        var s: OpaquePointer?
+        try check("ni_session_create", ni_session_create(model.handle, &p, &s))
+        var out: OpaquePointer?
+        let st = ni_step_output_create(&out)
+        if st != ni_status(NI_OK) {
+            ni_session_free(s)
+            try check("ni_step_output_create", st)
+        }
+        handle = s!
+        output = out!
+    }
+
+    deinit {
+        ni_step_output_free(output)
+        ni_session_free(handle)
+    }
+
+    /// Validates and queues a request; the error names a bad parameter.
+    public func addRequest(_ r: Request) throws -> RequestID {
+        lock.lock()
+        defer { lock.unlock() }
+        let arena = CArena()
+        var p = ni_request_params()
+        ni_request_params_init(&p)
+        if !r.prompt.isEmpty {
+            p.prompt_tokens = arena.copy(r.prompt)
+            p.n_prompt_tokens = r.prompt.count
+        } else {
+            p.prompt_text = arena.cString(r.text)
+            p.prompt_text_len = r.text.utf8.count
+        }
+        p.add_special_tokens = r.addSpecialTokens
+        p.max_tokens = UInt32(clamping: r.maxTokens)
+        p.min_tokens = UInt32(clamping: r.minTokens)
+        p.temperature = r.temperature
+        p.top_k = Int32(clamping: r.topK)
+        p.top_p = r.topP
+        p.min_p = r.minP
+        p.repetition_penalty = r.repetitionPenalty
+        p.presence_penalty = r.presencePenalty
+        p.frequency_penalty = r.frequencyPenalty
+        let bias = r.logitBias.map { ni_logit_bias(token: $0.key, bias: $0.value) }
+        p.logit_bias = arena.copy(bias)
+        p.n_logit_bias = bias.count
+        if let seed = r.seed {
+            p.seed = seed
+            p.use_seed = true
+        }
+        p.stop_token_ids = arena.copy(r.stopTokenIDs)
+        p.n_stop_token_ids = r.stopTokenIDs.count
+        let stops: [UnsafePointer<CChar>?] = r.stopStrings.map { arena.cString($0) }
+        p.stop_strings = arena.copy(stops)
+        p.n_stop_strings = stops.count
+        p.ignore_eos = r.ignoreEOS
+        p.logprobs = UInt32(clamping: r.logprobs)
+        p.priority = r.priority
+        p.cache_salt = r.cacheSalt
+        var id: UInt64 = 0
+        try withExtendedLifetime(arena) {
+            try check("ni_session_add_request", ni_session_add_request(handle, &p, &id))
+        }
+        return id
+    }
+
+    /// Runs one engine step; returns its events (after any collected by `generate`).
+    public func step() throws -> [Event] {
+        lock.lock()
+        defer { lock.unlock() }
+        let events = backlog
+        backlog = []
+        return events + (try stepLocked())
+    }
+
+    private func stepLocked() throws -> [Event] {
+        try check("ni_session_step", ni_session_step(handle, output))
+        let n = ni_step_output_count(output)
+        guard n > 0, let evs = ni_step_output_events(output) else { return [] }
+        return (0..<n).map { Session.convert(evs[$0]) }
+    }
+
+    private static func convert(_ e: ni_event) -> Event {
+        var lps: [TokenLogprob] = []
+        for i in 0..<e.n_logprobs {
+            let l = e.logprobs[i]
+            let top = (0..<l.n_top).map { (token: l.top[$0].token, logprob: l.top[$0].logprob) }
+            lps.append(TokenLogprob(token: l.token, logprob: l.logprob, top: top))
+        }
+        return Event(
+            requestID: e.request_id,
+            tokens: tokens(e.tokens, count: e.n_tokens),
+            text: string(e.text, count: e.text_len),
+            logprobs: lps,
+            finish: FinishReason(rawValue: e.finish_reason) ?? .error,
+            stopTokenID: e.stop_token_id,
+            stopStringIndex: Int(e.stop_string_index),
+            errorMessage: e.error_message.map { String(cString: $0) })
+    }
+
+    /// Cancels a waiting or running request; its terminal event comes with the next step.
+    public func cancel(_ id: RequestID) throws {
+        lock.lock()
+        defer { lock.unlock() }
+        try check("ni_session_cancel", ni_session_cancel(handle, id))
+    }
+
+    public var hasWork: Bool {
+        lock.lock()
+        defer { lock.unlock() }
+        return !backlog.isEmpty || ni_session_has_work(handle)
+    }
+
+    public func stats() throws -> SessionStats {
+        lock.lock()
+        defer { lock.unlock() }
+        var s = ni_session_stats()
+        s.struct_size = UInt32(MemoryLayout<ni_session_stats>.size)
+        try check("ni_session_get_stats", ni_session_get_stats(handle, &s))
+        return SessionStats(
+            running: Int(s.running), waiting: Int(s.waiting),
+            kvCapacityTokens: Int(s.kv_capacity_tokens), kvBlockSize: Int(s.kv_block_size),
+            kvUsedTokens: Int(s.kv_used_tokens), kvFreeTokens: Int(s.kv_free_tokens),
+            kvCachedTokens: Int(s.kv_cached_tokens),
+            steps: s.steps, prefillTokens: s.prefill_tokens, decodeTokens: s.decode_tokens,
+            prefixCacheHits: s.prefix_cache_hits, prefixCacheTokensReused: s.prefix_cache_tokens_reused,
+            preemptions: s.preemptions, swappedOutTokens: s.swapped_out_tokens)
+    }
+
+    /// Steps until events for `id` appear; other requests' events are kept for `step`.
+    private func stepFor(_ id: RequestID) throws -> [Event] {
+        lock.lock()
+        defer { lock.unlock() }
+        while true {
+            let mine = backlog.filter { $0.requestID == id }
+            if !mine.isEmpty {
+                backlog.removeAll { $0.requestID == id }
+                return mine
+            }
+            let events = try stepLocked()
+            backlog.append(contentsOf: events)
+            if events.isEmpty && !ni_session_has_work(handle) {
+                throw NanoInferError(code: .internalError, operation: "generate",
+                                     message: "session went idle before the request finished")
+            }
+        }
+    }
+
+    /// Adds `request` and calls `onEvent` with each of its events until the
+    /// terminal one, stepping the session (other requests advance too).
+    /// Returning false from `onEvent`, or throwing, cancels the request.
+    public func generate(_ request: Request, onEvent: (Event) throws -> Bool) throws {
+        let id = try addRequest(request)
+        var finished = false
+        defer {
+            if !finished {
+                // Leave the session clean: cancel and consume the terminal event.
+                try? cancel(id)
+                while let events = try? stepFor(id), !events.contains(where: { $0.finish != .none }) {}
+            }
+        }
+        while true {
+            for event in try stepFor(id) {
+                if event.finish != .none { finished = true }
+                if try !onEvent(event) || finished { return }
+            }
+        }
+    }
+}

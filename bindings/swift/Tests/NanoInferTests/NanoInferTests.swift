@@ -1,0 +1,48 @@
+import XCTest
+@testable import NanoInfer
+
+final class NanoInferTests: XCTestCase {
+    static var modelPath: String {
+        ProcessInfo.processInfo.environment["NANOINFER_MODEL"] ?? "../../models/SmolLM2-135M-Instruct"
+    }
+
+    func testGenerateAndCancel() throws {
+        XCTAssertEqual(NanoInfer.abiVersion, NanoInfer.headerABIVersion)
+        let model = try Model(path: Self.modelPath, options: ModelOptions(threads: 2))
+        let session = try Session(model: model, options: SessionOptions(kvCapacityTokens: 4096))
+        let prompt = try model.applyChatTemplate([ChatMessage(role: "user", content: "What is the capital of France?")])
+        var text = ""
+        var last = FinishReason.none
+        try session.generate(Request(text: prompt, maxTokens: 24)) { event in
+            text += event.text
+            last = event.finish
+            return true
+        }
+        XCTAssertTrue(text.contains("Paris"), text)
+        XCTAssertTrue(last == .eos || last == .length)
+
+        // Stopping early cancels the request and leaves the session idle.
+        var events = 0
+        var long = Request(text: prompt, maxTokens: 200)
+        long.ignoreEOS = true
+        try session.generate(long) { _ in
+            events += 1
+            return events < 3
+        }
+        XCTAssertEqual(events, 3)
+        XCTAssertFalse(session.hasWork)
+        XCTAssertEqual(try session.stats().kvUsedTokens, 0)
+    }
+
+    func testErrorsCarryTheLibraryMessage() throws {
+        let model = try Model(path: Self.modelPath, options: ModelOptions(threads: 1))
+        let session = try Session(model: model, options: SessionOptions(kvCapacityTokens: 1024))
+        var bad = Request(prompt: [1, 2, 3])
+        bad.temperature = -1
+        XCTAssertThrowsError(try session.addRequest(bad)) { error in
+            let e = error as! NanoInferError
+            XCTAssertEqual(e.code, .invalidArgument)
+            XCTAssertTrue(e.message.contains("temperature"), e.message)
+        }
+    }
+}
