@@ -1,15 +1,4 @@
 //! `CpuArena`: a bump allocator over 64-byte-aligned regions (chunks).
-//!
-//! Normally there is one chunk. A request that does not fit chains a new
-//! chunk (logged) so that outstanding allocations stay where they are; the
-//! next `reset` merges the chunks into one region as large as the arena ever
-//! was, so a steady workload settles on a single chunk and zero system
-//! allocations. A fixed arena ([`CpuArena::fixed`]) never grows: it returns
-//! `OutOfMemory` instead.
-//!
-//! Concurrency: `allocate(&self)` bumps the current chunk's offset with a CAS
-//! and takes a mutex only to grow. Chunks are freed only through `&mut self`
-//! (`reset`, `rollback`, drop), so a chunk a thread has loaded stays alive.
 
 use std::alloc::{self, Layout};
 use std::ptr::{self, NonNull};
@@ -118,11 +107,22 @@ impl Inner {
 }
 
 /// Bump-pointer arena with O(1) [`reset`](MemoryPool::reset) and
-/// checkpoint/rollback. See the [module docs](self) for growth.
+/// checkpoint/rollback.
 ///
 /// Every allocation takes a multiple of 64 bytes (one cache line), so
 /// separate allocations never share a line and the common case (alignment
 /// up to 64) costs one add on the bump offset.
+///
+/// Normally there is one chunk. A request that does not fit chains a new
+/// chunk (logged) so that outstanding allocations stay where they are; the
+/// next `reset` merges the chunks into one region as large as the arena ever
+/// was, so a steady workload settles on a single chunk and zero system
+/// allocations. A fixed arena ([`CpuArena::fixed`]) never grows: it returns
+/// `OutOfMemory` instead.
+///
+/// Concurrency: `allocate(&self)` bumps the current chunk's offset with a CAS
+/// and takes a mutex only to grow. Chunks are freed only through `&mut self`
+/// (`reset`, `rollback`, drop), so a chunk a thread has loaded stays alive.
 pub struct CpuArena {
     id: PoolId,
     /// The last chunk of `inner.chunks`, or null when there is none.

@@ -19,8 +19,7 @@
 //! the workspace's (single-threaded) hot path.
 //!
 //! Failures are errors, never aborts: an unsatisfiable request returns
-//! [`ErrorKind::OutOfMemory`](crate::ErrorKind::OutOfMemory), a bad alignment
-//! [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument).
+//! [`ErrorKind::OutOfMemory`], a bad alignment [`ErrorKind::InvalidArgument`].
 
 mod arena;
 pub mod counting_alloc;
@@ -162,7 +161,7 @@ pub struct PoolStats {
     pub system_allocations: u64,
 }
 
-/// A source of aligned scratch memory. See the [module docs](self).
+/// A source of aligned scratch memory (see the [module docs](self)).
 ///
 /// All methods are object-safe; pools are used as `Box<dyn MemoryPool>`.
 /// Zero-byte requests succeed with a dangling, aligned pointer and consume

@@ -1,17 +1,4 @@
 //! `CpuSlab`: power-of-two size classes from 16 B to 512 KiB.
-//!
-//! Each class has a mutex-protected state: an intrusive free list (the next
-//! pointer lives in the freed block itself, so releasing never allocates) and
-//! the uncarved tail of its newest 1 MiB slab. A request is served from the
-//! free list (a hit), else carved from the slab tail, else from a new slab
-//! (a miss, one system allocation per slab). Slabs go back to the system only
-//! when the pool is dropped.
-//!
-//! A request of `size` bytes at `align` uses the class
-//! `max(size, align, 16).next_power_of_two()`. Slabs are aligned to their
-//! class size, so every block is aligned to its class size: any alignment up
-//! to 512 KiB is honoured. Requests whose class would exceed 512 KiB (large
-//! sizes or large alignments) go straight to the system allocator.
 
 use std::alloc::{self, Layout};
 use std::ptr::{self, NonNull};
@@ -128,7 +115,20 @@ fn large_layout(size: usize, align: usize) -> Option<Layout> {
     Layout::from_size_align(size, align.max(64)).ok()
 }
 
-/// Size-class pool with per-class free lists. See the [module docs](self).
+/// Size-class pool with per-class free lists.
+///
+/// Each class has a mutex-protected state: an intrusive free list (the next
+/// pointer lives in the freed block itself, so releasing never allocates) and
+/// the uncarved tail of its newest 1 MiB slab. A request is served from the
+/// free list (a hit), else carved from the slab tail, else from a new slab
+/// (a miss, one system allocation per slab). Slabs go back to the system only
+/// when the pool is dropped.
+///
+/// A request of `size` bytes at `align` uses the class
+/// `max(size, align, 16).next_power_of_two()`. Slabs are aligned to their
+/// class size, so every block is aligned to its class size: any alignment up
+/// to 512 KiB is honoured. Requests whose class would exceed 512 KiB (large
+/// sizes or large alignments) go straight to the system allocator.
 pub struct CpuSlab {
     id: PoolId,
     classes: [Mutex<ClassState>; NUM_CLASSES],

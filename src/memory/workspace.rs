@@ -1,49 +1,4 @@
 //! `Workspace`: typed scratch slices for one forward step, from any pool.
-//!
-//! Allocation takes `&self` and returns `&mut [T]` borrowed from the
-//! workspace, so many slices can be live at once; `reset` (and `scope`) take
-//! `&mut self`, so the borrow checker guarantees no slice outlives the memory
-//! behind it:
-//!
-//! ```
-//! use nanoinfer::memory::{MemoryPoolKind, Workspace};
-//!
-//! let mut ws = Workspace::with_kind(MemoryPoolKind::Arena, 1 << 20)?;
-//! for _step in 0..3 {
-//!     let x = ws.alloc_zeroed::<f32>(1024)?;
-//!     let y = ws.alloc_filled::<f32>(1024, 1.5)?;
-//!     for (a, b) in x.iter_mut().zip(y.iter()) {
-//!         *a += 2.0 * b;
-//!     }
-//!     assert_eq!(x[7], 3.0);
-//!     ws.reset(); // all slices of this step are gone
-//! }
-//! # Ok::<(), nanoinfer::Error>(())
-//! ```
-//!
-//! A slice used after `reset` does not compile:
-//!
-//! ```compile_fail
-//! use nanoinfer::memory::{MemoryPoolKind, Workspace};
-//! let mut ws = Workspace::with_kind(MemoryPoolKind::Arena, 1 << 20).unwrap();
-//! let x = ws.alloc_zeroed::<f32>(4).unwrap();
-//! ws.reset();
-//! x[0] = 1.0;
-//! ```
-//!
-//! Nor does a slice escaping a `scope`:
-//!
-//! ```compile_fail
-//! use nanoinfer::memory::{MemoryPoolKind, Workspace};
-//! let mut ws = Workspace::with_kind(MemoryPoolKind::Arena, 1 << 20).unwrap();
-//! let leaked = ws.scope(|ws| ws.alloc_zeroed::<f32>(4).unwrap());
-//! leaked[0] = 1.0;
-//! ```
-//!
-//! With an arena, `reset` is the arena's O(1) reset. With other pools the
-//! workspace records each allocation in a reusable `Vec` and releases them
-//! on `reset`, so after the first steps (warm-up) neither path touches the
-//! system allocator.
 
 use std::cell::RefCell;
 use std::mem::{self, MaybeUninit};
@@ -133,7 +88,52 @@ impl Pool {
     }
 }
 
-/// Scratch memory for one step. See the [module docs](self).
+/// Scratch memory for one step.
+///
+/// Allocation takes `&self` and returns `&mut [T]` borrowed from the
+/// workspace, so many slices can be live at once; `reset` (and `scope`) take
+/// `&mut self`, so the borrow checker guarantees no slice outlives the memory
+/// behind it:
+///
+/// ```
+/// use nanoinfer::memory::{MemoryPoolKind, Workspace};
+///
+/// let mut ws = Workspace::with_kind(MemoryPoolKind::Arena, 1 << 20)?;
+/// for _step in 0..3 {
+///     let x = ws.alloc_zeroed::<f32>(1024)?;
+///     let y = ws.alloc_filled::<f32>(1024, 1.5)?;
+///     for (a, b) in x.iter_mut().zip(y.iter()) {
+///         *a += 2.0 * b;
+///     }
+///     assert_eq!(x[7], 3.0);
+///     ws.reset(); // all slices of this step are gone
+/// }
+/// # Ok::<(), nanoinfer::Error>(())
+/// ```
+///
+/// A slice used after `reset` does not compile:
+///
+/// ```compile_fail
+/// use nanoinfer::memory::{MemoryPoolKind, Workspace};
+/// let mut ws = Workspace::with_kind(MemoryPoolKind::Arena, 1 << 20).unwrap();
+/// let x = ws.alloc_zeroed::<f32>(4).unwrap();
+/// ws.reset();
+/// x[0] = 1.0;
+/// ```
+///
+/// Nor does a slice escaping a `scope`:
+///
+/// ```compile_fail
+/// use nanoinfer::memory::{MemoryPoolKind, Workspace};
+/// let mut ws = Workspace::with_kind(MemoryPoolKind::Arena, 1 << 20).unwrap();
+/// let leaked = ws.scope(|ws| ws.alloc_zeroed::<f32>(4).unwrap());
+/// leaked[0] = 1.0;
+/// ```
+///
+/// With an arena, `reset` is the arena's O(1) reset. With other pools the
+/// workspace records each allocation in a reusable `Vec` and releases them
+/// on `reset`, so after the first steps (warm-up) neither path touches the
+/// system allocator.
 pub struct Workspace {
     pool: RefCell<Pool>,
     /// Allocations to release on `reset` (pools without bulk reset).
