@@ -22,7 +22,9 @@ fn main() {
             println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libnanoinfer.so.{abi}");
         }
         Ok("macos") | Ok("ios") => {
-            println!("cargo:rustc-cdylib-link-arg=-Wl,-install_name,@rpath/libnanoinfer.{abi}.dylib");
+            println!(
+                "cargo:rustc-cdylib-link-arg=-Wl,-install_name,@rpath/libnanoinfer.{abi}.dylib"
+            );
         }
         _ => {}
     }
