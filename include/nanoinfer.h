@@ -71,7 +71,8 @@ typedef uint32_t ni_log_level;
  * Receives one log message. `message` is NUL-terminated UTF-8 owned by the
  * library and valid only during the call. It may be called from any thread
  * that is inside a library call, including several threads at once. It must
- * not unwind (throw) and must not call `ni_set_log_callback`.
+ * not unwind (throw) and must not call `ni_set_log_callback`; other library
+ * calls are allowed (no library lock is held while it runs).
  */
 typedef void (*ni_log_callback)(ni_log_level level, const char *message, void *user_data);
 

@@ -189,7 +189,7 @@ fn concurrent_requests_match_the_engine_api() {
     }
     let st = stats(session);
     assert_eq!((st.running, st.waiting, st.kv_used_tokens), (0, 0, 0));
-    assert_eq!(st.decode_tokens + st.prefill_tokens > 0, true);
+    assert!(st.decode_tokens + st.prefill_tokens > 0);
     assert_eq!(st.kv_capacity_tokens, 4096);
     // SAFETY: freed once.
     unsafe { ni_session_free(session) };
@@ -343,11 +343,7 @@ unsafe extern "C" fn record_log(
         .into_owned();
     LOGS.lock().unwrap().push((level, m));
     // Re-entering the setter from the callback is refused, not deadlocked.
-    // SAFETY: plain call.
-    assert_eq!(
-        unsafe { ni_set_log_callback(None, ptr::null_mut()) },
-        NI_ERR_BUSY
-    );
+    assert_eq!(ni_set_log_callback(None, ptr::null_mut()), NI_ERR_BUSY);
 }
 
 unsafe extern "C" fn record_progress(progress: f32, user_data: *mut c_void) -> bool {

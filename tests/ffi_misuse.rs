@@ -438,7 +438,8 @@ fn bad_sampling_values_name_the_parameter() {
     let model = shared_model();
     let session = create_session(model);
     let prompt = [1u32, 2, 3];
-    let cases: Vec<(&str, fn(&mut ni_request_params))> = vec![
+    type Case = (&'static str, fn(&mut ni_request_params));
+    let cases: Vec<Case> = vec![
         ("max_tokens", |r| r.max_tokens = 0),
         ("temperature", |r| r.temperature = f32::NAN),
         ("temperature", |r| r.temperature = -1.0),

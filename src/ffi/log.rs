@@ -17,7 +17,8 @@ pub const NI_LOG_DEBUG: ni_log_level = 4;
 /// Receives one log message. `message` is NUL-terminated UTF-8 owned by the
 /// library and valid only during the call. It may be called from any thread
 /// that is inside a library call, including several threads at once. It must
-/// not unwind (throw) and must not call `ni_set_log_callback`.
+/// not unwind (throw) and must not call `ni_set_log_callback`; other library
+/// calls are allowed (no library lock is held while it runs).
 pub type ni_log_callback = Option<
     unsafe extern "C" fn(level: ni_log_level, message: *const c_char, user_data: *mut c_void),
 >;

@@ -209,11 +209,15 @@ impl ni_session {
                     )));
                 }
                 self.state.clear_poison();
+                drop(guard);
+                // Logged without the lock: the callback may call into this session.
                 emit(
                     NI_LOG_WARN,
                     "session recovered after an internal panic; its consistency checks pass",
                 );
-                Ok(guard)
+                self.state.lock().map_err(|_| {
+                    Error::internal("the session lock was poisoned again during recovery")
+                })
             }
         }
     }

@@ -137,6 +137,9 @@ pub fn add_tokens(session: *mut ni_session, prompt: &[u32], max_tokens: u32) -> 
     id
 }
 
+/// A generated token, its logprob and the top alternatives.
+pub type Logprob = (u32, f32, Vec<(u32, f32)>);
+
 /// What one request produced, collected from its events.
 #[derive(Debug, Default, Clone)]
 pub struct Collected {
@@ -145,7 +148,7 @@ pub struct Collected {
     pub finish: ni_finish_reason,
     pub stop_string_index: i32,
     pub error: Option<String>,
-    pub logprobs: Vec<(u32, f32, Vec<(u32, f32)>)>,
+    pub logprobs: Vec<Logprob>,
     pub events: usize,
 }
 
