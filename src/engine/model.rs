@@ -50,7 +50,10 @@ impl Model {
         let start = Instant::now();
         let mut progress = progress;
         let mut report = |f: f32| -> Result<()> {
-            let keep_going = progress.as_mut().is_none_or(|cb| cb(f));
+            let keep_going = match progress.as_mut() {
+                Some(cb) => cb(f),
+                None => true,
+            };
             if keep_going {
                 Ok(())
             } else {

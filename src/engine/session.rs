@@ -2,17 +2,20 @@
 //!
 //! Every `step` schedules work under a token budget (running requests first,
 //! one decode token or one prefill chunk each, then waiting requests by
-//! policy), runs one forward pass over the mixed batch, samples the rows that
-//! completed their known tokens, and reports per-request events. Running out
-//! of KV room preempts the least urgent running request (recompute or swap);
-//! it never fails a request.
+//! policy; see `schedule`), runs one forward pass over the mixed batch,
+//! samples the rows that completed their known tokens and reports
+//! per-request events (see `output`). Running out of KV room preempts the
+//! least urgent running request (recompute or swap); it never fails a
+//! request.
+
+mod output;
+mod schedule;
 
 use super::model::Model;
 use super::policy::{create_policy, RankInput, SchedulePolicy, SchedulePolicyKind};
-use super::request::{Event, FinishReason, RequestId, RequestParams, TokenLogprob};
-use crate::backend::cpu::attention::AttnSeq;
+use super::request::{Event, FinishReason, RequestId, RequestParams};
 use crate::kv::{create_kv_backend, KvBackendKind, KvCacheBackend, KvStats, KvStorage};
-use crate::model::{ForwardBatch, Workspace};
+use crate::model::Workspace;
 use crate::sampling::{Rng, Sampler, StopMatcher};
 use crate::tokenizer::StreamDetokenizer;
 use crate::{bail_arg, Error, ErrorKind, Result};
@@ -89,10 +92,21 @@ pub struct SessionStats {
     pub kv: KvStats,
     pub kv_capacity_tokens: usize,
     pub steps: u64,
+    /// Rows computed as prefill: prompt chunks, and prompt + generated
+    /// tokens recomputed after a recompute preemption.
     pub prefill_tokens: u64,
+    /// Rows computed as decode (the token sampled in the previous step).
     pub decode_tokens: u64,
+    /// Tokens whose KV was taken from the prefix cache at admission instead
+    /// of being computed.
+    pub prefix_cached_tokens: u64,
+    /// Admissions that reused at least one cached token.
+    pub prefix_hits: u64,
     pub preemptions: u64,
+    /// Tokens whose KV was copied to host memory by swap preemptions.
     pub swapped_out_tokens: u64,
+    /// Tokens whose KV was copied back from host memory.
+    pub swapped_in_tokens: u64,
 }
 
 struct Request {
@@ -102,9 +116,9 @@ struct Request {
     prompt_len: usize,
     /// Tokens whose KV is in the cache.
     computed: usize,
-    /// True between `kv.begin` and `kv.release`.
+    /// True between `kv.begin` and `kv.release`: exactly the running requests.
     in_kv: bool,
-    /// KV of positions `0..swapped_tokens` saved by a swap preemption.
+    /// KV of positions `0..n` saved by a swap preemption, as `(n, data)`.
     swapped: Option<(usize, Vec<f32>)>,
     sampler: Sampler,
     detok: Option<StreamDetokenizer>,
@@ -119,6 +133,7 @@ pub struct Session {
     storage: KvStorage,
     capacity_tokens: usize,
     ws: Workspace,
+    /// `[max_seqs, vocab]`: one row per sequence that samples this step.
     logits: Vec<f32>,
     policy: Box<dyn SchedulePolicy>,
     requests: HashMap<RequestId, Request>,
@@ -136,26 +151,11 @@ pub struct Session {
 
 #[derive(Default)]
 struct StepScratch {
+    /// (request, rows to compute) in batch order; logits rows follow it.
     plan: Vec<(RequestId, usize)>,
     tokens: Vec<u32>,
     logits_rows: Vec<usize>,
     suppress: Vec<u32>,
-}
-
-/// Tokens that may not be sampled yet: EOS and stop ids before `min_tokens`.
-fn suppressed_tokens(
-    s: &crate::sampling::SamplingParams,
-    eos: &[u32],
-    generated: usize,
-    out: &mut Vec<u32>,
-) {
-    out.clear();
-    if generated < s.min_tokens as usize {
-        if !s.ignore_eos {
-            out.extend_from_slice(eos);
-        }
-        out.extend_from_slice(&s.stop_token_ids);
-    }
 }
 
 /// Default KV budget when none is given: a quarter of available memory, at most 2 GiB.
@@ -229,6 +229,10 @@ impl Session {
         &self.model
     }
 
+    pub fn params(&self) -> &SessionParams {
+        &self.params
+    }
+
     /// Validates and queues a request; returns its id. Nothing is queued on error.
     pub fn add_request(&mut self, params: RequestParams) -> Result<RequestId> {
         let c = self.model.config();
@@ -254,7 +258,8 @@ impl Session {
         }
         if need > self.capacity_tokens {
             bail_arg!(
-                "prompt ({} tokens) + max_tokens ({}) exceeds the session's KV capacity of {} tokens",
+                "prompt ({} tokens) + max_tokens ({}) exceeds the session's KV capacity of {} tokens; \
+                 shorten the prompt, lower max_tokens or raise the KV capacity",
                 params.prompt.len(),
                 params.sampling.max_tokens,
                 self.capacity_tokens
@@ -290,8 +295,9 @@ impl Session {
         Ok(id)
     }
 
-    /// Cancels a waiting or running request. Its terminal event (reason
-    /// `Cancelled`) is reported by the next `step`.
+    /// Cancels a waiting or running request and frees its KV at once. Its
+    /// terminal event (reason `Cancelled`) is reported by the next `step`.
+    /// A request that already got its terminal event cannot be cancelled.
     pub fn cancel(&mut self, id: RequestId) -> Result<()> {
         let Some(req) = self.requests.remove(&id) else {
             bail_arg!("request {id} is not active (unknown, finished or already cancelled)");
@@ -311,8 +317,14 @@ impl Session {
         Ok(())
     }
 
+    /// True while a request is queued or running, or an event is pending.
     pub fn has_work(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty() || !self.pending.is_empty()
+    }
+
+    /// True when `id` was accepted and has not yet been finished or cancelled.
+    pub fn is_active(&self, id: RequestId) -> bool {
+        self.requests.contains_key(&id)
     }
 
     pub fn stats(&self) -> SessionStats {
@@ -324,22 +336,62 @@ impl Session {
         s
     }
 
-    /// Checks the KV manager's invariants and, when idle, that every slot is
-    /// free or evictable. Used by tests and debug builds.
+    /// Checks the KV manager's invariants, the request queues and, when idle,
+    /// that every slot is free or evictable. Used by tests and debug builds.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         self.kv.check_invariants()?;
-        if self.running.is_empty() && self.waiting.is_empty() {
-            let s = self.kv.stats();
-            if s.free_slots + s.evictable_slots != s.total_slots {
-                return Err(format!("idle session leaks KV: {s:?}"));
+        if self.running.len() > self.params.max_seqs {
+            return Err(format!(
+                "{} running requests exceed max_seqs {}",
+                self.running.len(),
+                self.params.max_seqs
+            ));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for (queue, ids, in_kv) in [
+            ("running", &self.running, true),
+            ("waiting", &self.waiting, false),
+        ] {
+            for id in ids {
+                if !seen.insert(*id) {
+                    return Err(format!("request {id} is queued twice"));
+                }
+                let Some(r) = self.requests.get(id) else {
+                    return Err(format!("{queue} request {id} is unknown"));
+                };
+                if r.in_kv != in_kv {
+                    return Err(format!("{queue} request {id} has in_kv = {}", r.in_kv));
+                }
+                if r.computed > r.tokens.len() || (!in_kv && r.computed != 0) {
+                    return Err(format!(
+                        "{queue} request {id} claims {} computed tokens of {}",
+                        r.computed,
+                        r.tokens.len()
+                    ));
+                }
+                if in_kv && self.kv.mapping(*id).capacity() < r.computed {
+                    return Err(format!(
+                        "running request {id} has less KV than its {} computed tokens",
+                        r.computed
+                    ));
+                }
+                if in_kv && r.swapped.is_some() {
+                    return Err(format!("running request {id} still holds swapped-out KV"));
+                }
             }
         }
-        let tracked = self.running.len() + self.waiting.len();
-        if tracked != self.requests.len() {
+        if seen.len() != self.requests.len() {
             return Err(format!(
-                "{} requests tracked but {tracked} queued",
-                self.requests.len()
+                "{} requests tracked but {} queued",
+                self.requests.len(),
+                seen.len()
             ));
+        }
+        if self.running.is_empty() {
+            let s = self.kv.stats();
+            if s.used_slots != 0 || s.free_slots + s.evictable_slots != s.total_slots {
+                return Err(format!("no request runs but KV is held: {s:?}"));
+            }
         }
         Ok(())
     }
@@ -348,12 +400,11 @@ impl Session {
     /// events of this step (possibly none).
     pub fn step(&mut self) -> Result<Vec<Event>> {
         let mut events = std::mem::take(&mut self.pending);
-        self.schedule();
+        self.schedule(&mut events);
         if !self.scratch.plan.is_empty() {
-            if let Err(e) = self.run_forward() {
-                self.fail_scheduled(&e, &mut events);
-            } else {
-                self.finish_step(&mut events);
+            match self.run_forward() {
+                Ok(()) => self.finish_step(&mut events),
+                Err(e) => self.fail_scheduled(&e, &mut events),
             }
         }
         self.stats.steps += 1;
@@ -363,306 +414,5 @@ impl Session {
             }
         }
         Ok(events)
-    }
-
-    fn rank(&self, id: RequestId) -> (i64, u64) {
-        self.policy.rank(&self.requests[&id].rank, self.stats.steps)
-    }
-
-    /// Fills `scratch.plan` with (request, new tokens) under the budgets.
-    fn schedule(&mut self) {
-        let mut plan = std::mem::take(&mut self.scratch.plan);
-        plan.clear();
-        let mut budget = self.params.max_batched_tokens;
-        let chunk = self.params.prefill_chunk_size;
-
-        let mut order = self.running.clone();
-        order.sort_by_key(|&id| self.rank(id));
-        for id in order {
-            if budget == 0 || !self.running.contains(&id) {
-                continue;
-            }
-            let req = &self.requests[&id];
-            let n = (req.tokens.len() - req.computed).min(chunk).min(budget);
-            loop {
-                let total = self.requests[&id].computed + n;
-                if self.kv.allocate(id, total) {
-                    plan.push((id, n));
-                    budget -= n;
-                    break;
-                }
-                let victim = self.pick_victim(&plan);
-                self.preempt(victim);
-                if victim == id {
-                    break;
-                }
-            }
-        }
-
-        let mut waiting = std::mem::take(&mut self.waiting);
-        waiting.sort_by_key(|&id| self.rank(id));
-        self.waiting = waiting;
-        while budget > 0 && self.running.len() < self.params.max_seqs && !self.waiting.is_empty() {
-            let id = self.waiting[0];
-            let req = self.requests.get_mut(&id).expect("waiting request exists");
-            if !req.in_kv {
-                req.computed = self.kv.begin(id, &req.tokens, req.params.cache_salt);
-                req.in_kv = true;
-            }
-            let req = &self.requests[&id];
-            let resume_to = req
-                .swapped
-                .as_ref()
-                .map_or(0, |(n, _)| *n)
-                .max(req.computed);
-            let n = (req.tokens.len() - resume_to).min(chunk).min(budget);
-            if n == 0 || !self.kv.allocate(id, resume_to + n) {
-                // Head-of-line: wait until running requests free room.
-                let req = self.requests.get_mut(&id).expect("exists");
-                self.kv.release(id);
-                req.in_kv = false;
-                req.computed = 0;
-                break;
-            }
-            self.swap_in(id);
-            self.waiting.remove(0);
-            self.running.push(id);
-            plan.push((id, n));
-            budget -= n;
-        }
-        self.scratch.plan = plan;
-    }
-
-    /// The least urgent running request not yet planned this step. Requests
-    /// are planned in rank order, so this is never more urgent than the one
-    /// asking for room (and may be that one itself).
-    fn pick_victim(&self, plan: &[(RequestId, usize)]) -> RequestId {
-        self.running
-            .iter()
-            .copied()
-            .filter(|id| !plan.iter().any(|(p, _)| p == id))
-            .max_by_key(|&id| self.rank(id))
-            .expect("the request being scheduled is itself a candidate")
-    }
-
-    fn preempt(&mut self, id: RequestId) {
-        self.stats.preemptions += 1;
-        self.running.retain(|&r| r != id);
-        let req = self.requests.get_mut(&id).expect("running request exists");
-        if self.params.preemption == PreemptionMode::Swap && req.computed > 0 {
-            let mapping = self.kv.mapping(id);
-            let mut saved = Vec::with_capacity(
-                req.computed * self.storage.slot_width() * 2 * self.storage.num_layers,
-            );
-            for p in 0..req.computed {
-                self.storage.read_slot(mapping.slot(p), &mut saved);
-            }
-            self.stats.swapped_out_tokens += req.computed as u64;
-            req.swapped = Some((req.computed, saved));
-        }
-        self.kv.release(id);
-        req.in_kv = false;
-        req.computed = 0;
-        self.waiting.push(id);
-    }
-
-    /// Restores swapped KV after `allocate` gave the request room again.
-    fn swap_in(&mut self, id: RequestId) {
-        let req = self.requests.get_mut(&id).expect("exists");
-        let Some((n, data)) = req.swapped.take() else {
-            return;
-        };
-        let per_slot = self.storage.slot_width() * 2 * self.storage.num_layers;
-        let mapping = self.kv.mapping(id);
-        for p in req.computed..n {
-            self.storage
-                .write_slot(mapping.slot(p), &data[p * per_slot..(p + 1) * per_slot]);
-        }
-        req.computed = n;
-        let tokens = req.tokens[..n].to_vec();
-        self.kv.commit(id, &tokens);
-    }
-
-    fn run_forward(&mut self) -> Result<()> {
-        let Session {
-            model,
-            kv,
-            storage,
-            ws,
-            logits,
-            requests,
-            scratch,
-            ..
-        } = self;
-        scratch.tokens.clear();
-        scratch.logits_rows.clear();
-        let mut seqs = Vec::with_capacity(scratch.plan.len());
-        for &(id, n) in &scratch.plan {
-            let req = &requests[&id];
-            let start = scratch.tokens.len();
-            scratch
-                .tokens
-                .extend_from_slice(&req.tokens[req.computed..req.computed + n]);
-            if req.computed + n == req.tokens.len() {
-                scratch.logits_rows.push(start + n - 1);
-            }
-            seqs.push(AttnSeq {
-                start,
-                len: n,
-                context_len: req.computed,
-                kv: kv.mapping(id),
-            });
-        }
-        let batch = ForwardBatch {
-            tokens: &scratch.tokens,
-            seqs: &seqs,
-            logits_rows: &scratch.logits_rows,
-        };
-        model
-            .decoder
-            .forward(&model.pool, &batch, storage, ws, logits)
-    }
-
-    fn fail_scheduled(&mut self, err: &Error, events: &mut Vec<Event>) {
-        let plan = std::mem::take(&mut self.scratch.plan);
-        for &(id, _) in &plan {
-            self.finish(
-                id,
-                FinishReason::Error(err.message.clone()),
-                vec![],
-                String::new(),
-                vec![],
-                events,
-            );
-        }
-        self.scratch.plan = plan;
-    }
-
-    fn finish_step(&mut self, events: &mut Vec<Event>) {
-        let vocab = self.model.config().vocab_size;
-        let plan = std::mem::take(&mut self.scratch.plan);
-        let mut logits_row = 0;
-        for &(id, n) in &plan {
-            let req = self
-                .requests
-                .get_mut(&id)
-                .expect("scheduled request exists");
-            let was_prefill = req.computed < req.prompt_len;
-            req.computed += n;
-            if was_prefill {
-                self.stats.prefill_tokens += n as u64;
-            } else {
-                self.stats.decode_tokens += n as u64;
-            }
-            let computed = req.computed;
-            self.kv.commit(id, &self.requests[&id].tokens[..computed]);
-            let req = self.requests.get_mut(&id).expect("exists");
-            if req.computed < req.tokens.len() {
-                continue; // a non-final prefill chunk: no logits, no event
-            }
-            let logits = &mut self.logits[logits_row * vocab..(logits_row + 1) * vocab];
-            logits_row += 1;
-            let suppress = &mut self.scratch.suppress;
-            suppressed_tokens(
-                &req.params.sampling,
-                &self.model.eos_token_ids,
-                req.tokens.len() - req.prompt_len,
-                suppress,
-            );
-            let (prompt, output) = req.tokens.split_at(req.prompt_len);
-            let sampled = match req.sampler.sample(logits, prompt, output, suppress) {
-                Ok(s) => s,
-                Err(e) => {
-                    self.finish(
-                        id,
-                        FinishReason::Error(e.message),
-                        vec![],
-                        String::new(),
-                        vec![],
-                        events,
-                    );
-                    continue;
-                }
-            };
-            req.tokens.push(sampled.token);
-            let logprobs = if req.params.sampling.logprobs > 0 {
-                vec![TokenLogprob {
-                    token: sampled.token,
-                    logprob: sampled.logprob,
-                    top: sampled.top_logprobs,
-                }]
-            } else {
-                vec![]
-            };
-            let mut text = String::new();
-            let mut stop_hit = None;
-            if let (Some(detok), Some(tok)) = (req.detok.as_mut(), self.model.tokenizer.as_ref()) {
-                let delta = detok.push(tok, sampled.token).unwrap_or_default();
-                let out = req.stop.push(&delta);
-                text = out.text;
-                stop_hit = out.stop;
-            }
-            let generated = req.tokens.len() - req.prompt_len;
-            let s = &req.params.sampling;
-            let reason = if let Some(i) = stop_hit {
-                Some(FinishReason::StopString(i))
-            } else if !s.ignore_eos && self.model.eos_token_ids.contains(&sampled.token) {
-                Some(FinishReason::Eos)
-            } else if s.stop_token_ids.contains(&sampled.token) {
-                Some(FinishReason::StopToken(sampled.token))
-            } else if generated >= s.max_tokens as usize
-                || req.tokens.len() >= self.model.config().max_position_embeddings
-            {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
-            match reason {
-                Some(r) => self.finish(id, r, vec![sampled.token], text, logprobs, events),
-                None => events.push(Event {
-                    request_id: id,
-                    tokens: vec![sampled.token],
-                    text,
-                    logprobs,
-                    finish: None,
-                }),
-            }
-        }
-        self.scratch.plan = plan;
-    }
-
-    /// Ends a request: frees its KV, flushes held text, emits its terminal event.
-    fn finish(
-        &mut self,
-        id: RequestId,
-        reason: FinishReason,
-        tokens: Vec<u32>,
-        mut text: String,
-        logprobs: Vec<TokenLogprob>,
-        events: &mut Vec<Event>,
-    ) {
-        let Some(mut req) = self.requests.remove(&id) else {
-            return;
-        };
-        self.running.retain(|&r| r != id);
-        self.waiting.retain(|&r| r != id);
-        if req.in_kv {
-            self.kv.release(id);
-        }
-        if !matches!(reason, FinishReason::StopString(_)) {
-            if let (Some(detok), Some(_)) = (req.detok.as_mut(), self.model.tokenizer.as_ref()) {
-                let rest = detok.flush();
-                let out = req.stop.push(&rest);
-                text.push_str(&out.text);
-            }
-            text.push_str(&req.stop.flush());
-        }
-        events.push(Event {
-            request_id: id,
-            tokens,
-            text,
-            logprobs,
-            finish: Some(reason),
-        });
     }
 }

@@ -175,6 +175,21 @@ impl SamplingParams {
         Ok(())
     }
 
+    /// Fills `out` with the ids to pass as `Sampler::sample`'s `suppress`
+    /// when `output_len` tokens were generated so far: while
+    /// `output_len < min_tokens`, the EOS ids (unless `ignore_eos`) and the
+    /// stop token ids; otherwise nothing (as vLLM's min_tokens).
+    pub fn min_tokens_suppression(&self, eos_ids: &[u32], output_len: usize, out: &mut Vec<u32>) {
+        out.clear();
+        if output_len >= self.min_tokens as usize {
+            return;
+        }
+        if !self.ignore_eos {
+            out.extend_from_slice(eos_ids);
+        }
+        out.extend_from_slice(&self.stop_token_ids);
+    }
+
     /// Resolves which processing stages are active.
     pub fn plan(&self) -> SamplingPlan {
         SamplingPlan::from_params(self)

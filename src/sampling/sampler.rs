@@ -505,4 +505,36 @@ mod tests {
             0
         );
     }
+
+    #[test]
+    fn min_tokens_keeps_eos_and_stop_ids_away() {
+        let (eos, stop) = (0u32, 1u32);
+        let p = params(|p| {
+            p.min_tokens = 4;
+            p.stop_token_ids = vec![stop];
+        });
+        let mut s = Sampler::new(&p, 0);
+        let mut out = Vec::new();
+        let mut suppress = Vec::new();
+        // EOS dominates, then the stop id, then token 2.
+        let row = [5.0f32, 4.0, 3.0, 0.0];
+        for _ in 0..6 {
+            p.min_tokens_suppression(&[eos], out.len(), &mut suppress);
+            let t = s
+                .sample(&mut row.clone(), &[], &out, &suppress)
+                .unwrap()
+                .token;
+            out.push(t);
+        }
+        assert_eq!(out, vec![2, 2, 2, 2, eos, eos]);
+
+        let ignore = params(|q| {
+            *q = p.clone();
+            q.ignore_eos = true;
+        });
+        ignore.min_tokens_suppression(&[eos], 0, &mut suppress);
+        assert_eq!(suppress, vec![stop]);
+        p.min_tokens_suppression(&[eos], 4, &mut suppress);
+        assert!(suppress.is_empty());
+    }
 }

@@ -107,8 +107,9 @@ impl ThreadPool {
             s.wake.notify_all();
         }
         let caller_result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drain(s, f)));
+        let mut spins = 0u32;
         while s.busy_workers.load(Ordering::Acquire) != 0 {
-            std::hint::spin_loop();
+            spin_or_yield(&mut spins);
         }
         if let Err(panic) = caller_result {
             std::panic::resume_unwind(panic);
@@ -118,6 +119,21 @@ impl ThreadPool {
         }
     }
 }
+
+/// Busy-waits briefly, then yields the core: when the machine has more
+/// runnable threads than cores, a pure spin would steal the time slice of
+/// the very thread being waited for.
+#[inline]
+fn spin_or_yield(spins: &mut u32) {
+    *spins += 1;
+    if *spins < SPINS_BEFORE_YIELD {
+        std::hint::spin_loop();
+    } else {
+        std::thread::yield_now();
+    }
+}
+
+const SPINS_BEFORE_YIELD: u32 = 2000;
 
 fn drain(s: &Shared, f: &(dyn Fn(usize) + Sync)) {
     let n = s.n_items.load(Ordering::Relaxed);
@@ -134,10 +150,11 @@ fn worker_loop(s: &Shared) {
     let mut seen = 0u64;
     loop {
         let spin_start = Instant::now();
+        let mut spins = 0u32;
         let mut gen = s.generation.load(Ordering::Acquire);
         while gen == seen && !s.shutdown.load(Ordering::Relaxed) {
             if spin_start.elapsed() < SPIN_BEFORE_PARK {
-                std::hint::spin_loop();
+                spin_or_yield(&mut spins);
             } else {
                 let guard = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
                 if s.generation.load(Ordering::Acquire) == seen

@@ -2,6 +2,7 @@
 //! command line. The option names are a contract (README.md).
 
 mod args;
+mod bench;
 mod generate;
 mod perplexity;
 mod quantize;
@@ -19,6 +20,8 @@ const USAGE: &str = "usage:
                      [--max-batched-tokens N] [--max-seqs N] [--prefill-chunk N]
                      [--policy fcfs|priority] [--preemption recompute|swap] [--no-prefix-cache]
   nanoinfer perplexity --model DIR --file PATH [--max-tokens 1024] [--threads N] [--dtype ..] [--quant ..] [--json]
+  nanoinfer bench --model DIR [-p 512] [-n 128] [-r|--repetitions 3] [-t|--threads N]
+                  [--dtype auto|f32|f16|bf16] [--quant none|q8_0] [--seed S] [--json]
   nanoinfer quantize --model DIR --out DIR --method q8_0 [--group-size 32|64|128] [--lm-head q8_0|dense] [--json]
   --quant q8_0 quantizes at load; --quant-group-size 32|64|128 (default 32) and
   --quant-lm-head q8_0|dense (default q8_0) refine it.";
@@ -34,6 +37,7 @@ fn main() {
         "generate" => Args::parse(rest, generate::FLAGS).and_then(|a| generate::run(&a)),
         "perplexity" => Args::parse(rest, perplexity::FLAGS).and_then(|a| perplexity::run(&a)),
         "quantize" => Args::parse(rest, quantize::FLAGS).and_then(|a| quantize::run(&a)),
+        "bench" => Args::parse(&bench::expand_short_options(rest), bench::FLAGS).and_then(|a| bench::run(&a)),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             Ok(())

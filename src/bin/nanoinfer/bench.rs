@@ -1,0 +1,340 @@
+//! `nanoinfer bench`: prompt-processing and decode throughput with
+//! llama-bench's semantics, so the two tools' numbers compare directly.
+//!
+//! - pp<P>: one forward over a P-token prompt of random valid token ids
+//!   (fixed seed), logits for the last row only.
+//! - tg<N>: N single-token decode steps starting from an empty context
+//!   (positions 0..N), each computing the logits of its token; the next token
+//!   is random, not sampled, as in llama-bench.
+//!
+//! Each test runs once to warm up, then `--repetitions` times; the report is
+//! the mean and sample standard deviation of the per-run tokens/s (what
+//! llama-bench's `avg_ts`/`stddev_ts` are).
+
+use crate::args::Args;
+use crate::session_opts::{load_model, quant_mode, MODEL_OPTS};
+use nanoinfer::backend::cpu::attention::AttnSeq;
+use nanoinfer::engine::Model;
+use nanoinfer::kv::{KvMapping, KvStorage};
+use nanoinfer::model::{ForwardBatch, ModelConfig, Workspace};
+use serde_json::json;
+use std::time::Instant;
+
+pub const FLAGS: &[&str] = &["json"];
+const OPTS: &[&str] = &["n-prompt", "n-gen", "repetitions", "seed"];
+
+/// llama-bench's short options, mapped to the long ones `Args` understands.
+const SHORT: &[(&str, &str)] = &[
+    ("-p", "--n-prompt"),
+    ("-n", "--n-gen"),
+    ("-r", "--repetitions"),
+    ("-t", "--threads"),
+    ("-m", "--model"),
+];
+
+/// Rewrites llama-bench style short options (`-p 512`) as long ones.
+pub fn expand_short_options(argv: &[String]) -> Vec<String> {
+    argv.iter()
+        .map(|a| {
+            SHORT
+                .iter()
+                .find(|(s, _)| s == a)
+                .map_or_else(|| a.clone(), |(_, long)| long.to_string())
+        })
+        .collect()
+}
+
+#[derive(Debug)]
+struct Settings {
+    n_prompt: usize,
+    n_gen: usize,
+    repetitions: usize,
+    seed: u64,
+}
+
+fn settings(a: &Args) -> Result<Settings, String> {
+    a.check_known(&[MODEL_OPTS, FLAGS, OPTS].concat())?;
+    quant_mode(a)?;
+    let s = Settings {
+        n_prompt: a.parse_or("n-prompt", 512)?,
+        n_gen: a.parse_or("n-gen", 128)?,
+        repetitions: a.parse_or("repetitions", 3)?,
+        seed: a.parse_or("seed", 1234)?,
+    };
+    if s.repetitions == 0 {
+        return Err("--repetitions must be at least 1".into());
+    }
+    Ok(s)
+}
+
+pub fn run(a: &Args) -> Result<(), String> {
+    let s = settings(a)?;
+    let model = load_model(a)?;
+    let c = model.config();
+    let longest = s.n_prompt.max(s.n_gen);
+    if longest > c.max_position_embeddings {
+        return Err(format!(
+            "-p/-n of {longest} tokens exceeds the model's context length {}",
+            c.max_position_embeddings
+        ));
+    }
+    let mut bench = Bench::new(&model, longest, s.seed);
+    let pp = if s.n_prompt > 0 {
+        Some(measure(s.repetitions, s.n_prompt, || {
+            bench.prompt(s.n_prompt)
+        })?)
+    } else {
+        None
+    };
+    let tg = if s.n_gen > 0 {
+        Some(measure(s.repetitions, s.n_gen, || bench.generate(s.n_gen))?)
+    } else {
+        None
+    };
+
+    let dtype = model.decoder.weight_dtype_name();
+    let threads = model.pool.threads();
+    let weight_bytes = model.decoder.weight_bytes();
+    let mean = |r: &Option<Stats>| r.as_ref().map_or(0.0, |r| r.mean);
+    let sd = |r: &Option<Stats>| r.as_ref().map_or(0.0, |r| r.stddev);
+    if a.flag("json") {
+        println!(
+            "{}",
+            json!({
+                "pp_tokens_per_s": mean(&pp),
+                "tg_tokens_per_s": mean(&tg),
+                "pp_stddev": sd(&pp),
+                "tg_stddev": sd(&tg),
+                "n_prompt": s.n_prompt,
+                "n_gen": s.n_gen,
+                "repetitions": s.repetitions,
+                "threads": threads,
+                "dtype": dtype,
+                "weight_bytes": weight_bytes,
+                "params": param_count(c),
+                "pp_flops_per_token": pp_flops_per_token(c, s.n_prompt),
+            })
+        );
+        return Ok(());
+    }
+    println!(
+        "model {} ({dtype}, {:.1} M params, {:.1} MB weights), {threads} threads, {} repetitions",
+        a.get("model").unwrap_or(""),
+        param_count(c) as f64 / 1e6,
+        weight_bytes as f64 / 1e6,
+        s.repetitions
+    );
+    println!("| test   |              t/s |");
+    println!("| ------ | ---------------: |");
+    for (name, n, r) in [("pp", s.n_prompt, &pp), ("tg", s.n_gen, &tg)] {
+        if let Some(r) = r {
+            println!(
+                "| {:<6} | {:>8.2} ± {:>5.2} |",
+                format!("{name}{n}"),
+                r.mean,
+                r.stddev
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A model with a KV cache of `capacity` contiguous positions and a fixed
+/// stream of random token ids.
+struct Bench<'m> {
+    model: &'m Model,
+    kv: KvStorage,
+    slots: Vec<u32>,
+    ws: Workspace,
+    logits: Vec<f32>,
+    tokens: Vec<u32>,
+}
+
+impl<'m> Bench<'m> {
+    fn new(model: &'m Model, capacity: usize, seed: u64) -> Self {
+        let c = model.config();
+        let mut rng = SplitMix64(seed);
+        Bench {
+            model,
+            kv: KvStorage::new(c.num_layers, capacity + 1, c.num_kv_heads, c.head_dim),
+            // Slot 0 is left unused, as the engine's pools reserve it.
+            slots: (1..=capacity as u32).collect(),
+            ws: Workspace::default(),
+            logits: vec![0.0; c.vocab_size],
+            tokens: (0..capacity)
+                .map(|_| (rng.next() % c.vocab_size as u64) as u32)
+                .collect(),
+        }
+    }
+
+    fn forward(&mut self, tokens: &[u32], context_len: usize) -> Result<(), String> {
+        let seqs = [AttnSeq {
+            start: 0,
+            len: tokens.len(),
+            context_len,
+            kv: KvMapping::Slots(&self.slots),
+        }];
+        let batch = ForwardBatch {
+            tokens,
+            seqs: &seqs,
+            logits_rows: &[tokens.len() - 1],
+        };
+        self.model
+            .decoder
+            .forward(
+                &self.model.pool,
+                &batch,
+                &mut self.kv,
+                &mut self.ws,
+                &mut self.logits,
+            )
+            .map_err(|e| e.to_string())
+    }
+
+    fn prompt(&mut self, n: usize) -> Result<(), String> {
+        let tokens = self.tokens[..n].to_vec();
+        self.forward(&tokens, 0)
+    }
+
+    fn generate(&mut self, n: usize) -> Result<(), String> {
+        for pos in 0..n {
+            let tok = self.tokens[pos];
+            self.forward(&[tok], pos)?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+struct Stats {
+    mean: f64,
+    stddev: f64,
+}
+
+/// One warm-up run, then `reps` timed runs of `f`, each processing `tokens` tokens.
+fn measure(
+    reps: usize,
+    tokens: usize,
+    mut f: impl FnMut() -> Result<(), String>,
+) -> Result<Stats, String> {
+    f()?;
+    let mut rates = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t = Instant::now();
+        f()?;
+        rates.push(tokens as f64 / t.elapsed().as_secs_f64());
+    }
+    Ok(stats(&rates))
+}
+
+fn stats(xs: &[f64]) -> Stats {
+    let n = xs.len() as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    let stddev = if xs.len() > 1 {
+        (xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt()
+    } else {
+        0.0
+    };
+    Stats { mean, stddev }
+}
+
+/// Parameters of the matmuls in the decoder layers.
+fn layer_params(c: &ModelConfig) -> usize {
+    let (d, nq, nkv) = (
+        c.hidden_size,
+        c.num_heads * c.head_dim,
+        c.num_kv_heads * c.head_dim,
+    );
+    c.num_layers * (d * nq + 2 * d * nkv + nq * d + 3 * d * c.intermediate_size)
+}
+
+/// All matrix parameters (embedding counted once when tied to the LM head).
+fn param_count(c: &ModelConfig) -> usize {
+    let head = c.vocab_size * c.hidden_size;
+    layer_params(c)
+        + if c.tie_word_embeddings {
+            head
+        } else {
+            2 * head
+        }
+}
+
+/// FLOPs per token of a `p`-token prompt forward: the layer matmuls, causal
+/// attention (QK^T and PV over the positions each row sees) and the LM head
+/// on the last row, spread over the prompt.
+fn pp_flops_per_token(c: &ModelConfig, p: usize) -> f64 {
+    if p == 0 {
+        return 0.0;
+    }
+    let nq = (c.num_heads * c.head_dim) as f64;
+    let avg_ctx = (p as f64 + 1.0) / 2.0;
+    let attn = c.num_layers as f64 * 4.0 * nq * avg_ctx;
+    let head = 2.0 * (c.vocab_size * c.hidden_size) as f64 / p as f64;
+    2.0 * layer_params(c) as f64 + attn + head
+}
+
+/// A tiny deterministic generator for benchmark token ids.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn argv(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn short_options_map_to_long_ones() {
+        let a = expand_short_options(&argv("--model m -p 64 -n 0 -r 5 -t 2 --json"));
+        assert_eq!(
+            a,
+            argv("--model m --n-prompt 64 --n-gen 0 --repetitions 5 --threads 2 --json")
+        );
+        let parsed = Args::parse(&a, FLAGS).unwrap();
+        let s = settings(&parsed).unwrap();
+        assert_eq!((s.n_prompt, s.n_gen, s.repetitions), (64, 0, 5));
+        assert!(parsed.flag("json"));
+    }
+
+    #[test]
+    fn settings_reject_bad_values() {
+        let parse =
+            |s: &str| settings(&Args::parse(&expand_short_options(&argv(s)), FLAGS).unwrap());
+        assert!(parse("-r 0").unwrap_err().contains("--repetitions"));
+        let bad_quant = parse("--quant q4_0").unwrap_err();
+        assert!(bad_quant.contains("--quant") && bad_quant.contains("q4_0"), "{bad_quant}");
+        assert!(parse("--quant q8_0 --quant-group-size 48").unwrap_err().contains("--quant-group-size"));
+        assert!(parse("--quant q8_0").is_ok());
+        assert!(parse("-p -3").unwrap_err().contains("--n-prompt"));
+        assert!(parse("--bogus 1").unwrap_err().contains("--bogus"));
+        let d = parse("").unwrap();
+        assert_eq!((d.n_prompt, d.n_gen, d.repetitions), (512, 128, 3));
+    }
+
+    #[test]
+    fn stats_are_mean_and_sample_stddev() {
+        let s = stats(&[1.0, 2.0, 3.0, 4.0]);
+        assert!((s.mean - 2.5).abs() < 1e-12);
+        assert!((s.stddev - (5.0f64 / 3.0).sqrt()).abs() < 1e-12);
+        assert_eq!(stats(&[7.0]).stddev, 0.0);
+    }
+
+    #[test]
+    fn random_tokens_are_reproducible() {
+        let (mut a, mut b) = (SplitMix64(5), SplitMix64(5));
+        let xs: Vec<u64> = (0..8).map(|_| a.next()).collect();
+        assert_eq!(xs, (0..8).map(|_| b.next()).collect::<Vec<_>>());
+        assert_ne!(xs[0], xs[1]);
+    }
+}

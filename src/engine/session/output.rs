@@ -1,0 +1,206 @@
+//! Running the planned batch and turning its logits into tokens and events.
+
+use super::Session;
+use crate::backend::cpu::attention::AttnSeq;
+use crate::engine::request::{Event, FinishReason, RequestId, TokenLogprob};
+use crate::model::ForwardBatch;
+use crate::Error;
+
+impl Session {
+    /// One forward over the plan. A sequence wants logits when this step
+    /// computes its last known token; those rows are listed in plan order,
+    /// which is the order `finish_step` consumes them in.
+    pub(super) fn run_forward(&mut self) -> crate::Result<()> {
+        let Session {
+            model,
+            kv,
+            storage,
+            ws,
+            logits,
+            requests,
+            scratch,
+            ..
+        } = self;
+        scratch.tokens.clear();
+        scratch.logits_rows.clear();
+        let mut seqs = Vec::with_capacity(scratch.plan.len());
+        for &(id, n) in &scratch.plan {
+            let req = &requests[&id];
+            let start = scratch.tokens.len();
+            scratch
+                .tokens
+                .extend_from_slice(&req.tokens[req.computed..req.computed + n]);
+            if req.computed + n == req.tokens.len() {
+                scratch.logits_rows.push(start + n - 1);
+            }
+            seqs.push(AttnSeq {
+                start,
+                len: n,
+                context_len: req.computed,
+                kv: kv.mapping(id),
+            });
+        }
+        let batch = ForwardBatch {
+            tokens: &scratch.tokens,
+            seqs: &seqs,
+            logits_rows: &scratch.logits_rows,
+        };
+        model
+            .decoder
+            .forward(&model.pool, &batch, storage, ws, logits)
+    }
+
+    pub(super) fn fail_scheduled(&mut self, err: &Error, events: &mut Vec<Event>) {
+        let plan = std::mem::take(&mut self.scratch.plan);
+        for &(id, _) in &plan {
+            self.finish(
+                id,
+                FinishReason::Error(err.message.clone()),
+                vec![],
+                String::new(),
+                vec![],
+                events,
+            );
+        }
+        self.scratch.plan = plan;
+    }
+
+    /// Commits the computed KV of every planned request, samples the ones
+    /// that reached their last token and reports their events.
+    pub(super) fn finish_step(&mut self, events: &mut Vec<Event>) {
+        let vocab = self.model.config().vocab_size;
+        let plan = std::mem::take(&mut self.scratch.plan);
+        // Taken out for the loop so rows can be lent to `&mut self` methods.
+        let mut logits = std::mem::take(&mut self.logits);
+        let mut logits_row = 0;
+        for &(id, n) in &plan {
+            let req = self
+                .requests
+                .get_mut(&id)
+                .expect("scheduled request exists");
+            let is_decode =
+                n == 1 && req.computed + 1 == req.tokens.len() && req.computed >= req.prompt_len;
+            req.computed += n;
+            if is_decode {
+                self.stats.decode_tokens += 1;
+            } else {
+                self.stats.prefill_tokens += n as u64;
+            }
+            self.kv.commit(id, &req.tokens[..req.computed]);
+            if req.computed < req.tokens.len() {
+                continue; // a non-final prefill chunk: no logits, no event
+            }
+            let row = &mut logits[logits_row * vocab..(logits_row + 1) * vocab];
+            logits_row += 1;
+            self.sample_and_report(id, row, events);
+        }
+        self.logits = logits;
+        self.scratch.plan = plan;
+    }
+
+    fn sample_and_report(&mut self, id: RequestId, logits: &mut [f32], events: &mut Vec<Event>) {
+        let req = self
+            .requests
+            .get_mut(&id)
+            .expect("scheduled request exists");
+        let suppress = &mut self.scratch.suppress;
+        req.params.sampling.min_tokens_suppression(
+            &self.model.eos_token_ids,
+            req.tokens.len() - req.prompt_len,
+            suppress,
+        );
+        let (prompt, output) = req.tokens.split_at(req.prompt_len);
+        let sampled = match req.sampler.sample(logits, prompt, output, suppress) {
+            Ok(s) => s,
+            Err(e) => {
+                self.finish(
+                    id,
+                    FinishReason::Error(e.message),
+                    vec![],
+                    String::new(),
+                    vec![],
+                    events,
+                );
+                return;
+            }
+        };
+        req.tokens.push(sampled.token);
+        let logprobs = if req.params.sampling.logprobs > 0 {
+            vec![TokenLogprob {
+                token: sampled.token,
+                logprob: sampled.logprob,
+                top: sampled.top_logprobs,
+            }]
+        } else {
+            vec![]
+        };
+        let mut text = String::new();
+        let mut stop_hit = None;
+        if let (Some(detok), Some(tok)) = (req.detok.as_mut(), self.model.tokenizer.as_ref()) {
+            let delta = detok.push(tok, sampled.token).unwrap_or_default();
+            let out = req.stop.push(&delta);
+            text = out.text;
+            stop_hit = out.stop;
+        }
+        let generated = req.tokens.len() - req.prompt_len;
+        let s = &req.params.sampling;
+        let reason = if let Some(i) = stop_hit {
+            Some(FinishReason::StopString(i))
+        } else if !s.ignore_eos && self.model.eos_token_ids.contains(&sampled.token) {
+            Some(FinishReason::Eos)
+        } else if s.stop_token_ids.contains(&sampled.token) {
+            Some(FinishReason::StopToken(sampled.token))
+        } else if generated >= s.max_tokens as usize
+            || req.tokens.len() >= self.model.config().max_position_embeddings
+        {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        match reason {
+            Some(r) => self.finish(id, r, vec![sampled.token], text, logprobs, events),
+            None => events.push(Event {
+                request_id: id,
+                tokens: vec![sampled.token],
+                text,
+                logprobs,
+                finish: None,
+            }),
+        }
+    }
+
+    /// Ends a request: frees its KV, flushes held text, emits its terminal event.
+    pub(super) fn finish(
+        &mut self,
+        id: RequestId,
+        reason: FinishReason,
+        tokens: Vec<u32>,
+        mut text: String,
+        logprobs: Vec<TokenLogprob>,
+        events: &mut Vec<Event>,
+    ) {
+        let Some(mut req) = self.requests.remove(&id) else {
+            return;
+        };
+        self.running.retain(|&r| r != id);
+        self.waiting.retain(|&r| r != id);
+        if req.in_kv {
+            self.kv.release(id);
+        }
+        if !matches!(reason, FinishReason::StopString(_)) {
+            if let (Some(detok), Some(_)) = (req.detok.as_mut(), self.model.tokenizer.as_ref()) {
+                let rest = detok.flush();
+                let out = req.stop.push(&rest);
+                text.push_str(&out.text);
+            }
+            text.push_str(&req.stop.flush());
+        }
+        events.push(Event {
+            request_id: id,
+            tokens,
+            text,
+            logprobs,
+            finish: Some(reason),
+        });
+    }
+}
