@@ -106,7 +106,9 @@ pub fn attention(
             // SAFETY: `use_blocks` checked AVX-512F and head_dim; this task
             // alone writes rows first..last of the heads sharing kv_head.
             unsafe {
-                attention_block::block(shape, seq, kv_head, first, last, q, q_stride, keys, values, out_ptr.0)
+                attention_block::block(
+                    shape, seq, kv_head, first, last, q, q_stride, keys, values, out_ptr.0,
+                )
             };
             return;
         }
@@ -158,7 +160,14 @@ mod tests {
 
     /// Causal GQA attention in f64, straight from the definition.
     #[allow(clippy::too_many_arguments)]
-    fn reference(shape: &AttnShape, seqs: &[AttnSeq<'_>], q: &[f32], keys: &[f32], vals: &[f32], rows: usize) -> Vec<f32> {
+    fn reference(
+        shape: &AttnShape,
+        seqs: &[AttnSeq<'_>],
+        q: &[f32],
+        keys: &[f32],
+        vals: &[f32],
+        rows: usize,
+    ) -> Vec<f32> {
         let (h, kvh, hd) = (shape.n_heads, shape.n_kv_heads, shape.head_dim);
         let mut out = vec![0f32; rows * h * hd];
         for s in seqs {
@@ -170,14 +179,22 @@ mod tests {
                     let sc: Vec<f64> = (0..=s.context_len + i)
                         .map(|p| {
                             let k = &keys[s.kv.slot(p) * kvh * hd + kh * hd..][..hd];
-                            qv.iter().zip(k).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * shape.scale as f64
+                            qv.iter()
+                                .zip(k)
+                                .map(|(a, b)| *a as f64 * *b as f64)
+                                .sum::<f64>()
+                                * shape.scale as f64
                         })
                         .collect();
                     let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                     let e: Vec<f64> = sc.iter().map(|v| (v - mx).exp()).collect();
                     let sum: f64 = e.iter().sum();
                     for d in 0..hd {
-                        let v: f64 = e.iter().enumerate().map(|(p, w)| w * vals[s.kv.slot(p) * kvh * hd + kh * hd + d] as f64).sum();
+                        let v: f64 = e
+                            .iter()
+                            .enumerate()
+                            .map(|(p, w)| w * vals[s.kv.slot(p) * kvh * hd + kh * hd + d] as f64)
+                            .sum();
                         out[row * h * hd + head * hd + d] = (v / sum) as f32;
                     }
                 }
@@ -190,13 +207,28 @@ mod tests {
     fn prefill_blocks_and_decode_rows_match_reference() {
         let pool = ThreadPool::new(2);
         for &(h, kvh, hd) in &[(9usize, 3usize, 64usize), (4, 2, 32), (2, 1, 24)] {
-            let shape = AttnShape { n_heads: h, n_kv_heads: kvh, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
+            let shape = AttnShape {
+                n_heads: h,
+                n_kv_heads: kvh,
+                head_dim: hd,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
             // Sequence A: 37-row prefill after 5 cached tokens, scattered slots; B: one decode row.
             let slots_a: Vec<u32> = (0..42).map(|i| (i * 7 % 97) as u32 + 1).collect();
             let slots_b: Vec<u32> = (0..20).map(|i| 100 + i as u32).collect();
             let seqs = [
-                AttnSeq { start: 0, len: 37, context_len: 5, kv: KvMapping::Slots(&slots_a) },
-                AttnSeq { start: 37, len: 1, context_len: 19, kv: KvMapping::Slots(&slots_b) },
+                AttnSeq {
+                    start: 0,
+                    len: 37,
+                    context_len: 5,
+                    kv: KvMapping::Slots(&slots_a),
+                },
+                AttnSeq {
+                    start: 37,
+                    len: 1,
+                    context_len: 19,
+                    kv: KvMapping::Slots(&slots_b),
+                },
             ];
             let rows = 38;
             let q = values(rows * h * hd, 1);
@@ -206,7 +238,10 @@ mod tests {
             attention(&pool, &shape, &seqs, &q, h * hd, &keys, &vals, &mut out);
             let want = reference(&shape, &seqs, &q, &keys, &vals, rows);
             for (i, (a, b)) in out.iter().zip(&want).enumerate() {
-                assert!((a - b).abs() < 1e-5, "h={h} kvh={kvh} hd={hd} #{i}: {a} vs {b}");
+                assert!(
+                    (a - b).abs() < 1e-5,
+                    "h={h} kvh={kvh} hd={hd} #{i}: {a} vs {b}"
+                );
             }
         }
     }

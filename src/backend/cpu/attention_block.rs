@@ -5,6 +5,8 @@
 //! vectorized exp and the weighted sum of values runs over whole vectors.
 
 use super::attention::{AttnSeq, AttnShape};
+#[cfg(target_arch = "x86_64")]
+use super::vector::softmax_unnormalized;
 use std::cell::RefCell;
 
 #[cfg(target_arch = "x86_64")]
@@ -74,9 +76,23 @@ pub unsafe fn block(
             let visible = seq.context_len + i + 1;
             for head in kv_head * group..(kv_head + 1) * group {
                 let qv = q.as_ptr().add(row * q_stride + head * hd);
-                scores(qv, hd, &s.keys_t, padded, visible, shape.scale, &mut s.scores);
+                scores(
+                    qv,
+                    hd,
+                    &s.keys_t,
+                    padded,
+                    visible,
+                    shape.scale,
+                    &mut s.scores,
+                );
                 let inv_sum = softmax_unnormalized(&mut s.scores[..visible]);
-                weighted_sum(&s.scores[..visible], &s.values, hd, inv_sum, out.add(row * h * hd + head * hd));
+                weighted_sum(
+                    &s.scores[..visible],
+                    &s.values,
+                    hd,
+                    inv_sum,
+                    out.add(row * h * hd + head * hd),
+                );
             }
         }
     });
@@ -85,7 +101,15 @@ pub unsafe fn block(
 /// `scores[p] = scale · q · k_p` for `p < visible` (whole 16-blocks are written).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn scores(q: *const f32, hd: usize, keys_t: &[f32], padded: usize, visible: usize, scale: f32, out: &mut [f32]) {
+unsafe fn scores(
+    q: *const f32,
+    hd: usize,
+    keys_t: &[f32],
+    padded: usize,
+    visible: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
     let kt = keys_t.as_ptr();
     let scale_v = _mm512_set1_ps(scale);
     let mut p = 0;
@@ -106,43 +130,15 @@ unsafe fn scores(q: *const f32, hd: usize, keys_t: &[f32], padded: usize, visibl
     while p < visible {
         let mut acc = _mm512_setzero_ps();
         for d in 0..hd {
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(*q.add(d)), _mm512_loadu_ps(kt.add(d * padded + p)), acc);
+            acc = _mm512_fmadd_ps(
+                _mm512_set1_ps(*q.add(d)),
+                _mm512_loadu_ps(kt.add(d * padded + p)),
+                acc,
+            );
         }
         _mm512_storeu_ps(out.as_mut_ptr().add(p), _mm512_mul_ps(acc, scale_v));
         p += 16;
     }
-}
-
-/// `x[i] = exp(x[i] - max)`; returns `1 / Σ x[i]`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn softmax_unnormalized(x: &mut [f32]) -> f32 {
-    let n = x.len();
-    let full = n / 16 * 16;
-    let tail_mask: __mmask16 = ((1u32 << (n - full)) - 1) as u16;
-    let p = x.as_mut_ptr();
-    let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
-    let mut i = 0;
-    while i < full {
-        mx = _mm512_max_ps(mx, _mm512_loadu_ps(p.add(i)));
-        i += 16;
-    }
-    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(f32::NEG_INFINITY), tail_mask, p.add(full)));
-    let m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    let mut sum = _mm512_setzero_ps();
-    i = 0;
-    while i < full {
-        let e = exp512(_mm512_sub_ps(_mm512_loadu_ps(p.add(i)), m));
-        _mm512_storeu_ps(p.add(i), e);
-        sum = _mm512_add_ps(sum, e);
-        i += 16;
-    }
-    if tail_mask != 0 {
-        let e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail_mask, p.add(full)), m));
-        _mm512_mask_storeu_ps(p.add(full), tail_mask, e);
-        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail_mask, e));
-    }
-    1.0 / _mm512_reduce_add_ps(sum)
 }
 
 /// `out = inv_sum · Σ_p w[p] · values[p]`.
@@ -166,45 +162,5 @@ unsafe fn weighted_sum(w: &[f32], values: &[f32], hd: usize, inv_sum: f32, out: 
             _mm512_storeu_ps(out.add(d0 + 16 * j), _mm512_mul_ps(*a, s));
         }
         d0 += width * 16;
-    }
-}
-
-/// e^x for each lane (x ≤ 0 here; accurate to a few ulp, 0 below -87).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-pub unsafe fn exp512(x: __m512) -> __m512 {
-    let x = _mm512_max_ps(x, _mm512_set1_ps(-87.0));
-    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
-    );
-    // r = x - n·ln2 in two steps (Cody–Waite) keeps r exact to ~1 ulp.
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_145_75), x);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428_606_8e-6), r);
-    let mut p = _mm512_set1_ps(1.0 / 720.0);
-    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    }
-    _mm512_scalef_ps(p, n)
-}
-
-#[cfg(all(test, target_arch = "x86_64"))]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn exp_matches_libm() {
-        if !is_x86_feature_detected!("avx512f") {
-            return;
-        }
-        let xs: Vec<f32> = (0..1440).map(|i| -(i as f32) * 0.06).collect();
-        for chunk in xs.chunks(16) {
-            let mut out = [0f32; 16];
-            // SAFETY: AVX-512F checked above; chunk has 16 values.
-            unsafe { _mm512_storeu_ps(out.as_mut_ptr(), exp512(_mm512_loadu_ps(chunk.as_ptr()))) };
-            for (x, e) in chunk.iter().zip(out) {
-                let want = x.exp();
-                assert!((e - want).abs() <= 4e-7 * want + 1e-38, "exp({x}) = {e}, want {want}");
-            }
-        }
     }
 }

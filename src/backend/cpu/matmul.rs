@@ -231,7 +231,14 @@ unsafe fn run_block<W: WeightElem>(
         let mr = (m - r).min(4);
         let mut c = c0;
         while c < c1 {
-            let nr = if c1 - c >= 4 { 4 } else { 1 };
+            // One activation row (decode): 8 weight rows in flight per tile.
+            let nr = if mr == 1 && c1 - c >= 8 {
+                8
+            } else if c1 - c >= 4 {
+                4
+            } else {
+                1
+            };
             let xp = x.as_ptr().add(r * k);
             let wp = w.as_ptr().add(c * k);
             let op = out.add(r * out_stride + c);
@@ -245,6 +252,7 @@ unsafe fn run_block<W: WeightElem>(
 macro_rules! dispatch_tile {
     ($f:ident, $mr:expr, $nr:expr, $($arg:expr),*) => {
         match ($mr, $nr) {
+            (1, 8) => $f::<W, 1, 8>($($arg),*),
             (1, 4) => $f::<W, 1, 4>($($arg),*),
             (2, 4) => $f::<W, 2, 4>($($arg),*),
             (3, 4) => $f::<W, 3, 4>($($arg),*),

@@ -313,8 +313,13 @@ mod tests {
             |s: &str| settings(&Args::parse(&expand_short_options(&argv(s)), FLAGS).unwrap());
         assert!(parse("-r 0").unwrap_err().contains("--repetitions"));
         let bad_quant = parse("--quant q4_0").unwrap_err();
-        assert!(bad_quant.contains("--quant") && bad_quant.contains("q4_0"), "{bad_quant}");
-        assert!(parse("--quant q8_0 --quant-group-size 48").unwrap_err().contains("--quant-group-size"));
+        assert!(
+            bad_quant.contains("--quant") && bad_quant.contains("q4_0"),
+            "{bad_quant}"
+        );
+        assert!(parse("--quant q8_0 --quant-group-size 48")
+            .unwrap_err()
+            .contains("--quant-group-size"));
         assert!(parse("--quant q8_0").is_ok());
         assert!(parse("-p -3").unwrap_err().contains("--n-prompt"));
         assert!(parse("--bogus 1").unwrap_err().contains("--bogus"));

@@ -37,7 +37,8 @@ fn main() {
         "generate" => Args::parse(rest, generate::FLAGS).and_then(|a| generate::run(&a)),
         "perplexity" => Args::parse(rest, perplexity::FLAGS).and_then(|a| perplexity::run(&a)),
         "quantize" => Args::parse(rest, quantize::FLAGS).and_then(|a| quantize::run(&a)),
-        "bench" => Args::parse(&bench::expand_short_options(rest), bench::FLAGS).and_then(|a| bench::run(&a)),
+        "bench" => Args::parse(&bench::expand_short_options(rest), bench::FLAGS)
+            .and_then(|a| bench::run(&a)),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             Ok(())
