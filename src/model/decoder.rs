@@ -136,7 +136,7 @@ impl Decoder {
         })
     }
 
-    /// Bytes of weight data the decoder reads (for bandwidth reports).
+    /// Bytes of weight data one decode step streams (for bandwidth reports).
     pub fn weight_bytes(&self) -> usize {
         let layer_bytes: usize = self
             .layers
@@ -148,9 +148,9 @@ impl Decoder {
                     .sum::<usize>()
             })
             .sum();
-        layer_bytes
-            + self.embed.size_in_bytes()
-            + self.lm_head.as_ref().map_or(0, Matrix::size_in_bytes)
+        // The embedding table is streamed only when it doubles as the LM head;
+        // otherwise a step reads one row per token.
+        layer_bytes + self.lm_head.as_ref().unwrap_or(&self.embed).size_in_bytes()
     }
 
     /// The linear layers' weight format ("f32", "bf16", "q8_0", ...).
