@@ -39,6 +39,13 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
+impl OutPtr {
+    /// Through a method, so closures capture the whole (Sync) wrapper.
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
@@ -84,7 +91,6 @@ pub fn attention(
     };
     let n_tasks: usize = seqs.iter().map(seq_tasks).sum();
     pool.run(n_tasks, &|task| {
-        let out_ptr = out_ptr;
         let mut t = task;
         let seq = seqs
             .iter()
@@ -107,7 +113,16 @@ pub fn attention(
             // alone writes rows first..last of the heads sharing kv_head.
             unsafe {
                 attention_block::block(
-                    shape, seq, kv_head, first, last, q, q_stride, keys, values, out_ptr.0,
+                    shape,
+                    seq,
+                    kv_head,
+                    first,
+                    last,
+                    q,
+                    q_stride,
+                    keys,
+                    values,
+                    out_ptr.get(),
                 )
             };
             return;
@@ -117,8 +132,9 @@ pub fn attention(
         let kv_head = head / group;
         let qv = &q[row * q_stride + head * hd..row * q_stride + (head + 1) * hd];
         // SAFETY: (row, head) is unique to this task, so this slice is written by nobody else.
-        let ov =
-            unsafe { std::slice::from_raw_parts_mut(out_ptr.0.add(row * q_width + head * hd), hd) };
+        let ov = unsafe {
+            std::slice::from_raw_parts_mut(out_ptr.get().add(row * q_width + head * hd), hd)
+        };
         SCORES.with(|scores| {
             let mut scores = scores.borrow_mut();
             scores.clear();
@@ -139,7 +155,7 @@ pub fn attention(
 /// Whether prefill chunks take the blocked AVX-512 path.
 fn use_blocks(head_dim: usize) -> bool {
     static SIMPLE: Lazy<bool> = Lazy::new(|| std::env::var_os("NANOINFER_ATTN_SIMPLE").is_some());
-    isa() == Isa::Avx512 && head_dim % 16 == 0 && !*SIMPLE
+    isa() == Isa::Avx512 && head_dim.is_multiple_of(16) && !*SIMPLE
 }
 
 #[cfg(test)]
