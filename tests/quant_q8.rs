@@ -119,13 +119,7 @@ type Meta = std::collections::HashMap<String, String>;
 type Edit = fn(&mut Tensors, &mut Meta);
 
 /// Rewrites `dir/model.safetensors` with `edit` applied to its tensors and metadata.
-fn rewrite(
-    dir: &Path,
-    edit: impl Fn(
-        &mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>,
-        &mut std::collections::HashMap<String, String>,
-    ),
-) {
+fn rewrite(dir: &Path, edit: impl Fn(&mut Tensors, &mut Meta)) {
     let path = dir.join("model.safetensors");
     let bytes = std::fs::read(&path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
