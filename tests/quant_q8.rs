@@ -114,14 +114,12 @@ fn quantizing_twice_or_in_place_is_refused() {
     std::fs::remove_dir_all(&out).unwrap();
 }
 
+type Tensors = Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>;
+type Meta = std::collections::HashMap<String, String>;
+type Edit = fn(&mut Tensors, &mut Meta);
+
 /// Rewrites `dir/model.safetensors` with `edit` applied to its tensors and metadata.
-fn rewrite(
-    dir: &Path,
-    edit: impl Fn(
-        &mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>,
-        &mut std::collections::HashMap<String, String>,
-    ),
-) {
+fn rewrite(dir: &Path, edit: impl Fn(&mut Tensors, &mut Meta)) {
     let path = dir.join("model.safetensors");
     let bytes = std::fs::read(&path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -152,13 +150,7 @@ fn malformed_quantized_checkpoints_fail_with_clear_errors() {
         threads: 1,
         ..Default::default()
     };
-    let cases: [(
-        &str,
-        fn(
-            &mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>,
-            &mut std::collections::HashMap<String, String>,
-        ),
-    ); 4] = [
+    let cases: [(&str, Edit); 4] = [
         ("names no quantization", |_, m| {
             m.remove("quantization");
         }),

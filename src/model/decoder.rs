@@ -136,7 +136,7 @@ impl Decoder {
         })
     }
 
-    /// Bytes of weight data the decoder reads (for bandwidth reports).
+    /// Bytes of weight data one decode step streams (for bandwidth reports).
     pub fn weight_bytes(&self) -> usize {
         let layer_bytes: usize = self
             .layers
@@ -148,9 +148,9 @@ impl Decoder {
                     .sum::<usize>()
             })
             .sum();
-        layer_bytes
-            + self.embed.size_in_bytes()
-            + self.lm_head.as_ref().map_or(0, Matrix::size_in_bytes)
+        // The embedding table is streamed only when it doubles as the LM head;
+        // otherwise a step reads one row per token.
+        layer_bytes + self.lm_head.as_ref().unwrap_or(&self.embed).size_in_bytes()
     }
 
     /// The linear layers' weight format ("f32", "bf16", "q8_0", ...).
@@ -408,11 +408,11 @@ fn swiglu_rows(pool: &ThreadPool, gate_up: &[f32], inter: usize, act: &mut [f32]
     let tasks = rows.div_ceil(per_task);
     let act_ptr = ActPtr(act.as_mut_ptr());
     pool.run(tasks, &|t| {
-        let act_ptr = act_ptr;
         for r in t * per_task..((t + 1) * per_task).min(rows) {
             let (g, u) = gate_up[r * 2 * inter..(r + 1) * 2 * inter].split_at(inter);
             // SAFETY: row r of `act` is written by this task only.
-            let out = unsafe { std::slice::from_raw_parts_mut(act_ptr.0.add(r * inter), inter) };
+            let out =
+                unsafe { std::slice::from_raw_parts_mut(act_ptr.get().add(r * inter), inter) };
             silu_mul(g, u, out);
         }
     });
@@ -423,3 +423,10 @@ struct ActPtr(*mut f32);
 // SAFETY: tasks write disjoint rows.
 unsafe impl Send for ActPtr {}
 unsafe impl Sync for ActPtr {}
+
+impl ActPtr {
+    /// Through a method, so closures capture the whole (Sync) wrapper.
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}

@@ -16,7 +16,7 @@ pub struct Q8_0 {
 
 impl Q8_0 {
     pub fn new(group: usize, lm_head: bool) -> Result<Q8_0> {
-        if group == 0 || group % K_STEP != 0 {
+        if group == 0 || !group.is_multiple_of(K_STEP) {
             bail_arg!("Q8_0 group size must be a positive multiple of {K_STEP} (e.g. 32, 64, 128), got {group}");
         }
         Ok(Q8_0 { group, lm_head })

@@ -80,6 +80,13 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
+impl OutPtr {
+    /// Through a method, so closures capture the whole (Sync) wrapper.
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 const MAX_SEGMENTS: usize = 4;
 /// Activation rows from which dense weights go through the packed GEMM.
 const GEMM_MIN_ROWS: usize = 8;
@@ -170,12 +177,11 @@ fn matmul_with(
         let w = weights[seg];
         let c0 = (task - first_task[seg]) * block;
         let c1 = (c0 + block).min(w.rows);
-        let out_ptr = out_ptr;
         // SAFETY: columns [col_offset+c0, col_offset+c1) of every row belong to
         // this task alone; x and w bounds were checked by `matmul`; `block`
         // is a multiple of the Q8 block height, so c0 starts a packed block.
         unsafe {
-            let out_base = out_ptr.0.add(col_offset[seg]);
+            let out_base = out_ptr.get().add(col_offset[seg]);
             match &w.data {
                 #[cfg(target_arch = "x86_64")]
                 MatrixData::F32(d) if use_gemm => {
@@ -231,7 +237,14 @@ unsafe fn run_block<W: WeightElem>(
         let mr = (m - r).min(4);
         let mut c = c0;
         while c < c1 {
-            let nr = if c1 - c >= 4 { 4 } else { 1 };
+            // One activation row (decode): 8 weight rows in flight per tile.
+            let nr = if mr == 1 && c1 - c >= 8 {
+                8
+            } else if c1 - c >= 4 {
+                4
+            } else {
+                1
+            };
             let xp = x.as_ptr().add(r * k);
             let wp = w.as_ptr().add(c * k);
             let op = out.add(r * out_stride + c);
@@ -245,6 +258,7 @@ unsafe fn run_block<W: WeightElem>(
 macro_rules! dispatch_tile {
     ($f:ident, $mr:expr, $nr:expr, $($arg:expr),*) => {
         match ($mr, $nr) {
+            (1, 8) => $f::<W, 1, 8>($($arg),*),
             (1, 4) => $f::<W, 1, 4>($($arg),*),
             (2, 4) => $f::<W, 2, 4>($($arg),*),
             (3, 4) => $f::<W, 3, 4>($($arg),*),

@@ -2,6 +2,7 @@
 //! thread pool.
 
 pub mod attention;
+mod attention_block;
 pub mod elem;
 mod gemm;
 pub mod isa;

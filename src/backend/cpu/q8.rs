@@ -63,7 +63,7 @@ impl Q8Matrix {
         q: &[i8],
         scales: &[f32],
     ) -> Result<Q8Matrix> {
-        if group == 0 || group % K_STEP != 0 {
+        if group == 0 || !group.is_multiple_of(K_STEP) {
             bail_arg!("Q8_0 group size must be a positive multiple of {K_STEP}, got {group}");
         }
         let n_groups = groups_per_row(cols, group);

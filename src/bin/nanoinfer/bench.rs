@@ -12,7 +12,7 @@
 //! llama-bench's `avg_ts`/`stddev_ts` are).
 
 use crate::args::Args;
-use crate::session_opts::{load_model, MODEL_OPTS};
+use crate::session_opts::{load_model, quant_mode, MODEL_OPTS};
 use nanoinfer::backend::cpu::attention::AttnSeq;
 use nanoinfer::engine::Model;
 use nanoinfer::kv::{KvMapping, KvStorage};
@@ -21,7 +21,7 @@ use serde_json::json;
 use std::time::Instant;
 
 pub const FLAGS: &[&str] = &["json"];
-const OPTS: &[&str] = &["n-prompt", "n-gen", "repetitions", "seed", "quant"];
+const OPTS: &[&str] = &["n-prompt", "n-gen", "repetitions", "seed"];
 
 /// llama-bench's short options, mapped to the long ones `Args` understands.
 const SHORT: &[(&str, &str)] = &[
@@ -54,14 +54,7 @@ struct Settings {
 
 fn settings(a: &Args) -> Result<Settings, String> {
     a.check_known(&[MODEL_OPTS, FLAGS, OPTS].concat())?;
-    match a.get("quant").unwrap_or("none") {
-        "none" => {}
-        other => {
-            return Err(format!(
-                "--quant {other} is not supported yet (supported: none)"
-            ))
-        }
-    }
+    quant_mode(a)?;
     let s = Settings {
         n_prompt: a.parse_or("n-prompt", 512)?,
         n_gen: a.parse_or("n-gen", 128)?,
@@ -319,7 +312,15 @@ mod tests {
         let parse =
             |s: &str| settings(&Args::parse(&expand_short_options(&argv(s)), FLAGS).unwrap());
         assert!(parse("-r 0").unwrap_err().contains("--repetitions"));
-        assert!(parse("--quant q4_0").unwrap_err().contains("--quant q4_0"));
+        let bad_quant = parse("--quant q4_0").unwrap_err();
+        assert!(
+            bad_quant.contains("--quant") && bad_quant.contains("q4_0"),
+            "{bad_quant}"
+        );
+        assert!(parse("--quant q8_0 --quant-group-size 48")
+            .unwrap_err()
+            .contains("--quant-group-size"));
+        assert!(parse("--quant q8_0").is_ok());
         assert!(parse("-p -3").unwrap_err().contains("--n-prompt"));
         assert!(parse("--bogus 1").unwrap_err().contains("--bogus"));
         let d = parse("").unwrap();

@@ -21,7 +21,7 @@ const USAGE: &str = "usage:
                      [--policy fcfs|priority] [--preemption recompute|swap] [--no-prefix-cache]
   nanoinfer perplexity --model DIR --file PATH [--max-tokens 1024] [--threads N] [--dtype ..] [--quant ..] [--json]
   nanoinfer bench --model DIR [-p 512] [-n 128] [-r|--repetitions 3] [-t|--threads N]
-                  [--dtype auto|f32|f16|bf16] [--quant none] [--seed S] [--json]
+                  [--dtype auto|f32|f16|bf16] [--quant none|q8_0] [--seed S] [--json]
   nanoinfer quantize --model DIR --out DIR --method q8_0 [--group-size 32|64|128] [--lm-head q8_0|dense] [--json]
   --quant q8_0 quantizes at load; --quant-group-size 32|64|128 (default 32) and
   --quant-lm-head q8_0|dense (default q8_0) refine it.";
