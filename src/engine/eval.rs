@@ -3,34 +3,35 @@
 
 use super::model::Model;
 use crate::backend::cpu::attention::AttnSeq;
-use crate::kv::{KvMapping, KvStorage};
-use crate::model::{ForwardBatch, Workspace};
+use crate::kv::KvMapping;
+use crate::model::{ContextShape, ForwardBatch, ForwardContext};
 use crate::{bail_arg, Result};
 
 /// Rows per forward pass; bounds the logits buffer.
 const CHUNK: usize = 128;
 
-/// A single sequence's KV cache with slots 1..=capacity in order.
-struct PrivateCache {
-    storage: KvStorage,
+/// A single sequence's private KV cache with slots 1..=capacity in order:
+/// forwards without the scheduler (evaluation, benchmarks).
+pub struct SingleSequence {
+    ctx: Box<dyn ForwardContext>,
     slots: Vec<u32>,
 }
 
-impl PrivateCache {
-    fn new(model: &Model, capacity: usize) -> Self {
-        let c = model.config();
-        PrivateCache {
-            storage: KvStorage::new(c.num_layers, capacity + 1, c.num_kv_heads, c.head_dim),
+impl SingleSequence {
+    /// Room for `capacity` positions, forwards of up to `max_rows` tokens.
+    pub fn new(model: &Model, capacity: usize, max_rows: usize) -> Result<Self> {
+        let shape = ContextShape::new(capacity + 1, max_rows, max_rows);
+        Ok(SingleSequence {
+            ctx: model.decoder.clone().new_context(&shape)?,
             slots: (1..=capacity as u32).collect(),
-        }
+        })
     }
 
     /// Runs `tokens` at positions `context_len..`, writing logits of every
     /// row when `all_logits`, else of the last row only.
-    fn forward(
+    pub fn forward(
         &mut self,
         model: &Model,
-        ws: &mut Workspace,
         tokens: &[u32],
         context_len: usize,
         all_logits: bool,
@@ -54,9 +55,7 @@ impl PrivateCache {
             seqs: &seqs,
             logits_rows: &rows,
         };
-        model
-            .decoder
-            .forward(&model.pool, &batch, &mut self.storage, ws, logits)
+        self.ctx.forward(&batch, logits)
     }
 }
 
@@ -67,20 +66,12 @@ pub fn perplexity(model: &Model, ids: &[u32]) -> Result<f64> {
         bail_arg!("perplexity needs at least 2 tokens, got {}", ids.len());
     }
     let vocab = model.config().vocab_size;
-    let mut cache = PrivateCache::new(model, ids.len());
-    let mut ws = Workspace::default();
+    let mut cache = SingleSequence::new(model, ids.len(), CHUNK)?;
     let mut logits = Vec::new();
     let mut nll = 0f64;
     for start in (0..ids.len() - 1).step_by(CHUNK) {
         let len = CHUNK.min(ids.len() - 1 - start);
-        cache.forward(
-            model,
-            &mut ws,
-            &ids[start..start + len],
-            start,
-            true,
-            &mut logits,
-        )?;
+        cache.forward(model, &ids[start..start + len], start, true, &mut logits)?;
         for r in 0..len {
             let row = &logits[r * vocab..(r + 1) * vocab];
             nll += log_sum_exp(row) - row[ids[start + r + 1] as usize] as f64;
@@ -108,14 +99,13 @@ pub fn greedy_with_logits(
     if prompt.is_empty() {
         bail_arg!("prompt is empty");
     }
-    let mut cache = PrivateCache::new(model, prompt.len() + n);
-    let mut ws = Workspace::default();
+    let mut cache = SingleSequence::new(model, prompt.len() + n, prompt.len().max(1))?;
     let mut logits = Vec::new();
     let (mut out, mut rows) = (Vec::with_capacity(n), Vec::with_capacity(n));
     let mut pos = 0;
     let mut next: Vec<u32> = prompt.to_vec();
     for _ in 0..n {
-        cache.forward(model, &mut ws, &next, pos, false, &mut logits)?;
+        cache.forward(model, &next, pos, false, &mut logits)?;
         pos += next.len();
         let tok = argmax(&logits);
         out.push(tok);

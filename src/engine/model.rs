@@ -3,11 +3,13 @@
 //! sessions through `Arc`.
 
 use crate::backend::cpu::ThreadPool;
+use crate::backend::Device;
 use crate::model::config::token_ids;
-use crate::model::{Decoder, ModelConfig, QuantMode, WeightDType};
+use crate::model::{CpuDecoder, Decoder, DeviceDecoder, ModelConfig, QuantMode, WeightDType};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Reports load progress in [0, 1]; returning false cancels the load.
@@ -20,6 +22,7 @@ pub struct ModelParams {
     pub threads: usize,
     /// Quantize dense weights at load (a quantized checkpoint loads quantized regardless).
     pub quant: QuantMode,
+    pub device: Device,
 }
 
 impl Default for ModelParams {
@@ -28,14 +31,14 @@ impl Default for ModelParams {
             dtype: WeightDType::Auto,
             threads: 0,
             quant: QuantMode::None,
+            device: Device::Cpu,
         }
     }
 }
 
 pub struct Model {
-    pub decoder: Decoder,
+    pub decoder: Arc<dyn DeviceDecoder>,
     pub tokenizer: Option<Tokenizer>,
-    pub pool: ThreadPool,
     /// Token ids that end generation (generation_config.json, else config.json, else tokenizer).
     pub eos_token_ids: Vec<u32>,
     pub load_ms: f64,
@@ -73,7 +76,31 @@ impl Model {
         let config = ModelConfig::from_dir(dir)?;
         let weights = crate::model::loader::open_weights(dir)?;
         report(0.1)?;
-        let decoder = Decoder::load(config, &weights, params.dtype, params.quant)?;
+        let decoder: Arc<dyn DeviceDecoder> = match params.device {
+            Device::Cpu => {
+                let decoder = Decoder::load(config, &weights, params.dtype, params.quant)?;
+                let threads = if params.threads == 0 {
+                    std::thread::available_parallelism()
+                        .map(|n| n.get())
+                        .unwrap_or(1)
+                } else {
+                    params.threads
+                };
+                Arc::new(CpuDecoder {
+                    decoder,
+                    pool: ThreadPool::new(threads),
+                })
+            }
+            Device::Cuda(ordinal) => {
+                if !matches!(params.quant, QuantMode::None) {
+                    return Err(Error::new(
+                        crate::ErrorKind::Unsupported,
+                        "quantization at load is not supported on CUDA yet",
+                    ));
+                }
+                crate::model::cuda_decoder::load(ordinal, config, &weights, params.dtype)?
+            }
+        };
         weights.finish_loading();
         report(0.9)?;
         let tokenizer = if dir.join("tokenizer.json").exists() {
@@ -81,26 +108,23 @@ impl Model {
         } else {
             None
         };
-        let eos_token_ids = eos_ids(dir, &decoder.config, tokenizer.as_ref());
-        let threads = if params.threads == 0 {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
-        } else {
-            params.threads
-        };
+        let eos_token_ids = eos_ids(dir, decoder.config(), tokenizer.as_ref());
         report(1.0)?;
         Ok(Model {
             decoder,
             tokenizer,
-            pool: ThreadPool::new(threads),
             eos_token_ids,
             load_ms: start.elapsed().as_secs_f64() * 1e3,
         })
     }
 
     pub fn config(&self) -> &ModelConfig {
-        &self.decoder.config
+        self.decoder.config()
+    }
+
+    /// Host threads the kernels run on.
+    pub fn threads(&self) -> usize {
+        self.decoder.threads()
     }
 
     pub fn tokenizer(&self) -> Result<&Tokenizer> {

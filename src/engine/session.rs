@@ -14,8 +14,8 @@ mod schedule;
 use super::model::Model;
 use super::policy::{create_policy, RankInput, SchedulePolicy, SchedulePolicyKind};
 use super::request::{Event, FinishReason, RequestId, RequestParams};
-use crate::kv::{create_kv_backend, KvBackendKind, KvCacheBackend, KvStats, KvStorage};
-use crate::model::Workspace;
+use crate::kv::{create_kv_backend, KvBackendKind, KvCacheBackend, KvStats};
+use crate::model::{ContextShape, ForwardContext};
 use crate::sampling::{Rng, Sampler, StopMatcher};
 use crate::tokenizer::StreamDetokenizer;
 use crate::{bail_arg, Error, ErrorKind, Result};
@@ -50,6 +50,9 @@ pub struct SessionParams {
     pub kv_capacity_tokens: usize,
     /// KV budget in bytes when `kv_capacity_tokens` is 0; 0 = automatic.
     pub kv_memory_bytes: usize,
+    /// With an automatic budget on a GPU: the fraction of device memory
+    /// weights + temporaries + KV cache may use.
+    pub gpu_memory_utilization: f32,
     /// Token budget of one step (prefill chunks + decode tokens).
     pub max_batched_tokens: usize,
     /// Sequences in one step.
@@ -72,6 +75,7 @@ impl Default for SessionParams {
             block_size: 16,
             kv_capacity_tokens: 0,
             kv_memory_bytes: 0,
+            gpu_memory_utilization: ContextShape::DEFAULT_MEMORY_UTILIZATION,
             max_batched_tokens: 512,
             max_seqs: 64,
             prefill_chunk_size: 512,
@@ -130,9 +134,9 @@ pub struct Session {
     model: Arc<Model>,
     params: SessionParams,
     kv: Box<dyn KvCacheBackend>,
-    storage: KvStorage,
+    /// KV storage and workspace on the model's device.
+    ctx: Box<dyn ForwardContext>,
     capacity_tokens: usize,
-    ws: Workspace,
     /// `[max_seqs, vocab]`: one row per sequence that samples this step.
     logits: Vec<f32>,
     policy: Box<dyn SchedulePolicy>,
@@ -158,12 +162,6 @@ struct StepScratch {
     suppress: Vec<u32>,
 }
 
-/// Default KV budget when none is given: a quarter of available memory, at most 2 GiB.
-fn default_kv_budget() -> usize {
-    let available = crate::sysinfo::available_memory_bytes().unwrap_or(4 << 30);
-    (available / 4).min(2 << 30)
-}
-
 impl Session {
     pub fn new(model: Arc<Model>, params: SessionParams) -> Result<Session> {
         let c = model.config();
@@ -174,14 +172,22 @@ impl Session {
         if params.block_size == 0 || params.block_size > 1024 {
             bail_arg!("block_size must be in 1..=1024, got {}", params.block_size);
         }
-        let per_token = KvStorage::bytes_per_slot(c.num_layers, c.num_kv_heads, c.head_dim);
+        let per_token = model.decoder.kv_bytes_per_slot();
+        if !(params.gpu_memory_utilization > 0.0 && params.gpu_memory_utilization <= 1.0) {
+            bail_arg!(
+                "gpu_memory_utilization must be in (0, 1], got {}",
+                params.gpu_memory_utilization
+            );
+        }
+        let mut shape = ContextShape::new(0, params.max_batched_tokens, params.max_seqs);
+        shape.memory_utilization = params.gpu_memory_utilization;
         let capacity_tokens = if params.kv_capacity_tokens > 0 {
             params.kv_capacity_tokens
         } else {
             let budget = if params.kv_memory_bytes > 0 {
                 params.kv_memory_bytes
             } else {
-                default_kv_budget()
+                model.decoder.default_kv_budget(&shape)?
             };
             let tokens = budget / per_token;
             if tokens < c.max_position_embeddings.min(4096) {
@@ -202,15 +208,15 @@ impl Session {
             params.block_size,
             params.prefix_caching,
         );
-        let storage = KvStorage::new(c.num_layers, slots, c.num_kv_heads, c.head_dim);
+        shape.kv_slots = slots;
+        let ctx = model.decoder.clone().new_context(&shape)?;
         let logits = vec![0.0; params.max_seqs * c.vocab_size];
         Ok(Session {
             policy: create_policy(params.policy, params.aging_steps),
             rng: Rng::seed_from_u64(params.seed),
             kv,
-            storage,
+            ctx,
             capacity_tokens,
-            ws: Workspace::default(),
             logits,
             requests: HashMap::new(),
             waiting: Vec::new(),

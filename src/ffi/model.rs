@@ -194,7 +194,7 @@ pub unsafe extern "C" fn ni_model_load(
                 c.num_layers,
                 c.vocab_size,
                 c.max_position_embeddings,
-                model.pool.threads(),
+                model.threads(),
                 model.load_ms
             ),
         );

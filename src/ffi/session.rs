@@ -169,6 +169,7 @@ fn to_engine(p: &ni_session_params) -> Result<SessionParams> {
         block_size: p.block_size as usize,
         kv_capacity_tokens: to_usize(p.kv_capacity_tokens, "kv_capacity_tokens")?,
         kv_memory_bytes,
+        gpu_memory_utilization: crate::model::ContextShape::DEFAULT_MEMORY_UTILIZATION,
         max_batched_tokens: p.max_batched_tokens as usize,
         max_seqs: p.max_seqs as usize,
         prefill_chunk_size: p.prefill_chunk_size as usize,

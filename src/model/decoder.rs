@@ -4,6 +4,7 @@
 
 use super::config::ModelConfig;
 use super::quant::{QuantMethod, QuantMode};
+use super::runner::validate_batch;
 use super::weights::{WeightDType, WeightSource};
 use super::workspace::Workspace;
 use crate::backend::cpu::attention::{attention, AttnSeq, AttnShape};
@@ -313,55 +314,13 @@ impl Decoder {
 
     fn validate(&self, batch: &ForwardBatch<'_>, kv: &KvStorage, logits_len: usize) -> Result<()> {
         let c = &self.config;
-        let rows = batch.tokens.len();
-        if let Some(&bad) = batch.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            bail_arg!(
-                "token id {bad} is outside the vocabulary (size {})",
-                c.vocab_size
-            );
-        }
-        let mut next = 0;
-        for s in batch.seqs {
-            if s.start != next || s.len == 0 {
-                bail_arg!("forward batch sequences must be contiguous and non-empty");
-            }
-            next += s.len;
-            let end = s.context_len + s.len;
-            if end > s.kv.capacity() {
-                bail_arg!(
-                    "sequence needs {end} KV positions but only {} are allocated",
-                    s.kv.capacity()
-                );
-            }
-            if end > c.max_position_embeddings {
-                bail_arg!(
-                    "position {end} exceeds the model's context length {}",
-                    c.max_position_embeddings
-                );
-            }
-            if (0..end).any(|p| s.kv.slot(p) >= kv.num_slots) {
-                bail_arg!(
-                    "KV mapping points outside the cache ({} slots)",
-                    kv.num_slots
-                );
-            }
-        }
-        if next != rows {
-            bail_arg!("forward batch sequences cover {next} rows, batch has {rows}");
-        }
-        if batch.logits_rows.iter().any(|&r| r >= rows) {
-            bail_arg!("logits row out of range");
-        }
-        if logits_len < batch.logits_rows.len() * c.vocab_size {
-            bail_arg!("logits buffer too small");
-        }
         if kv.num_layers != c.num_layers
             || kv.kv_heads != c.num_kv_heads
             || kv.head_dim != c.head_dim
         {
             bail_arg!("KV storage shape does not match the model");
         }
-        Ok(())
+        validate_batch(c, batch, kv.num_slots, logits_len)
     }
 
     /// cos/sin of every row's position, `[rows, head_dim/2]` each.

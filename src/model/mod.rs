@@ -1,11 +1,13 @@
 //! Model loading and the decoder forward pass.
 
 pub mod config;
+pub mod cuda_decoder;
 pub mod decoder;
 pub mod loader;
 pub mod quant;
 pub mod quant_checkpoint;
 pub mod quant_q8;
+pub mod runner;
 pub mod safetensors;
 mod safetensors_header;
 mod safetensors_json;
@@ -17,5 +19,6 @@ pub use config::{Architecture, ModelConfig};
 pub use decoder::{Decoder, ForwardBatch};
 pub use quant::{QuantMethod, QuantMode};
 pub use quant_checkpoint::{quantize_checkpoint, QuantizeReport};
+pub use runner::{ContextShape, CpuDecoder, DeviceDecoder, ForwardContext};
 pub use weights::{WeightDType, WeightSource};
 pub use workspace::Workspace;

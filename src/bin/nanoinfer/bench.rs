@@ -13,10 +13,9 @@
 
 use crate::args::Args;
 use crate::session_opts::{load_model, quant_mode, MODEL_OPTS};
-use nanoinfer::backend::cpu::attention::AttnSeq;
+use nanoinfer::engine::eval::SingleSequence;
 use nanoinfer::engine::Model;
-use nanoinfer::kv::{KvMapping, KvStorage};
-use nanoinfer::model::{ForwardBatch, ModelConfig, Workspace};
+use nanoinfer::model::ModelConfig;
 use serde_json::json;
 use std::time::Instant;
 
@@ -78,7 +77,7 @@ pub fn run(a: &Args) -> Result<(), String> {
             c.max_position_embeddings
         ));
     }
-    let mut bench = Bench::new(&model, longest, s.seed);
+    let mut bench = Bench::new(&model, longest, s.seed)?;
     let pp = if s.n_prompt > 0 {
         Some(measure(s.repetitions, s.n_prompt, || {
             bench.prompt(s.n_prompt)
@@ -93,7 +92,7 @@ pub fn run(a: &Args) -> Result<(), String> {
     };
 
     let dtype = model.decoder.weight_dtype_name();
-    let threads = model.pool.threads();
+    let threads = model.threads();
     let weight_bytes = model.decoder.weight_bytes();
     let mean = |r: &Option<Stats>| r.as_ref().map_or(0.0, |r| r.mean);
     let sd = |r: &Option<Stats>| r.as_ref().map_or(0.0, |r| r.stddev);
@@ -111,6 +110,7 @@ pub fn run(a: &Args) -> Result<(), String> {
                 "threads": threads,
                 "dtype": dtype,
                 "weight_bytes": weight_bytes,
+                "device": model.decoder.summary(),
                 "params": param_count(c),
                 "pp_flops_per_token": pp_flops_per_token(c, s.n_prompt),
             })
@@ -124,6 +124,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         weight_bytes as f64 / 1e6,
         s.repetitions
     );
+    println!("{}", model.decoder.summary());
     println!("| test   |              t/s |");
     println!("| ------ | ---------------: |");
     for (name, n, r) in [("pp", s.n_prompt, &pp), ("tg", s.n_gen, &tg)] {
@@ -143,51 +144,28 @@ pub fn run(a: &Args) -> Result<(), String> {
 /// stream of random token ids.
 struct Bench<'m> {
     model: &'m Model,
-    kv: KvStorage,
-    slots: Vec<u32>,
-    ws: Workspace,
+    seq: SingleSequence,
     logits: Vec<f32>,
     tokens: Vec<u32>,
 }
 
 impl<'m> Bench<'m> {
-    fn new(model: &'m Model, capacity: usize, seed: u64) -> Self {
+    fn new(model: &'m Model, capacity: usize, seed: u64) -> Result<Self, String> {
         let c = model.config();
         let mut rng = SplitMix64(seed);
-        Bench {
+        Ok(Bench {
             model,
-            kv: KvStorage::new(c.num_layers, capacity + 1, c.num_kv_heads, c.head_dim),
-            // Slot 0 is left unused, as the engine's pools reserve it.
-            slots: (1..=capacity as u32).collect(),
-            ws: Workspace::default(),
+            seq: SingleSequence::new(model, capacity, capacity).map_err(|e| e.to_string())?,
             logits: vec![0.0; c.vocab_size],
             tokens: (0..capacity)
                 .map(|_| (rng.next() % c.vocab_size as u64) as u32)
                 .collect(),
-        }
+        })
     }
 
     fn forward(&mut self, tokens: &[u32], context_len: usize) -> Result<(), String> {
-        let seqs = [AttnSeq {
-            start: 0,
-            len: tokens.len(),
-            context_len,
-            kv: KvMapping::Slots(&self.slots),
-        }];
-        let batch = ForwardBatch {
-            tokens,
-            seqs: &seqs,
-            logits_rows: &[tokens.len() - 1],
-        };
-        self.model
-            .decoder
-            .forward(
-                &self.model.pool,
-                &batch,
-                &mut self.kv,
-                &mut self.ws,
-                &mut self.logits,
-            )
+        self.seq
+            .forward(self.model, tokens, context_len, false, &mut self.logits)
             .map_err(|e| e.to_string())
     }
 

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 pub const MODEL_OPTS: &[&str] = &[
     "model",
+    "device",
     "threads",
     "dtype",
     "quant",
@@ -20,6 +21,7 @@ pub const SESSION_OPTS: &[&str] = &[
     "kv-backend",
     "block-size",
     "kv-capacity",
+    "gpu-memory-utilization",
     "max-batched-tokens",
     "max-seqs",
     "prefill-chunk",
@@ -49,6 +51,7 @@ pub fn load_model(a: &Args) -> Result<Arc<Model>, String> {
         dtype: a.parse_or("dtype", nanoinfer::model::WeightDType::Auto)?,
         threads: a.parse_or("threads", 0)?,
         quant: quant_mode(a)?,
+        device: a.parse_or("device", nanoinfer::backend::Device::Cpu)?,
     };
     Model::load(&dir, &params, None)
         .map(Arc::new)
@@ -107,6 +110,7 @@ pub fn session_params(a: &Args) -> Result<SessionParams, String> {
         kv_backend,
         block_size: a.parse_or("block-size", d.block_size)?,
         kv_capacity_tokens: a.parse_or("kv-capacity", d.kv_capacity_tokens)?,
+        gpu_memory_utilization: a.parse_or("gpu-memory-utilization", d.gpu_memory_utilization)?,
         max_batched_tokens: a.parse_or("max-batched-tokens", d.max_batched_tokens)?,
         max_seqs: a.parse_or("max-seqs", d.max_seqs)?,
         prefill_chunk_size: a.parse_or("prefill-chunk", d.prefill_chunk_size)?,

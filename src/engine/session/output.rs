@@ -12,10 +12,8 @@ impl Session {
     /// which is the order `finish_step` consumes them in.
     pub(super) fn run_forward(&mut self) -> crate::Result<()> {
         let Session {
-            model,
             kv,
-            storage,
-            ws,
+            ctx,
             logits,
             requests,
             scratch,
@@ -45,9 +43,7 @@ impl Session {
             seqs: &seqs,
             logits_rows: &scratch.logits_rows,
         };
-        model
-            .decoder
-            .forward(&model.pool, &batch, storage, ws, logits)
+        ctx.forward(&batch, logits)
     }
 
     pub(super) fn fail_scheduled(&mut self, err: &Error, events: &mut Vec<Event>) {

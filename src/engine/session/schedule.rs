@@ -183,13 +183,13 @@ impl Session {
         let req = self.requests.get_mut(&id).expect("running request exists");
         if self.params.preemption == PreemptionMode::Swap && req.computed > 0 {
             let mapping = self.kv.mapping(id);
-            let per_slot = self.storage.slot_width() * 2 * self.storage.num_layers;
-            let mut saved = Vec::with_capacity(req.computed * per_slot);
-            for p in 0..req.computed {
-                self.storage.read_slot(mapping.slot(p), &mut saved);
+            let slots: Vec<u32> = (0..req.computed).map(|p| mapping.slot(p) as u32).collect();
+            let mut saved = Vec::with_capacity(req.computed * self.ctx.kv_values_per_slot());
+            // On failure the KV is recomputed instead: slower, never wrong.
+            if self.ctx.save_kv(&slots, &mut saved).is_ok() {
+                self.stats.swapped_out_tokens += req.computed as u64;
+                req.swapped = Some((req.computed, saved));
             }
-            self.stats.swapped_out_tokens += req.computed as u64;
-            req.swapped = Some((req.computed, saved));
         }
         self.kv.release(id);
         req.in_kv = false;
@@ -208,11 +208,16 @@ impl Session {
         if n <= req.computed {
             return;
         }
-        let per_slot = self.storage.slot_width() * 2 * self.storage.num_layers;
+        let per_slot = self.ctx.kv_values_per_slot();
         let mapping = self.kv.mapping(id);
-        for p in req.computed..n {
-            self.storage
-                .write_slot(mapping.slot(p), &data[p * per_slot..(p + 1) * per_slot]);
+        let slots: Vec<u32> = (req.computed..n).map(|p| mapping.slot(p) as u32).collect();
+        if self
+            .ctx
+            .restore_kv(&slots, &data[req.computed * per_slot..n * per_slot])
+            .is_err()
+        {
+            // The positions are recomputed instead.
+            return;
         }
         self.stats.swapped_in_tokens += (n - req.computed) as u64;
         req.computed = n;

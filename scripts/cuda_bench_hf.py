@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""The GPU peer for `nanoinfer bench --device cuda`: HF transformers (bf16,
+static KV cache, eager) on the same model, plus the machine's measured copy
+bandwidth. Optionally creates a random-weight model of Llama-3-8B shape.
+
+  python3 scripts/cuda_bench_hf.py --make-8b DIR      # write the model
+  python3 scripts/cuda_bench_hf.py --model DIR -p 512 -n 128 --json
+"""
+import argparse
+import json
+import os
+import time
+
+import torch
+
+
+def make_8b(out):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=8192),
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    )
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")
+    print(f"wrote {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params to {out}")
+
+
+def copy_bandwidth():
+    n = 1 << 30  # 2 GiB of bf16
+    x = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    reps = 20
+    t = time.perf_counter()
+    for _ in range(reps):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t) / reps
+    return 2 * x.numel() * 2 / dt  # read + write bytes per second
+
+
+def timed(f, reps=3):
+    f()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t)
+    return sum(ts) / len(ts)
+
+
+def bench(model_dir, n_prompt, n_gen, reps):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).cuda().eval()
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, vocab, (1, n_prompt), generator=g).cuda()
+    short = prompt[:, :1]
+    with torch.no_grad():
+        t_pp = timed(lambda: model(prompt, use_cache=False), reps)
+
+        def gen(n):
+            return lambda: model.generate(short, attention_mask=torch.ones_like(short), max_new_tokens=n,
+                                          min_new_tokens=n, do_sample=False, cache_implementation="static",
+                                          pad_token_id=0)
+        t1 = timed(gen(1), reps)
+        tn = timed(gen(n_gen + 1), reps)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - \
+        model.model.embed_tokens.weight.numel() * 2
+    return {
+        "peer": f"transformers {__import__('transformers').__version__} bf16 eager, static cache",
+        "gpu": torch.cuda.get_device_name(),
+        "pp_tokens_per_s": n_prompt / t_pp,
+        "tg_tokens_per_s": n_gen / (tn - t1),
+        "copy_bandwidth_bytes_per_s": copy_bandwidth(),
+        "weight_bytes_per_token": weight_bytes,
+        "n_prompt": n_prompt,
+        "n_gen": n_gen,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--make-8b")
+    ap.add_argument("--model")
+    ap.add_argument("-p", type=int, default=512)
+    ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("-r", type=int, default=3)
+    a = ap.parse_args()
+    if a.make_8b:
+        make_8b(a.make_8b)
+    if a.model:
+        print(json.dumps(bench(a.model, a.p, a.n, a.r)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Runs the CUDA checks on a GPU machine that has no Rust: the release binaries
+# built elsewhere are in $BIN (nanoinfer, cuda test binary), torch +
+# transformers are installed. Prints a short table last.
+#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|bench]...
+set -uo pipefail
+BIN=${BIN:-gpu-carry}
+WORK=${WORK:-/tmp/nanoinfer-gpu}
+mkdir -p "$WORK"
+# cuBLAS / NVRTC: the toolkit's, else the pip wheels torch brought.
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+    $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, s, "lib") for p in nvidia.__path__ for s in os.listdir(p)))' 2>/dev/null); do
+    [ -d "$d" ] && LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$d"
+done
+export LD_LIBRARY_PATH NANOINFER_KERNEL_CACHE="$WORK/kernels"
+for step in "$@"; do
+    case $step in
+    fixtures)
+        python3 scripts/cuda_fixtures.py "$WORK/fx" ;;
+    tests)
+        NANOINFER_CUDA_FIXTURES="$WORK/fx" "$BIN/cuda" --test-threads 1 --nocapture 2>&1 | tail -40 ;;
+    make8b)
+        [ -f "$WORK/l8b/config.json" ] || python3 scripts/cuda_bench_hf.py --make-8b "$WORK/l8b" ;;
+    bench)
+        "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 512 -n 128 -r 3 --json | tee "$WORK/ours.json"
+        python3 scripts/cuda_bench_hf.py --model "$WORK/l8b" -p 512 -n 128 -r 3 | tee "$WORK/hf.json" ;;
+    esac
+done

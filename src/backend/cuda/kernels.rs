@@ -1,0 +1,184 @@
+//! The decoder kernels (`kernels/decoder.cu`, embedded in the library),
+//! compiled by NVRTC for the device's architecture on first use and cached
+//! on disk as PTX. Cache key: source hash + activation dtype + arch + NVRTC
+//! version, so a changed source, GPU or toolkit never loads a stale module.
+
+use super::{cuda_error, ActDType};
+use crate::{Error, ErrorKind, Result};
+use cudarc::driver::{CudaContext, CudaFunction};
+use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+const SOURCE: &str = include_str!("../../../kernels/decoder.cu");
+
+/// Where compiled modules are kept: `NANOINFER_KERNEL_CACHE`, else
+/// `$XDG_CACHE_HOME/nanoinfer/kernels`, else `~/.cache/nanoinfer/kernels`;
+/// `NANOINFER_KERNEL_CACHE=off` disables it.
+pub struct KernelCache {
+    dir: Option<PathBuf>,
+}
+
+impl KernelCache {
+    pub fn from_env() -> Self {
+        let dir = match std::env::var_os("NANOINFER_KERNEL_CACHE") {
+            Some(v) if v == "off" => None,
+            Some(v) => Some(PathBuf::from(v)),
+            None => std::env::var_os("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+                .map(|d| d.join("nanoinfer").join("kernels")),
+        };
+        KernelCache { dir }
+    }
+
+    fn path(&self, key: &str) -> Option<PathBuf> {
+        self.dir.as_ref().map(|d| d.join(format!("{key}.ptx")))
+    }
+
+    fn load(&self, key: &str) -> Option<String> {
+        std::fs::read_to_string(self.path(key)?).ok()
+    }
+
+    /// Best effort: a read-only or full disk only costs a recompile next time.
+    fn store(&self, key: &str, ptx: &str) {
+        let (Some(dir), Some(path)) = (self.dir.as_ref(), self.path(key)) else {
+            return;
+        };
+        if std::fs::create_dir_all(dir).is_err() {
+            return;
+        }
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, ptx).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+}
+
+/// FNV-1a: a hash that is stable across Rust releases, for cache keys.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x100000001b3)
+    })
+}
+
+fn nvrtc_version() -> (i32, i32) {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: nvrtcVersion writes two ints through valid pointers; the library
+    // was found loadable by `check_libraries` before this runs.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    (major, minor)
+}
+
+fn compile(arch: (i32, i32), act: ActDType) -> Result<String> {
+    let opts = CompileOptions {
+        options: vec![
+            format!("--gpu-architecture=compute_{}{}", arch.0, arch.1),
+            format!("-DNI_F16={}", (act == ActDType::F16) as i32),
+        ],
+        ..Default::default()
+    };
+    match cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts) {
+        Ok(ptx) => Ok(ptx.to_src()),
+        Err(CompileError::CompileError { log, .. }) => Err(Error::new(
+            ErrorKind::Internal,
+            format!(
+                "NVRTC failed to compile kernels/decoder.cu for sm_{}{}:\n{}",
+                arch.0,
+                arch.1,
+                log.to_string_lossy()
+            ),
+        )),
+        Err(e) => Err(cuda_error("NVRTC", e)),
+    }
+}
+
+macro_rules! kernel_set {
+    ($($name:ident),* $(,)?) => {
+        /// Handles to every kernel of the module.
+        pub struct Kernels {
+            $(pub $name: CudaFunction,)*
+        }
+
+        impl Kernels {
+            fn from_module(module: &Arc<cudarc::driver::CudaModule>) -> Result<Kernels> {
+                Ok(Kernels {
+                    $($name: module
+                        .load_function(stringify!($name))
+                        .map_err(|e| cuda_error(concat!("loading kernel ", stringify!($name)), e))?,)*
+                })
+            }
+        }
+    };
+}
+
+kernel_set!(
+    embed,
+    add_rms_norm,
+    head_rms_norm,
+    add_bias,
+    rope,
+    silu_mul,
+    kv_write,
+    attention,
+    attn_merge,
+    kv_copy_slots,
+);
+
+impl Kernels {
+    pub fn load(
+        ctx: &Arc<CudaContext>,
+        arch: (i32, i32),
+        act: ActDType,
+        cache: &KernelCache,
+    ) -> Result<Kernels> {
+        let nvrtc = nvrtc_version();
+        let key = format!(
+            "decoder-{:016x}-{}-sm{}{}-nvrtc{}.{}",
+            fnv1a(SOURCE.as_bytes()),
+            act.name(),
+            arch.0,
+            arch.1,
+            nvrtc.0,
+            nvrtc.1
+        );
+        let ptx = match cache.load(&key) {
+            Some(ptx) => ptx,
+            None => {
+                let ptx = compile(arch, act)?;
+                cache.store(&key, &ptx);
+                ptx
+            }
+        };
+        let module = ctx
+            .load_module(Ptx::from_src(ptx))
+            .map_err(|e| cuda_error("loading the kernel module", e))?;
+        Kernels::from_module(&module)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_keys_are_stable() {
+        assert_eq!(fnv1a(b""), 0xcbf29ce484222325);
+        assert_eq!(fnv1a(b"a"), 0xaf63dc4c8601ec8c);
+    }
+
+    #[test]
+    fn cache_round_trips_and_can_be_disabled() {
+        let dir = std::env::temp_dir().join(format!("ni-kcache-{}", std::process::id()));
+        let cache = KernelCache {
+            dir: Some(dir.clone()),
+        };
+        assert!(cache.load("k").is_none());
+        cache.store("k", "ptx text");
+        assert_eq!(cache.load("k").as_deref(), Some("ptx text"));
+        std::fs::remove_dir_all(&dir).unwrap();
+        let off = KernelCache { dir: None };
+        off.store("k", "x");
+        assert!(off.load("k").is_none());
+    }
+}

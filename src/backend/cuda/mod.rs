@@ -1,0 +1,339 @@
+//! The CUDA device layer: driver, NVRTC and cuBLAS loaded at run time
+//! (cudarc with dynamic loading), so the crate builds and runs its CPU path
+//! on machines without CUDA; opening a device there fails with a clear error.
+//!
+//! Everything runs on one stream per device handle. Buffers are owned by
+//! `DeviceBuffer`s; kernels take raw device addresses, which stay valid for
+//! as long as the owning buffer lives.
+
+mod gemm;
+mod kernels;
+
+pub use gemm::GemmDType;
+pub use kernels::{KernelCache, Kernels};
+
+use crate::{Error, ErrorKind, Result};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    PushKernelArg, ValidAsZeroBits,
+};
+use std::sync::{Arc, Mutex};
+
+/// 16-bit activation/weight type on the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActDType {
+    BF16,
+    F16,
+}
+
+impl ActDType {
+    pub fn name(self) -> &'static str {
+        match self {
+            ActDType::BF16 => "bf16",
+            ActDType::F16 => "f16",
+        }
+    }
+
+    /// Converts f32 values to this dtype's raw bits.
+    pub fn encode(self, values: &[f32]) -> Vec<u16> {
+        match self {
+            ActDType::BF16 => values
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect(),
+            ActDType::F16 => values
+                .iter()
+                .map(|&v| half::f16::from_f32(v).to_bits())
+                .collect(),
+        }
+    }
+
+    pub fn decode(self, bits: u16) -> f32 {
+        match self {
+            ActDType::BF16 => half::bf16::from_bits(bits).to_f32(),
+            ActDType::F16 => half::f16::from_bits(bits).to_f32(),
+        }
+    }
+}
+
+/// Maps a CUDA/cuBLAS/NVRTC failure to an error naming the operation.
+pub fn cuda_error(what: &str, err: impl std::fmt::Debug) -> Error {
+    let text = format!("{err:?}");
+    let kind = if text.contains("OUT_OF_MEMORY") || text.contains("ALLOC_FAILED") {
+        ErrorKind::OutOfMemory
+    } else {
+        ErrorKind::Internal
+    };
+    Error::new(kind, format!("CUDA error in {what}: {text}"))
+}
+
+/// Checks that the shared libraries the backend needs can be loaded, so a
+/// machine without them gets an error instead of a panic inside cudarc.
+fn check_libraries() -> Result<()> {
+    for (lib, what) in [
+        ("cuda", "the NVIDIA driver (libcuda.so)"),
+        (
+            "nvrtc",
+            "NVRTC (libnvrtc.so, CUDA toolkit or the nvidia-cuda-nvrtc wheel)",
+        ),
+        ("cublas", "cuBLAS (libcublas.so)"),
+    ] {
+        let found = cudarc::get_lib_name_candidates(lib).iter().any(|name| {
+            // SAFETY: loading a CUDA library runs its initializers, which is
+            // what using the backend does anyway; the handle is dropped.
+            unsafe { libloading::Library::new(name) }.is_ok()
+        });
+        if !found {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "CUDA is not available: {what} was not found (set LD_LIBRARY_PATH to its directory)"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// One GPU: its context, the compute stream, a cuBLAS handle on that stream
+/// and the compiled kernels.
+pub struct CudaDevice {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    pub kernels: Kernels,
+    pub act: ActDType,
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub arch: (i32, i32),
+    pub sm_count: usize,
+    /// Held for the whole of one forward: sessions sharing the model take
+    /// turns on the stream and the cuBLAS handle.
+    pub step_lock: Mutex<()>,
+}
+
+impl CudaDevice {
+    pub fn open(ordinal: usize, act: ActDType) -> Result<Arc<CudaDevice>> {
+        check_libraries()?;
+        let count = CudaContext::device_count().map_err(|e| cuda_error("cuDeviceGetCount", e))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("CUDA device {ordinal} does not exist ({count} devices found)"),
+            ));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| cuda_error("cuCtxCreate", e))?;
+        // One stream, ordered by construction: cudarc's per-buffer event
+        // tracking would only add overhead.
+        // SAFETY: every buffer of this context is used on `stream` only.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_error("cublasCreate", e))?;
+        let arch = ctx
+            .compute_capability()
+            .map_err(|e| cuda_error("compute capability", e))?;
+        let sm_count = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(|e| cuda_error("SM count", e))? as usize;
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let kernels = Kernels::load(&ctx, arch, act, &KernelCache::from_env())?;
+        Ok(Arc::new(CudaDevice {
+            ctx,
+            stream,
+            blas,
+            kernels,
+            act,
+            name,
+            arch,
+            sm_count,
+            step_lock: Mutex::new(()),
+        }))
+    }
+
+    /// Launches `f` on the compute stream with 1-D blocks of `block` threads.
+    pub fn launch(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[KArg],
+    ) -> Result<()> {
+        let mut b = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                KArg::Ptr(v) => b.arg(v),
+                KArg::I32(v) => b.arg(v),
+                KArg::F32(v) => b.arg(v),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's parameter list (each call
+        // site mirrors the signature in kernels/decoder.cu) and every pointer
+        // is a live allocation sized for the grid by the caller.
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| cuda_error("kernel launch", e))
+    }
+
+    /// (free, total) device memory in bytes, after the stream-ordered pool
+    /// has given back what freed buffers left cached in it.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.release_cached()?;
+        self.ctx
+            .mem_get_info()
+            .map_err(|e| cuda_error("cuMemGetInfo", e))
+    }
+
+    /// A zero-filled buffer of `len` elements.
+    pub fn alloc<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        let slice = self
+            .stream
+            .alloc_zeros::<T>(len.max(1))
+            .map_err(|e| cuda_error(&format!("allocating {len} elements"), e))?;
+        Ok(DeviceBuffer::new(slice, &self.stream))
+    }
+
+    /// Copies `host` to the start of `dst`.
+    pub fn upload<T: DeviceRepr>(&self, host: &[T], dst: &mut DeviceBuffer<T>) -> Result<()> {
+        self.upload_at(host, dst, 0)
+    }
+
+    /// Copies `host` into `dst` starting at element `offset`.
+    pub fn upload_at<T: DeviceRepr>(
+        &self,
+        host: &[T],
+        dst: &mut DeviceBuffer<T>,
+        offset: usize,
+    ) -> Result<()> {
+        if offset + host.len() > dst.len() {
+            return Err(Error::new(
+                ErrorKind::Internal,
+                format!(
+                    "upload of {} elements at {offset} overflows a buffer of {}",
+                    host.len(),
+                    dst.len()
+                ),
+            ));
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        let mut view = dst.slice.slice_mut(offset..offset + host.len());
+        self.stream
+            .memcpy_htod(host, &mut view)
+            .map_err(|e| cuda_error("host-to-device copy", e))
+    }
+
+    /// Copies the first `host.len()` elements of `src` to `host`; waits for
+    /// the stream (the one host synchronization of a step).
+    pub fn download<T: DeviceRepr>(&self, src: &DeviceBuffer<T>, host: &mut [T]) -> Result<()> {
+        if host.len() > src.len() {
+            return Err(Error::new(
+                ErrorKind::Internal,
+                "download larger than the device buffer",
+            ));
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        let view = src.slice.slice(0..host.len());
+        self.stream
+            .memcpy_dtoh(&view, host)
+            .map_err(|e| cuda_error("device-to-host copy", e))?;
+        self.synchronize()
+    }
+
+    /// Returns memory cached by the device's default (stream-ordered) pool
+    /// to the driver: buffers are allocated with cuMemAllocAsync, and a
+    /// dropped session's KV cache would otherwise still count as used.
+    pub fn release_cached(&self) -> Result<()> {
+        self.synchronize()?;
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the context is bound by `synchronize`
+        // and its device handle lives as long as `self.ctx`.
+        unsafe {
+            use cudarc::driver::sys;
+            sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device())
+                .result()
+                .map_err(|e| cuda_error("cuDeviceGetDefaultMemPool", e))?;
+            cudarc::driver::result::mem_pool::trim_to(pool, 0)
+                .map_err(|e| cuda_error("cuMemPoolTrimTo", e))
+        }
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda_error("stream synchronize", e))
+    }
+
+    /// `y[rows, n] = x[rows, k] · w[n, k]ᵀ` (w row-major, the HF layout),
+    /// 16-bit inputs, f32 accumulation; `y` is 16-bit or f32 per `out`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        x: u64,
+        w: u64,
+        y: u64,
+        rows: usize,
+        n: usize,
+        k: usize,
+        out: GemmDType,
+    ) -> Result<()> {
+        gemm::gemm_xwt(&self.blas, self.act, x, w, y, rows, n, k, out)
+    }
+}
+
+/// One kernel argument: a device address (0 for an absent optional
+/// pointer), an int or a float.
+#[derive(Debug, Clone, Copy)]
+pub enum KArg {
+    Ptr(u64),
+    I32(i32),
+    F32(f32),
+}
+
+/// A device allocation with its raw address cached for kernel arguments.
+pub struct DeviceBuffer<T> {
+    slice: CudaSlice<T>,
+    ptr: u64,
+}
+
+impl<T: DeviceRepr> DeviceBuffer<T> {
+    fn new(slice: CudaSlice<T>, stream: &CudaStream) -> Self {
+        let ptr = {
+            let (ptr, _sync) = slice.device_ptr(stream);
+            ptr
+        };
+        DeviceBuffer { slice, ptr }
+    }
+
+    pub fn len(&self) -> usize {
+        self.slice.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slice.len() == 0
+    }
+
+    /// Device address of element `offset`.
+    pub fn at(&self, offset: usize) -> u64 {
+        debug_assert!(offset <= self.len());
+        self.ptr + (offset * std::mem::size_of::<T>()) as u64
+    }
+
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.len() * std::mem::size_of::<T>()
+    }
+}

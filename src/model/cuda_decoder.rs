@@ -1,0 +1,838 @@
+//! The decoder on a CUDA GPU: the same architecture as `decoder.rs`
+//! (Llama / Qwen2 / Qwen3), weights and activations in bf16 or f16 with f32
+//! accumulation, dense projections through cuBLAS, everything else in
+//! `kernels/decoder.cu`. q/k/v and gate/up are fused into one matrix each at
+//! load, so a layer is four GEMMs.
+
+use super::runner::{validate_batch, ContextShape, DeviceDecoder, ForwardContext};
+use super::{ForwardBatch, ModelConfig, WeightDType, WeightSource};
+use crate::backend::cpu::MatrixData;
+use crate::backend::cuda::{ActDType, CudaDevice, DeviceBuffer, GemmDType, KArg};
+use crate::backend::Device;
+use crate::{bail_arg, Error, ErrorKind, Result};
+use std::sync::Arc;
+use std::time::Instant;
+
+struct Layer {
+    input_norm: DeviceBuffer<u16>,
+    /// `[q | k | v]` rows: `[nq + 2 nkv, d]`.
+    qkv: DeviceBuffer<u16>,
+    qkv_bias: Option<DeviceBuffer<u16>>,
+    o: DeviceBuffer<u16>,
+    o_bias: Option<DeviceBuffer<u16>>,
+    q_norm: Option<DeviceBuffer<u16>>,
+    k_norm: Option<DeviceBuffer<u16>>,
+    post_norm: DeviceBuffer<u16>,
+    /// `[gate | up]` rows: `[2 inter, d]`.
+    gate_up: DeviceBuffer<u16>,
+    down: DeviceBuffer<u16>,
+}
+
+pub struct CudaDecoder {
+    dev: Arc<CudaDevice>,
+    ordinal: usize,
+    config: ModelConfig,
+    embed: DeviceBuffer<u16>,
+    /// None when tied to the embedding.
+    lm_head: Option<DeviceBuffer<u16>>,
+    final_norm: DeviceBuffer<u16>,
+    layers: Vec<Layer>,
+    inv_freq: DeviceBuffer<f32>,
+    /// Bytes of weights on the device.
+    resident_bytes: usize,
+    load_seconds: f64,
+}
+
+/// Uploads weights tensor by tensor, converting to the activation dtype on
+/// the host where the checkpoint differs (zero-copy views otherwise).
+struct Uploader<'a> {
+    dev: &'a CudaDevice,
+    src: &'a dyn WeightSource,
+    act: ActDType,
+    bytes: usize,
+}
+
+impl Uploader<'_> {
+    fn target(&self) -> WeightDType {
+        match self.act {
+            ActDType::BF16 => WeightDType::BF16,
+            ActDType::F16 => WeightDType::F16,
+        }
+    }
+
+    /// Matrices `[rows_i, cols]` stacked row-wise into one buffer.
+    fn stacked(&mut self, parts: &[(&str, usize)], cols: usize) -> Result<DeviceBuffer<u16>> {
+        let total: usize = parts.iter().map(|p| p.1).sum();
+        let mut buf = self.dev.alloc::<u16>(total * cols)?;
+        let mut offset = 0;
+        for &(name, rows) in parts {
+            let m = self.src.matrix(name, rows, cols, self.target())?;
+            let bits: &[u16] = match &m.data {
+                // SAFETY: Bf16 and F16 are repr(transparent) over u16.
+                MatrixData::BF16(v) => unsafe {
+                    std::slice::from_raw_parts(v.as_ptr().cast(), v.len())
+                },
+                // SAFETY: as above.
+                MatrixData::F16(v) => unsafe {
+                    std::slice::from_raw_parts(v.as_ptr().cast(), v.len())
+                },
+                _ => {
+                    return Err(Error::new(
+                        ErrorKind::Unsupported,
+                        format!("{name}: quantized weights are not supported on CUDA yet"),
+                    ))
+                }
+            };
+            self.dev.upload_at(bits, &mut buf, offset)?;
+            offset += bits.len();
+        }
+        self.bytes += buf.bytes();
+        Ok(buf)
+    }
+
+    fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<DeviceBuffer<u16>> {
+        self.stacked(&[(name, rows)], cols)
+    }
+
+    /// 1-D tensors concatenated.
+    fn vectors(&mut self, parts: &[(&str, usize)]) -> Result<DeviceBuffer<u16>> {
+        let mut host = Vec::new();
+        for &(name, len) in parts {
+            host.extend(self.src.vector(name, len)?);
+        }
+        let mut buf = self.dev.alloc::<u16>(host.len())?;
+        self.dev.upload(&self.act.encode(&host), &mut buf)?;
+        self.bytes += buf.bytes();
+        Ok(buf)
+    }
+
+    fn vector(&mut self, name: &str, len: usize) -> Result<DeviceBuffer<u16>> {
+        self.vectors(&[(name, len)])
+    }
+
+    fn optional(&mut self, name: &str, len: usize, on: bool) -> Result<Option<DeviceBuffer<u16>>> {
+        if on {
+            self.vector(name, len).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+}
+
+/// The activation dtype: f16 when asked for, else bf16 (F32 checkpoints are
+/// converted at load).
+fn act_dtype(dtype: WeightDType) -> Result<ActDType> {
+    match dtype {
+        WeightDType::F16 => Ok(ActDType::F16),
+        WeightDType::BF16 | WeightDType::Auto => Ok(ActDType::BF16),
+        WeightDType::F32 => Err(Error::new(
+            ErrorKind::Unsupported,
+            "the CUDA backend computes in bf16 or f16; use dtype bf16, f16 or auto",
+        )),
+    }
+}
+
+/// Loads the model onto CUDA device `ordinal`.
+pub fn load(
+    ordinal: usize,
+    config: ModelConfig,
+    src: &dyn WeightSource,
+    dtype: WeightDType,
+) -> Result<Arc<dyn DeviceDecoder>> {
+    let act = act_dtype(dtype)?;
+    let c = &config;
+    if c.head_dim % 32 != 0 || c.head_dim > 256 {
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            format!(
+                "head_dim {} is not supported on CUDA (multiples of 32 up to 256)",
+                c.head_dim
+            ),
+        ));
+    }
+    if src.contains("model.layers.0.self_attn.q_proj.weight_scale")
+        || src.contains("model.layers.0.self_attn.q_proj.qweight")
+    {
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            "quantized checkpoints are not supported on CUDA yet",
+        ));
+    }
+    let dev = CudaDevice::open(ordinal, act)?;
+    let start = Instant::now();
+    let mut up = Uploader {
+        dev: &dev,
+        src,
+        act,
+        bytes: 0,
+    };
+    let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+    let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
+    let mut layers = Vec::with_capacity(c.num_layers);
+    for i in 0..c.num_layers {
+        let p = format!("model.layers.{i}");
+        let n = |s: &str| format!("{p}.{s}");
+        let qkv_bias = if c.qkv_bias {
+            Some(up.vectors(&[
+                (&n("self_attn.q_proj.bias"), nq),
+                (&n("self_attn.k_proj.bias"), nkv),
+                (&n("self_attn.v_proj.bias"), nkv),
+            ])?)
+        } else {
+            None
+        };
+        layers.push(Layer {
+            input_norm: up.vector(&n("input_layernorm.weight"), d)?,
+            qkv: up.stacked(
+                &[
+                    (&n("self_attn.q_proj.weight"), nq),
+                    (&n("self_attn.k_proj.weight"), nkv),
+                    (&n("self_attn.v_proj.weight"), nkv),
+                ],
+                d,
+            )?,
+            qkv_bias,
+            o: up.matrix(&n("self_attn.o_proj.weight"), d, nq)?,
+            o_bias: up.optional(&n("self_attn.o_proj.bias"), d, c.o_bias)?,
+            q_norm: up.optional(&n("self_attn.q_norm.weight"), hd, c.qk_norm)?,
+            k_norm: up.optional(&n("self_attn.k_norm.weight"), hd, c.qk_norm)?,
+            post_norm: up.vector(&n("post_attention_layernorm.weight"), d)?,
+            gate_up: up.stacked(
+                &[
+                    (&n("mlp.gate_proj.weight"), inter),
+                    (&n("mlp.up_proj.weight"), inter),
+                ],
+                d,
+            )?,
+            down: up.matrix(&n("mlp.down_proj.weight"), d, inter)?,
+        });
+    }
+    let embed = up.matrix("model.embed_tokens.weight", c.vocab_size, d)?;
+    let lm_head = if src.contains("lm_head.weight") || !c.tie_word_embeddings {
+        Some(up.matrix("lm_head.weight", c.vocab_size, d)?)
+    } else {
+        None
+    };
+    let final_norm = up.vector("model.norm.weight", d)?;
+    let mut inv_freq = dev.alloc::<f32>(hd / 2)?;
+    dev.upload(&c.rope_inv_freq(), &mut inv_freq)?;
+    dev.synchronize()?;
+    let resident_bytes = up.bytes;
+    Ok(Arc::new(CudaDecoder {
+        dev: dev.clone(),
+        ordinal,
+        embed,
+        lm_head,
+        final_norm,
+        layers,
+        inv_freq,
+        resident_bytes,
+        load_seconds: start.elapsed().as_secs_f64(),
+        config,
+    }))
+}
+
+/// Per-session temporaries, sized once for the context's largest step.
+struct Workspace {
+    hidden: DeviceBuffer<u16>,
+    normed: DeviceBuffer<u16>,
+    qkv: DeviceBuffer<u16>,
+    attn: DeviceBuffer<u16>,
+    /// Output of o_proj / down_proj: the residual's next delta.
+    delta: DeviceBuffer<u16>,
+    gate_up: DeviceBuffer<u16>,
+    act: DeviceBuffer<u16>,
+    head_in: DeviceBuffer<u16>,
+    logits: DeviceBuffer<f32>,
+    part_o: DeviceBuffer<f32>,
+    part_ml: DeviceBuffer<f32>,
+    /// Step inputs (tokens, slots, positions, tables), uploaded once per step.
+    inputs: DeviceBuffer<u32>,
+}
+
+/// Sizes of the workspace buffers in elements, in field order.
+struct WorkspaceSizes {
+    act16: [usize; 8],
+    f32s: [usize; 3],
+    inputs: usize,
+}
+
+/// (row, head, split) triplets the attention partials hold: enough for
+/// `ATTN_BLOCKS_PER_SM` blocks per SM and then some.
+const ATTN_BLOCKS_PER_SM: usize = 4;
+
+impl CudaDecoder {
+    fn attn_partials(&self) -> usize {
+        2 * ATTN_BLOCKS_PER_SM * self.dev.sm_count
+    }
+
+    fn workspace_sizes(&self, shape: &ContextShape) -> WorkspaceSizes {
+        let c = &self.config;
+        let (r, l) = (shape.max_rows.max(1), shape.max_logits_rows.max(1));
+        let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
+        WorkspaceSizes {
+            act16: [
+                r * d,
+                r * d,
+                r * (nq + 2 * nkv),
+                r * nq,
+                r * d,
+                r * 2 * inter,
+                r * inter,
+                l * d,
+            ],
+            f32s: [
+                l * c.vocab_size,
+                self.attn_partials() * hd,
+                self.attn_partials() * 2,
+            ],
+            // Tokens, write slots, positions, table offsets, logits rows and
+            // a first slot list of a few contexts (grown on demand).
+            inputs: 4 * r + l + 4 * r.max(4096),
+        }
+    }
+
+    fn workspace_bytes(&self, shape: &ContextShape) -> usize {
+        let s = self.workspace_sizes(shape);
+        s.act16.iter().sum::<usize>() * 2 + s.f32s.iter().sum::<usize>() * 4 + s.inputs * 4
+    }
+
+    fn new_workspace(&self, shape: &ContextShape) -> Result<Workspace> {
+        let s = self.workspace_sizes(shape);
+        let dev = &self.dev;
+        let a = |i: usize| dev.alloc::<u16>(s.act16[i]);
+        Ok(Workspace {
+            hidden: a(0)?,
+            normed: a(1)?,
+            qkv: a(2)?,
+            attn: a(3)?,
+            delta: a(4)?,
+            gate_up: a(5)?,
+            act: a(6)?,
+            head_in: a(7)?,
+            logits: dev.alloc::<f32>(s.f32s[0])?,
+            part_o: dev.alloc::<f32>(s.f32s[1])?,
+            part_ml: dev.alloc::<f32>(s.f32s[2])?,
+            inputs: dev.alloc::<u32>(s.inputs)?,
+        })
+    }
+}
+
+impl DeviceDecoder for CudaDecoder {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+    fn device(&self) -> Device {
+        Device::Cuda(self.ordinal)
+    }
+    fn weight_dtype_name(&self) -> &'static str {
+        self.dev.act.name()
+    }
+    fn weight_bytes(&self) -> usize {
+        let c = &self.config;
+        // Per step: every layer and the LM head, not the embedding table.
+        let embed = c.vocab_size * c.hidden_size * 2;
+        let tied = self.lm_head.is_none();
+        self.resident_bytes - if tied { 0 } else { embed }
+    }
+    fn threads(&self) -> usize {
+        1
+    }
+    fn kv_bytes_per_slot(&self) -> usize {
+        let c = &self.config;
+        2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
+    }
+    fn default_kv_budget(&self, shape: &ContextShape) -> Result<usize> {
+        let (free, total) = self.dev.memory_info()?;
+        let allowed = (total as f64 * shape.memory_utilization as f64) as usize;
+        let used = total - free;
+        let temporaries = self.workspace_bytes(shape);
+        allowed.checked_sub(used + temporaries).ok_or_else(|| {
+            Error::new(
+                ErrorKind::OutOfMemory,
+                format!(
+                    "no GPU memory left for the KV cache: {:.2} GiB allowed ({:.0}% of {:.2} GiB), {:.2} GiB in use \
+                     (weights {:.2} GiB), {:.2} GiB of step temporaries",
+                    gib(allowed),
+                    shape.memory_utilization * 100.0,
+                    gib(total),
+                    gib(used),
+                    gib(self.resident_bytes),
+                    gib(temporaries)
+                ),
+            )
+        })
+    }
+    fn new_context(self: Arc<Self>, shape: &ContextShape) -> Result<Box<dyn ForwardContext>> {
+        let c = &self.config;
+        let kv_width = c.num_kv_heads * c.head_dim;
+        let ws = self.new_workspace(shape)?;
+        let kv = self
+            .dev
+            .alloc::<u16>(c.num_layers * 2 * shape.kv_slots * kv_width)?;
+        Ok(Box::new(CudaForward {
+            slots: shape.kv_slots,
+            max_rows: shape.max_rows,
+            max_logits_rows: shape.max_logits_rows,
+            kv,
+            ws,
+            staging: None,
+            host: Vec::new(),
+            model: self,
+        }))
+    }
+    fn summary(&self) -> String {
+        format!(
+            "{} (sm_{}{}, {} SMs), {}, {:.2} GB of weights loaded in {:.2} s ({:.2} GB/s)",
+            self.dev.name,
+            self.dev.arch.0,
+            self.dev.arch.1,
+            self.dev.sm_count,
+            self.dev.act.name(),
+            self.resident_bytes as f64 / 1e9,
+            self.load_seconds,
+            self.resident_bytes as f64 / 1e9 / self.load_seconds.max(1e-9)
+        )
+    }
+}
+
+fn gib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+/// One session's KV cache and workspace on the GPU.
+struct CudaForward {
+    model: Arc<CudaDecoder>,
+    slots: usize,
+    max_rows: usize,
+    max_logits_rows: usize,
+    /// `[layer][k | v][slot][kv_heads * head_dim]`.
+    kv: DeviceBuffer<u16>,
+    ws: Workspace,
+    /// Swap staging, allocated on first use.
+    staging: Option<DeviceBuffer<u16>>,
+    /// Host side of `ws.inputs`.
+    host: Vec<u32>,
+}
+
+/// Offsets of the sections of the step-input buffer.
+struct Inputs {
+    tokens: usize,
+    write_slots: usize,
+    positions: usize,
+    table_off: usize,
+    logits_rows: usize,
+    slot_list: usize,
+}
+
+impl CudaForward {
+    fn kv_width(&self) -> usize {
+        let c = &self.model.config;
+        c.num_kv_heads * c.head_dim
+    }
+
+    /// Device addresses of layer `l`'s key and value caches.
+    fn layer_kv(&self, l: usize) -> (u64, u64) {
+        let per = self.slots * self.kv_width();
+        (self.kv.at(2 * l * per), self.kv.at((2 * l + 1) * per))
+    }
+
+    /// Lays out the step inputs on the host and uploads them.
+    fn upload_inputs(&mut self, batch: &ForwardBatch<'_>) -> Result<Inputs> {
+        let rows = batch.tokens.len();
+        let h = &mut self.host;
+        h.clear();
+        h.extend_from_slice(batch.tokens);
+        for s in batch.seqs {
+            h.extend((0..s.len).map(|i| s.kv.slot(s.context_len + i) as u32));
+        }
+        for s in batch.seqs {
+            h.extend((0..s.len).map(|i| (s.context_len + i) as u32));
+        }
+        let mut off = 0u32;
+        for s in batch.seqs {
+            h.extend(std::iter::repeat_n(off, s.len));
+            off += (s.context_len + s.len) as u32;
+        }
+        h.extend(batch.logits_rows.iter().map(|&r| r as u32));
+        for s in batch.seqs {
+            h.extend((0..s.context_len + s.len).map(|p| s.kv.slot(p) as u32));
+        }
+        if h.len() > self.ws.inputs.len() {
+            // A batch with more context than ever before: grow (rare, not per step).
+            self.ws.inputs = self.model.dev.alloc::<u32>(h.len().next_power_of_two())?;
+        }
+        self.model.dev.upload(h, &mut self.ws.inputs)?;
+        Ok(Inputs {
+            tokens: 0,
+            write_slots: rows,
+            positions: 2 * rows,
+            table_off: 3 * rows,
+            logits_rows: 4 * rows,
+            slot_list: 4 * rows + batch.logits_rows.len(),
+        })
+    }
+
+    /// Attention splits for this step: enough blocks to fill the GPU when
+    /// few rows attend over long contexts (flash-decoding), one otherwise.
+    fn attention_splits(&self, rows: usize, longest: usize) -> usize {
+        let m = &self.model;
+        let heads = m.config.num_heads;
+        let target = ATTN_BLOCKS_PER_SM * m.dev.sm_count;
+        let mut splits = target
+            .div_ceil(rows * heads)
+            .min(longest.div_ceil(64))
+            .clamp(1, 32);
+        while splits > 1 && rows * heads * splits > m.attn_partials() {
+            splits -= 1;
+        }
+        splits
+    }
+
+    fn run(&mut self, batch: &ForwardBatch<'_>, logits: &mut [f32]) -> Result<()> {
+        let inputs = self.upload_inputs(batch)?;
+        let m = &*self.model;
+        let dev = &*m.dev;
+        let k = &dev.kernels;
+        let c = &m.config;
+        let ws = &self.ws;
+        let rows = batch.tokens.len();
+        let r32 = rows as u32;
+        let n_out = batch.logits_rows.len();
+        let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
+        let qkv_w = nq + 2 * nkv;
+        let eps = c.rms_norm_eps as f32;
+        let inp = |o: usize| KArg::Ptr(ws.inputs.at(o));
+        let longest = batch
+            .seqs
+            .iter()
+            .map(|s| s.context_len + s.len)
+            .max()
+            .unwrap_or(1);
+        let splits = self.attention_splits(rows, longest);
+        let _turn = dev.step_lock.lock().unwrap_or_else(|p| p.into_inner());
+
+        dev.launch(
+            &k.embed,
+            (r32, 1, 1),
+            256,
+            &[
+                KArg::Ptr(m.embed.ptr()),
+                inp(inputs.tokens),
+                KArg::Ptr(ws.hidden.ptr()),
+                KArg::I32(d as i32),
+            ],
+        )?;
+        for (li, layer) in m.layers.iter().enumerate() {
+            // Residual add of the previous layer's MLP output, fused with this norm.
+            let delta = if li == 0 { 0 } else { ws.delta.ptr() };
+            dev.launch(
+                &k.add_rms_norm,
+                (r32, 1, 1),
+                256,
+                &[
+                    KArg::Ptr(ws.hidden.ptr()),
+                    KArg::Ptr(delta),
+                    KArg::Ptr(0),
+                    KArg::Ptr(layer.input_norm.ptr()),
+                    KArg::Ptr(ws.normed.ptr()),
+                    KArg::I32(d as i32),
+                    KArg::F32(eps),
+                ],
+            )?;
+            dev.gemm(
+                ws.normed.ptr(),
+                layer.qkv.ptr(),
+                ws.qkv.ptr(),
+                rows,
+                qkv_w,
+                d,
+                GemmDType::Act,
+            )?;
+            if let Some(b) = &layer.qkv_bias {
+                dev.launch(
+                    &k.add_bias,
+                    (r32, 1, 1),
+                    256,
+                    &[
+                        KArg::Ptr(ws.qkv.ptr()),
+                        KArg::Ptr(b.ptr()),
+                        KArg::I32(qkv_w as i32),
+                    ],
+                )?;
+            }
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                for (w, offset, heads) in [(qn, 0, c.num_heads), (kn, nq, c.num_kv_heads)] {
+                    dev.launch(
+                        &k.head_rms_norm,
+                        (r32, heads as u32, 1),
+                        32,
+                        &[
+                            KArg::Ptr(ws.qkv.ptr()),
+                            KArg::Ptr(w.ptr()),
+                            KArg::I32(qkv_w as i32),
+                            KArg::I32(offset as i32),
+                            KArg::I32(hd as i32),
+                            KArg::F32(eps),
+                        ],
+                    )?;
+                }
+            }
+            // q and k heads are adjacent in the fused row: one pass over both.
+            dev.launch(
+                &k.rope,
+                (r32, 1, 1),
+                256,
+                &[
+                    KArg::Ptr(ws.qkv.ptr()),
+                    inp(inputs.positions),
+                    KArg::Ptr(m.inv_freq.ptr()),
+                    KArg::I32(qkv_w as i32),
+                    KArg::I32((c.num_heads + c.num_kv_heads) as i32),
+                    KArg::I32(hd as i32),
+                ],
+            )?;
+            let (kc, vc) = self.layer_kv(li);
+            dev.launch(
+                &k.kv_write,
+                (r32, 1, 1),
+                256,
+                &[
+                    KArg::Ptr(ws.qkv.ptr()),
+                    KArg::I32(qkv_w as i32),
+                    KArg::I32(nq as i32),
+                    KArg::I32((nq + nkv) as i32),
+                    inp(inputs.write_slots),
+                    KArg::Ptr(kc),
+                    KArg::Ptr(vc),
+                    KArg::I32(nkv as i32),
+                ],
+            )?;
+            dev.launch(
+                &k.attention,
+                (c.num_heads as u32, r32, splits as u32),
+                128,
+                &[
+                    KArg::Ptr(ws.qkv.ptr()),
+                    KArg::I32(qkv_w as i32),
+                    KArg::Ptr(kc),
+                    KArg::Ptr(vc),
+                    inp(inputs.slot_list),
+                    inp(inputs.table_off),
+                    inp(inputs.positions),
+                    KArg::I32(c.num_heads as i32),
+                    KArg::I32(c.num_kv_heads as i32),
+                    KArg::I32(hd as i32),
+                    KArg::F32(1.0 / (hd as f32).sqrt()),
+                    KArg::Ptr(ws.attn.ptr()),
+                    KArg::Ptr(ws.part_o.ptr()),
+                    KArg::Ptr(ws.part_ml.ptr()),
+                ],
+            )?;
+            if splits > 1 {
+                dev.launch(
+                    &k.attn_merge,
+                    (c.num_heads as u32, r32, 1),
+                    hd as u32,
+                    &[
+                        KArg::Ptr(ws.part_o.ptr()),
+                        KArg::Ptr(ws.part_ml.ptr()),
+                        KArg::I32(c.num_heads as i32),
+                        KArg::I32(hd as i32),
+                        KArg::I32(splits as i32),
+                        KArg::Ptr(ws.attn.ptr()),
+                    ],
+                )?;
+            }
+            dev.gemm(
+                ws.attn.ptr(),
+                layer.o.ptr(),
+                ws.delta.ptr(),
+                rows,
+                d,
+                nq,
+                GemmDType::Act,
+            )?;
+            if let Some(b) = &layer.o_bias {
+                dev.launch(
+                    &k.add_bias,
+                    (r32, 1, 1),
+                    256,
+                    &[
+                        KArg::Ptr(ws.delta.ptr()),
+                        KArg::Ptr(b.ptr()),
+                        KArg::I32(d as i32),
+                    ],
+                )?;
+            }
+            dev.launch(
+                &k.add_rms_norm,
+                (r32, 1, 1),
+                256,
+                &[
+                    KArg::Ptr(ws.hidden.ptr()),
+                    KArg::Ptr(ws.delta.ptr()),
+                    KArg::Ptr(0),
+                    KArg::Ptr(layer.post_norm.ptr()),
+                    KArg::Ptr(ws.normed.ptr()),
+                    KArg::I32(d as i32),
+                    KArg::F32(eps),
+                ],
+            )?;
+            dev.gemm(
+                ws.normed.ptr(),
+                layer.gate_up.ptr(),
+                ws.gate_up.ptr(),
+                rows,
+                2 * inter,
+                d,
+                GemmDType::Act,
+            )?;
+            dev.launch(
+                &k.silu_mul,
+                (r32, 1, 1),
+                256,
+                &[
+                    KArg::Ptr(ws.gate_up.ptr()),
+                    KArg::Ptr(ws.act.ptr()),
+                    KArg::I32(inter as i32),
+                ],
+            )?;
+            dev.gemm(
+                ws.act.ptr(),
+                layer.down.ptr(),
+                ws.delta.ptr(),
+                rows,
+                d,
+                inter,
+                GemmDType::Act,
+            )?;
+        }
+        if n_out == 0 {
+            return dev.synchronize();
+        }
+        // Last residual add and the final norm, for the rows that want logits only.
+        dev.launch(
+            &k.add_rms_norm,
+            (n_out as u32, 1, 1),
+            256,
+            &[
+                KArg::Ptr(ws.hidden.ptr()),
+                KArg::Ptr(ws.delta.ptr()),
+                inp(inputs.logits_rows),
+                KArg::Ptr(m.final_norm.ptr()),
+                KArg::Ptr(ws.head_in.ptr()),
+                KArg::I32(d as i32),
+                KArg::F32(eps),
+            ],
+        )?;
+        let head = m.lm_head.as_ref().unwrap_or(&m.embed);
+        dev.gemm(
+            ws.head_in.ptr(),
+            head.ptr(),
+            ws.logits.ptr(),
+            n_out,
+            c.vocab_size,
+            d,
+            GemmDType::F32,
+        )?;
+        dev.download(&ws.logits, &mut logits[..n_out * c.vocab_size])
+    }
+
+    /// Gathers (`to_host`) or scatters the KV of `slots`, layer by layer,
+    /// through a device staging buffer; `host` is `[slot][layer][k | v]`.
+    fn copy_slots(&mut self, slots: &[u32], host: &mut [u16], to_host: bool) -> Result<()> {
+        let c = &self.model.config;
+        let (n, w, layers) = (slots.len(), self.kv_width(), c.num_layers);
+        let dev = self.model.dev.clone();
+        if self
+            .staging
+            .as_ref()
+            .is_none_or(|s| s.len() < n * 2 * w + n)
+        {
+            self.staging = Some(dev.alloc::<u16>((n * 2 * w + n).next_power_of_two())?);
+        }
+        let mut idx = dev.alloc::<u32>(n)?;
+        dev.upload(slots, &mut idx)?;
+        let mut staged = vec![0u16; n * 2 * w];
+        let _turn = dev.step_lock.lock().unwrap_or_else(|p| p.into_inner());
+        for l in 0..layers {
+            if !to_host {
+                for (s, chunk) in staged.chunks_mut(2 * w).enumerate() {
+                    chunk.copy_from_slice(
+                        &host[(s * layers + l) * 2 * w..(s * layers + l + 1) * 2 * w],
+                    );
+                }
+                dev.upload(&staged, self.staging.as_mut().expect("allocated above"))?;
+            }
+            let (kc, vc) = self.layer_kv(l);
+            let staging = self.staging.as_ref().expect("allocated above");
+            dev.launch(
+                &dev.kernels.kv_copy_slots,
+                (n as u32, 1, 1),
+                128,
+                &[
+                    KArg::Ptr(kc),
+                    KArg::Ptr(vc),
+                    KArg::Ptr(idx.ptr()),
+                    KArg::Ptr(staging.ptr()),
+                    KArg::I32(w as i32),
+                    KArg::I32(to_host as i32),
+                ],
+            )?;
+            if to_host {
+                dev.download(staging, &mut staged)?;
+                for (s, chunk) in staged.chunks(2 * w).enumerate() {
+                    host[(s * layers + l) * 2 * w..(s * layers + l + 1) * 2 * w]
+                        .copy_from_slice(chunk);
+                }
+            }
+        }
+        dev.synchronize()
+    }
+}
+
+impl ForwardContext for CudaForward {
+    fn forward(&mut self, batch: &ForwardBatch<'_>, logits: &mut [f32]) -> Result<()> {
+        validate_batch(&self.model.config, batch, self.slots, logits.len())?;
+        if batch.tokens.len() > self.max_rows || batch.logits_rows.len() > self.max_logits_rows {
+            bail_arg!(
+                "forward of {} rows ({} with logits) exceeds the context's limits ({} rows, {} with logits)",
+                batch.tokens.len(),
+                batch.logits_rows.len(),
+                self.max_rows,
+                self.max_logits_rows
+            );
+        }
+        if batch.tokens.is_empty() {
+            return Ok(());
+        }
+        self.run(batch, logits)
+    }
+
+    fn kv_values_per_slot(&self) -> usize {
+        2 * self.model.config.num_layers * self.kv_width()
+    }
+
+    fn save_kv(&mut self, slots: &[u32], out: &mut Vec<f32>) -> Result<()> {
+        let mut bits = vec![0u16; slots.len() * self.kv_values_per_slot()];
+        self.copy_slots(slots, &mut bits, true)?;
+        let act = self.model.dev.act;
+        out.extend(bits.iter().map(|&b| act.decode(b)));
+        Ok(())
+    }
+
+    fn restore_kv(&mut self, slots: &[u32], data: &[f32]) -> Result<()> {
+        if data.len() != slots.len() * self.kv_values_per_slot() {
+            bail_arg!(
+                "restore_kv: {} values for {} slots",
+                data.len(),
+                slots.len()
+            );
+        }
+        let mut bits = self.model.dev.act.encode(data);
+        self.copy_slots(slots, &mut bits, false)
+    }
+}

@@ -1,0 +1,224 @@
+//! The device seam between the engine and a decoder: a model's weights
+//! resident on one device (`DeviceDecoder`), and the per-session state that
+//! runs forwards on it (`ForwardContext`: KV storage + workspace). The
+//! engine drives both through `ForwardBatch` and host logits only, so the
+//! same scheduler runs on the CPU and on CUDA.
+
+use super::decoder::{Decoder, ForwardBatch};
+use super::workspace::Workspace;
+use super::ModelConfig;
+use crate::backend::cpu::ThreadPool;
+use crate::backend::Device;
+use crate::kv::KvStorage;
+use crate::{bail_arg, Result};
+use std::sync::Arc;
+
+/// Per-session shape limits a context is sized for.
+#[derive(Debug, Clone, Copy)]
+pub struct ContextShape {
+    /// KV slots, slot 0 included (it is reserved by the KV managers).
+    pub kv_slots: usize,
+    /// Most rows (tokens) in one forward.
+    pub max_rows: usize,
+    /// Most rows wanting logits in one forward.
+    pub max_logits_rows: usize,
+    /// Fraction of device memory the automatic KV budget may bring the
+    /// device's use up to (vLLM's `gpu_memory_utilization`; CUDA only).
+    pub memory_utilization: f32,
+}
+
+impl ContextShape {
+    pub const DEFAULT_MEMORY_UTILIZATION: f32 = 0.9;
+
+    pub fn new(kv_slots: usize, max_rows: usize, max_logits_rows: usize) -> Self {
+        ContextShape {
+            kv_slots,
+            max_rows,
+            max_logits_rows,
+            memory_utilization: Self::DEFAULT_MEMORY_UTILIZATION,
+        }
+    }
+}
+
+/// A decoder's weights on one device. Shared by sessions through `Arc`.
+pub trait DeviceDecoder: Send + Sync {
+    fn config(&self) -> &ModelConfig;
+    fn device(&self) -> Device;
+    /// The linear layers' weight format ("f32", "bf16", "q8_0", ...).
+    fn weight_dtype_name(&self) -> &'static str;
+    /// The LM head's weight format.
+    fn lm_head_dtype_name(&self) -> &'static str {
+        self.weight_dtype_name()
+    }
+    /// Bytes of weight data one decode step streams (for bandwidth reports).
+    fn weight_bytes(&self) -> usize;
+    /// Host threads the kernels run on (1 for a GPU: one launching thread).
+    fn threads(&self) -> usize;
+    /// Bytes of KV data one slot holds across all layers.
+    fn kv_bytes_per_slot(&self) -> usize;
+    /// KV budget in bytes when the session gives none: what the device can
+    /// spare after the weights and the temporaries of a context of `shape`
+    /// (its `kv_slots` ignored).
+    fn default_kv_budget(&self, shape: &ContextShape) -> Result<usize>;
+    /// One line for logs: device, dtype, weight size, load speed.
+    fn summary(&self) -> String;
+    /// Allocates a session's KV storage and workspace.
+    fn new_context(self: Arc<Self>, shape: &ContextShape) -> Result<Box<dyn ForwardContext>>;
+}
+
+/// One session's device state.
+pub trait ForwardContext: Send {
+    /// Runs the batch, writes its keys/values into the KV storage and the
+    /// logits of `batch.logits_rows` into `logits` (`[logits_rows.len(), vocab]`).
+    fn forward(&mut self, batch: &ForwardBatch<'_>, logits: &mut [f32]) -> Result<()>;
+    /// Values `save_kv` writes per slot (keys and values of every layer).
+    fn kv_values_per_slot(&self) -> usize;
+    /// Appends the KV of `slots` to `out` (slot after slot) as f32: swap-out.
+    fn save_kv(&mut self, slots: &[u32], out: &mut Vec<f32>) -> Result<()>;
+    /// Inverse of `save_kv`: swap-in.
+    fn restore_kv(&mut self, slots: &[u32], data: &[f32]) -> Result<()>;
+}
+
+/// Checks a batch against the model and the context's limits.
+pub fn validate_batch(
+    c: &ModelConfig,
+    batch: &ForwardBatch<'_>,
+    num_slots: usize,
+    logits_len: usize,
+) -> Result<()> {
+    let rows = batch.tokens.len();
+    if let Some(&bad) = batch.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+        bail_arg!(
+            "token id {bad} is outside the vocabulary (size {})",
+            c.vocab_size
+        );
+    }
+    let mut next = 0;
+    for s in batch.seqs {
+        if s.start != next || s.len == 0 {
+            bail_arg!("forward batch sequences must be contiguous and non-empty");
+        }
+        next += s.len;
+        let end = s.context_len + s.len;
+        if end > s.kv.capacity() {
+            bail_arg!(
+                "sequence needs {end} KV positions but only {} are allocated",
+                s.kv.capacity()
+            );
+        }
+        if end > c.max_position_embeddings {
+            bail_arg!(
+                "position {end} exceeds the model's context length {}",
+                c.max_position_embeddings
+            );
+        }
+        if (0..end).any(|p| s.kv.slot(p) >= num_slots) {
+            bail_arg!("KV mapping points outside the cache ({num_slots} slots)");
+        }
+    }
+    if next != rows {
+        bail_arg!("forward batch sequences cover {next} rows, batch has {rows}");
+    }
+    if batch.logits_rows.iter().any(|&r| r >= rows) {
+        bail_arg!("logits row out of range");
+    }
+    if logits_len < batch.logits_rows.len() * c.vocab_size {
+        bail_arg!("logits buffer too small");
+    }
+    Ok(())
+}
+
+/// The CPU decoder and the thread pool its kernels run on.
+pub struct CpuDecoder {
+    pub decoder: Decoder,
+    pub pool: ThreadPool,
+}
+
+/// Default CPU KV budget: a quarter of available memory, at most 2 GiB.
+fn default_cpu_kv_budget() -> usize {
+    let available = crate::sysinfo::available_memory_bytes().unwrap_or(4 << 30);
+    (available / 4).min(2 << 30)
+}
+
+impl DeviceDecoder for CpuDecoder {
+    fn config(&self) -> &ModelConfig {
+        &self.decoder.config
+    }
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+    fn weight_dtype_name(&self) -> &'static str {
+        self.decoder.weight_dtype_name()
+    }
+    fn lm_head_dtype_name(&self) -> &'static str {
+        self.decoder.lm_head_dtype_name()
+    }
+    fn weight_bytes(&self) -> usize {
+        self.decoder.weight_bytes()
+    }
+    fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+    fn kv_bytes_per_slot(&self) -> usize {
+        let c = &self.decoder.config;
+        KvStorage::bytes_per_slot(c.num_layers, c.num_kv_heads, c.head_dim)
+    }
+    fn default_kv_budget(&self, _shape: &ContextShape) -> Result<usize> {
+        Ok(default_cpu_kv_budget())
+    }
+    fn summary(&self) -> String {
+        format!(
+            "cpu, {} threads, {} weights, {:.1} MB streamed per token",
+            self.pool.threads(),
+            self.decoder.weight_dtype_name(),
+            self.decoder.weight_bytes() as f64 / 1e6
+        )
+    }
+    fn new_context(self: Arc<Self>, shape: &ContextShape) -> Result<Box<dyn ForwardContext>> {
+        let c = &self.decoder.config;
+        let storage = KvStorage::new(c.num_layers, shape.kv_slots, c.num_kv_heads, c.head_dim);
+        Ok(Box::new(CpuContext {
+            model: self,
+            storage,
+            ws: Workspace::default(),
+        }))
+    }
+}
+
+struct CpuContext {
+    model: Arc<CpuDecoder>,
+    storage: KvStorage,
+    ws: Workspace,
+}
+
+impl ForwardContext for CpuContext {
+    fn forward(&mut self, batch: &ForwardBatch<'_>, logits: &mut [f32]) -> Result<()> {
+        let m = &*self.model;
+        m.decoder
+            .forward(&m.pool, batch, &mut self.storage, &mut self.ws, logits)
+    }
+    fn kv_values_per_slot(&self) -> usize {
+        self.storage.slot_width() * 2 * self.storage.num_layers
+    }
+    fn save_kv(&mut self, slots: &[u32], out: &mut Vec<f32>) -> Result<()> {
+        for &s in slots {
+            self.storage.read_slot(s as usize, out);
+        }
+        Ok(())
+    }
+    fn restore_kv(&mut self, slots: &[u32], data: &[f32]) -> Result<()> {
+        let per = self.kv_values_per_slot();
+        if data.len() != slots.len() * per {
+            bail_arg!(
+                "restore_kv: {} values for {} slots",
+                data.len(),
+                slots.len()
+            );
+        }
+        for (i, &s) in slots.iter().enumerate() {
+            self.storage
+                .write_slot(s as usize, &data[i * per..(i + 1) * per]);
+        }
+        Ok(())
+    }
+}
