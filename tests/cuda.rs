@@ -114,40 +114,60 @@ fn requests(gold: &Value, n: u32) -> Vec<RequestParams> {
         .collect()
 }
 
-/// vLLM's check_logprobs_close: identical tokens until the first divergence;
-/// there each side's token must be in the other's top-k. Returns (matched
-/// tokens, max |Δlogprob| of the chosen tokens before the divergence).
-fn check_close(name: &str, i: usize, ours: &Output, gold: &Value) -> (usize, f32) {
-    let ref_tokens = ids(&gold["tokens"][i]);
-    let ref_top: Vec<Vec<(u32, f32)>> = gold["top"][i]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|step| {
-            step.as_array()
-                .unwrap()
-                .iter()
-                .map(|e| (e[0].as_u64().unwrap() as u32, e[1].as_f64().unwrap() as f32))
-                .collect()
-        })
-        .collect();
-    let mut max_diff = 0f32;
-    for (t, (&a, &b)) in ours.tokens.iter().zip(&ref_tokens).enumerate() {
-        if a != b {
-            assert!(
-                ref_top[t].iter().any(|e| e.0 == a) && ours.top[t].iter().any(|e| e.0 == b),
-                "{name} prompt {i}: step {t} diverges (ours {a}, transformers {b}) outside each other's top-5: \
-                 ours {:?} vs {:?}",
-                ours.top[t],
-                ref_top[t]
-            );
-            return (t, max_diff);
-        }
-        let lp_ref = ref_top[t].iter().find(|e| e.0 == b).unwrap().1;
-        let lp_ours = ours.top[t].iter().find(|e| e.0 == a).unwrap().1;
-        max_diff = max_diff.max((lp_ref - lp_ours).abs());
+/// transformers' output for prompt `i` of a golden file.
+fn reference(gold: &Value, i: usize) -> Output {
+    Output {
+        tokens: ids(&gold["tokens"][i]),
+        top: gold["top"][i]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|step| {
+                step.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|e| (e[0].as_u64().unwrap() as u32, e[1].as_f64().unwrap() as f32))
+                    .collect()
+            })
+            .collect(),
     }
-    (ref_tokens.len(), max_diff)
+}
+
+/// How far apart two greedy runs of the same prompt may be: bf16 logits
+/// (transformers rounds them to a step of 1/16 near |x| ~ 10) and
+/// batch-shape-dependent GEMM rounding flip near-ties, nothing more.
+const NEAR_TIE: f32 = 0.25;
+
+/// vLLM's check_logprobs_close, tightened: identical tokens until the first
+/// divergence; there each side's token must be in the other's top-5 *and*
+/// within NEAR_TIE of the other's best logprob (a near-tie, not a wrong
+/// model). Chosen-token logprobs before the divergence must agree within
+/// NEAR_TIE. Returns the number of identical leading tokens.
+fn check_near(what: &str, a: &Output, b: &Output) -> usize {
+    for (t, (&x, &y)) in a.tokens.iter().zip(&b.tokens).enumerate() {
+        let lp = |o: &Output, tok: u32| o.top[t].iter().find(|e| e.0 == tok).map(|e| e.1);
+        if x != y {
+            let (Some(a_y), Some(b_x)) = (lp(a, y), lp(b, x)) else {
+                panic!(
+                    "{what}: step {t} diverges ({x} vs {y}) outside each other's top-5: {:?} vs {:?}",
+                    a.top[t], b.top[t]
+                );
+            };
+            let gap_a = lp(a, x).unwrap() - a_y;
+            let gap_b = lp(b, y).unwrap() - b_x;
+            assert!(
+                gap_a < NEAR_TIE && gap_b < NEAR_TIE,
+                "{what}: step {t} diverges ({x} vs {y}) by more than a near-tie: gaps {gap_a}, {gap_b}"
+            );
+            return t;
+        }
+        let d = (lp(a, x).unwrap() - lp(b, y).unwrap()).abs();
+        assert!(
+            d < NEAR_TIE,
+            "{what}: step {t} logprob of {x} differs by {d}"
+        );
+    }
+    a.tokens.len().min(b.tokens.len())
 }
 
 #[test]
@@ -160,26 +180,17 @@ fn greedy_matches_transformers_bf16() {
         eprintln!("{name}: {}", model.decoder.summary());
         let n = ids(&gold["tokens"][0]).len() as u32;
         let outs = run(&model, SessionParams::default(), &requests(&gold, n));
-        let mut matched = Vec::new();
-        let mut worst = 0f32;
-        for (i, o) in outs.iter().enumerate() {
-            let (m, diff) = check_close(name, i, o, &gold);
-            assert!(
-                // transformers' logits are bf16 (a step of 1/16 at |x| ~ 10).
-                diff < 0.3,
-                "{name} prompt {i}: logprob of the chosen token differs by {diff}"
-            );
-            matched.push(m);
-            worst = worst.max(diff);
-        }
-        eprintln!(
-            "{name}: greedy tokens identical to transformers for {matched:?} of {n} steps; \
-             max |Δlogprob| of matched tokens {worst:.3}"
-        );
-        let full = matched.iter().filter(|&&m| m == n as usize).count();
+        let matched: Vec<usize> = outs
+            .iter()
+            .enumerate()
+            .map(|(i, o)| check_near(&format!("{name} prompt {i}"), o, &reference(&gold, i)))
+            .collect();
+        eprintln!("{name}: greedy tokens identical to transformers for {matched:?} of {n} steps");
+        // Every divergence was checked to be a near-tie; they should still be rare.
+        let total: usize = matched.iter().sum();
         assert!(
-            full * 2 >= matched.len(),
-            "{name}: most prompts should match transformers over all {n} steps: {matched:?}"
+            3 * total >= matched.len() * n as usize,
+            "{name}: too few tokens identical to transformers: {matched:?} of {n}"
         );
     }
 }

@@ -7,9 +7,10 @@
 use super::runner::{validate_batch, ContextShape, DeviceDecoder, ForwardContext};
 use super::{ForwardBatch, ModelConfig, WeightDType, WeightSource};
 use crate::backend::cpu::MatrixData;
-use crate::backend::cuda::{ActDType, CudaDevice, DeviceBuffer, GemmDType, KArg};
+use crate::backend::cuda::{ActDType, CudaDevice, DeviceBuffer, GemmDType, Graph, KArg};
 use crate::backend::Device;
 use crate::{bail_arg, Error, ErrorKind, Result};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -288,8 +289,9 @@ impl CudaDecoder {
                 self.attn_partials() * 2,
             ],
             // Tokens, write slots, positions, table offsets, logits rows and
-            // a first slot list of a few contexts (grown on demand).
-            inputs: 4 * r + l + 4 * r.max(4096),
+            // the slot lists: one entry per cached position, plus room for
+            // shared prefixes (grown on demand past that).
+            inputs: 5 * r + l + shape.kv_slots + 4096,
         }
     }
 
@@ -368,6 +370,7 @@ impl DeviceDecoder for CudaDecoder {
         let c = &self.config;
         let kv_width = c.num_kv_heads * c.head_dim;
         let ws = self.new_workspace(shape)?;
+        let inputs_len = ws.inputs.len();
         let kv = self
             .dev
             .alloc::<u16>(c.num_layers * 2 * shape.kv_slots * kv_width)?;
@@ -378,7 +381,9 @@ impl DeviceDecoder for CudaDecoder {
             kv,
             ws,
             staging: None,
-            host: Vec::new(),
+            host: Vec::with_capacity(inputs_len),
+            graphs: HashMap::new(),
+            use_graphs: std::env::var("NANOINFER_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             model: self,
         }))
     }
@@ -414,10 +419,17 @@ struct CudaForward {
     staging: Option<DeviceBuffer<u16>>,
     /// Host side of `ws.inputs`.
     host: Vec<u32>,
+    /// Captured decode steps by padded batch size.
+    graphs: HashMap<usize, Graph>,
+    use_graphs: bool,
 }
 
 /// Offsets of the sections of the step-input buffer.
 struct Inputs {
+    /// Rows computed (padded for a graph replay).
+    rows: usize,
+    /// Rows whose logits are computed.
+    n_out: usize,
     tokens: usize,
     write_slots: usize,
     positions: usize,
@@ -438,39 +450,63 @@ impl CudaForward {
         (self.kv.at(2 * l * per), self.kv.at((2 * l + 1) * per))
     }
 
-    /// Lays out the step inputs on the host and uploads them.
-    fn upload_inputs(&mut self, batch: &ForwardBatch<'_>) -> Result<Inputs> {
+    /// Lays out the step inputs on the host and uploads them. With `pad_to`
+    /// (a decode step replayed from a CUDA graph) the batch is padded to that
+    /// many rows: dummy rows read token 0 at position 0 and write reserved
+    /// slot 0, which no sequence ever maps.
+    fn upload_inputs(&mut self, batch: &ForwardBatch<'_>, pad_to: Option<usize>) -> Result<Inputs> {
         let rows = batch.tokens.len();
+        let padded = pad_to.unwrap_or(rows);
+        let pad = padded - rows;
+        let n_out = if pad_to.is_some() {
+            padded
+        } else {
+            batch.logits_rows.len()
+        };
         let h = &mut self.host;
         h.clear();
         h.extend_from_slice(batch.tokens);
+        h.extend(std::iter::repeat_n(0, pad));
         for s in batch.seqs {
             h.extend((0..s.len).map(|i| s.kv.slot(s.context_len + i) as u32));
         }
+        h.extend(std::iter::repeat_n(0, pad));
         for s in batch.seqs {
             h.extend((0..s.len).map(|i| (s.context_len + i) as u32));
         }
+        h.extend(std::iter::repeat_n(0, pad));
         let mut off = 0u32;
         for s in batch.seqs {
             h.extend(std::iter::repeat_n(off, s.len));
             off += (s.context_len + s.len) as u32;
         }
-        h.extend(batch.logits_rows.iter().map(|&r| r as u32));
+        // Dummy rows attend to the one-entry list [0] after the real lists.
+        h.extend(std::iter::repeat_n(off, pad));
+        if pad_to.is_some() {
+            h.extend(0..padded as u32);
+        } else {
+            h.extend(batch.logits_rows.iter().map(|&r| r as u32));
+        }
         for s in batch.seqs {
             h.extend((0..s.context_len + s.len).map(|p| s.kv.slot(p) as u32));
         }
+        h.push(0);
         if h.len() > self.ws.inputs.len() {
-            // A batch with more context than ever before: grow (rare, not per step).
+            // More context than ever before: grow (rare, not per step). The
+            // captured graphs point at the old buffer.
             self.ws.inputs = self.model.dev.alloc::<u32>(h.len().next_power_of_two())?;
+            self.graphs.clear();
         }
         self.model.dev.upload(h, &mut self.ws.inputs)?;
         Ok(Inputs {
+            rows: padded,
+            n_out,
             tokens: 0,
-            write_slots: rows,
-            positions: 2 * rows,
-            table_off: 3 * rows,
-            logits_rows: 4 * rows,
-            slot_list: 4 * rows + batch.logits_rows.len(),
+            write_slots: padded,
+            positions: 2 * padded,
+            table_off: 3 * padded,
+            logits_rows: 4 * padded,
+            slot_list: 4 * padded + n_out,
         })
     }
 
@@ -490,29 +526,68 @@ impl CudaForward {
         splits
     }
 
-    fn run(&mut self, batch: &ForwardBatch<'_>, logits: &mut [f32]) -> Result<()> {
-        let inputs = self.upload_inputs(batch)?;
-        let m = &*self.model;
-        let dev = &*m.dev;
-        let k = &dev.kernels;
-        let c = &m.config;
-        let ws = &self.ws;
+    /// The CUDA-graph bucket of a pure decode step (one row per sequence,
+    /// every row sampled), if graphs are on and it fits one.
+    fn graph_bucket(&self, batch: &ForwardBatch<'_>) -> Option<usize> {
         let rows = batch.tokens.len();
-        let r32 = rows as u32;
+        let decode = batch.seqs.iter().all(|s| s.len == 1)
+            && batch.logits_rows.len() == rows
+            && batch.logits_rows.iter().enumerate().all(|(i, &r)| i == r);
+        let bucket = rows.next_power_of_two();
+        let fits = bucket <= self.max_rows && bucket <= self.max_logits_rows;
+        (self.use_graphs && decode && fits).then_some(bucket)
+    }
+
+    fn run(&mut self, batch: &ForwardBatch<'_>, logits: &mut [f32]) -> Result<()> {
+        let vocab = self.model.config.vocab_size;
         let n_out = batch.logits_rows.len();
-        let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
-        let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
-        let qkv_w = nq + 2 * nkv;
-        let eps = c.rms_norm_eps as f32;
-        let inp = |o: usize| KArg::Ptr(ws.inputs.at(o));
+        let dev = self.model.dev.clone();
+        if let Some(bucket) = self.graph_bucket(batch) {
+            let inputs = self.upload_inputs(batch, Some(bucket))?;
+            let _turn = dev.step_lock.lock().unwrap_or_else(|p| p.into_inner());
+            if !self.graphs.contains_key(&bucket) {
+                // Splits fixed for any context the graph will see: each row
+                // divides its own context among them.
+                let longest = self.model.config.max_position_embeddings.min(self.slots);
+                let splits = self.attention_splits(bucket, longest);
+                let graph = dev.capture(|| self.enqueue(&inputs, splits))?;
+                self.graphs.insert(bucket, graph);
+            }
+            dev.replay(&self.graphs[&bucket])?;
+            return dev.download(&self.ws.logits, &mut logits[..n_out * vocab]);
+        }
+        let inputs = self.upload_inputs(batch, None)?;
         let longest = batch
             .seqs
             .iter()
             .map(|s| s.context_len + s.len)
             .max()
             .unwrap_or(1);
-        let splits = self.attention_splits(rows, longest);
+        let splits = self.attention_splits(inputs.rows, longest);
         let _turn = dev.step_lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.enqueue(&inputs, splits)?;
+        if n_out == 0 {
+            return dev.synchronize();
+        }
+        dev.download(&self.ws.logits, &mut logits[..n_out * vocab])
+    }
+
+    /// Enqueues one forward over the uploaded inputs on the stream (no host
+    /// synchronization: it may be captured into a graph).
+    fn enqueue(&self, inputs: &Inputs, splits: usize) -> Result<()> {
+        let m = &*self.model;
+        let dev = &*m.dev;
+        let k = &dev.kernels;
+        let c = &m.config;
+        let ws = &self.ws;
+        let rows = inputs.rows;
+        let r32 = rows as u32;
+        let n_out = inputs.n_out;
+        let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
+        let qkv_w = nq + 2 * nkv;
+        let eps = c.rms_norm_eps as f32;
+        let inp = |o: usize| KArg::Ptr(ws.inputs.at(o));
 
         dev.launch(
             &k.embed,
@@ -711,7 +786,7 @@ impl CudaForward {
             )?;
         }
         if n_out == 0 {
-            return dev.synchronize();
+            return Ok(());
         }
         // Last residual add and the final norm, for the rows that want logits only.
         dev.launch(
@@ -737,8 +812,7 @@ impl CudaForward {
             c.vocab_size,
             d,
             GemmDType::F32,
-        )?;
-        dev.download(&ws.logits, &mut logits[..n_out * c.vocab_size])
+        )
     }
 
     /// Gathers (`to_host`) or scatters the KV of `slots`, layer by layer,

@@ -96,12 +96,15 @@ fn check_libraries() -> Result<()> {
     Ok(())
 }
 
+const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
 /// One GPU: its context, the compute stream, a cuBLAS handle on that stream
 /// and the compiled kernels.
 pub struct CudaDevice {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     blas: CudaBlas,
+    _blas_workspace: CudaSlice<u8>,
     pub kernels: Kernels,
     pub act: ActDType,
     pub name: String,
@@ -128,8 +131,32 @@ impl CudaDevice {
         // tracking would only add overhead.
         // SAFETY: every buffer of this context is used on `stream` only.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of our own: the legacy default stream cannot be captured
+        // into CUDA graphs.
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| cuda_error("cuStreamCreate", e))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_error("cublasCreate", e))?;
+        // A workspace of our own, so cuBLAS never allocates while a decode
+        // step is being captured into a graph.
+        let blas_workspace = stream
+            .alloc_zeros::<u8>(CUBLAS_WORKSPACE_BYTES)
+            .map_err(|e| cuda_error("allocating the cuBLAS workspace", e))?;
+        {
+            let (ptr, _sync) = blas_workspace.device_ptr(&stream);
+            // SAFETY: the workspace outlives the handle (both live in the
+            // returned CudaDevice, the workspace declared after `blas` so it
+            // is dropped later) and is used by this handle only.
+            unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    ptr as *mut _,
+                    CUBLAS_WORKSPACE_BYTES,
+                )
+            }
+            .result()
+            .map_err(|e| cuda_error("cublasSetWorkspace", e))?;
+        }
         let arch = ctx
             .compute_capability()
             .map_err(|e| cuda_error("compute capability", e))?;
@@ -144,6 +171,7 @@ impl CudaDevice {
             ctx,
             stream,
             blas,
+            _blas_workspace: blas_workspace,
             kernels,
             act,
             name,
@@ -268,6 +296,27 @@ impl CudaDevice {
         }
     }
 
+    /// Records what `enqueue` puts on the stream into a replayable graph.
+    pub fn capture(&self, enqueue: impl FnOnce() -> Result<()>) -> Result<Graph> {
+        use cudarc::driver::sys;
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| cuda_error("cuStreamBeginCapture", e))?;
+        let enqueued = enqueue();
+        let graph = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(|e| cuda_error("cuStreamEndCapture", e));
+        enqueued?;
+        graph?
+            .map(Graph)
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "CUDA graph capture recorded nothing"))
+    }
+
+    pub fn replay(&self, graph: &Graph) -> Result<()> {
+        graph.0.launch().map_err(|e| cuda_error("cuGraphLaunch", e))
+    }
+
     pub fn synchronize(&self) -> Result<()> {
         self.stream
             .synchronize()
@@ -290,6 +339,14 @@ impl CudaDevice {
         gemm::gemm_xwt(&self.blas, self.act, x, w, y, rows, n, k, out)
     }
 }
+
+/// An instantiated CUDA graph of one decode step.
+pub struct Graph(cudarc::driver::CudaGraph);
+
+// SAFETY: a graph exec may be launched from any thread; cudarc binds the
+// owning context before launching, and a session (the only owner) is driven
+// by one thread at a time.
+unsafe impl Send for Graph {}
 
 /// One kernel argument: a device address (0 for an absent optional
 /// pointer), an int or a float.
