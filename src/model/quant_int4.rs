@@ -278,7 +278,7 @@ impl Int4 {
 
     /// The kernel matrix of RTN-quantized weights (what loading the exported
     /// checkpoint gives).
-    fn to_matrix(
+    fn matrix_of(
         &self,
         rows: usize,
         cols: usize,
@@ -362,7 +362,7 @@ impl QuantMethod for Int4 {
             .iter()
             .map(|&b| half::f16::from_bits(b).to_f32())
             .collect();
-        self.to_matrix(rows, cols, &q, &z, &s, None)
+        self.matrix_of(rows, cols, &q, &z, &s, None)
     }
 
     fn export(&self, name: &str, rows: usize, cols: usize, w: &[f32]) -> Result<Vec<ExportTensor>> {
@@ -569,7 +569,7 @@ impl QuantMethod for Int4 {
                 }
             }
         }
-        self.to_matrix(rows, cols, &q, &zeros, &scales, perm)
+        self.matrix_of(rows, cols, &q, &zeros, &scales, perm)
             .map_err(|e| Error::invalid_model(format!("{label} `{p}`: {}", e.message)))
     }
 }

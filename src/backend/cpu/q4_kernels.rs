@@ -102,8 +102,9 @@ unsafe fn micro_scalar(
                 let (mut dot, mut xsum) = (0f32, 0f32);
                 for ab in k0 / ACT_BLOCK..k1 / ACT_BLOCK {
                     let mut isum = 0i32;
-                    for kk in ab * ACT_BLOCK..(ab + 1) * ACT_BLOCK {
-                        isum += w.q(wr, kk) as i32 * x[kk] as i32;
+                    let k0 = ab * ACT_BLOCK;
+                    for (kk, &xv) in x[k0..k0 + ACT_BLOCK].iter().enumerate() {
+                        isum += w.q(wr, k0 + kk) as i32 * xv as i32;
                     }
                     dot += isum as f32 * a.scales[row * nab + ab];
                     xsum += a.sums[row * nab + ab];
