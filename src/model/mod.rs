@@ -6,6 +6,7 @@ pub mod decoder;
 pub mod loader;
 pub mod quant;
 pub mod quant_checkpoint;
+pub mod quant_int4;
 pub mod quant_q8;
 pub mod runner;
 pub mod safetensors;

@@ -5,9 +5,13 @@
 //! (`{"quantization": "q8_0", "group_size": "32"}`, route A) or from
 //! [`QuantMode`] in the model params (route B: quantize F32/F16/BF16 weights
 //! at load). Embeddings and norms always stay in higher precision; whether
-//! the LM head is quantized is the method's policy. New formats (AWQ/GPTQ
-//! int4, FP8) add an implementation and a name in [`method_from_metadata`].
+//! the LM head is quantized is the method's policy. Int4 AWQ/GPTQ
+//! checkpoints (see `quant_int4.rs`) are named by config.json's
+//! `quantization_config` instead (their own convention), parsed into
+//! [`ModelConfig::quantization`](super::ModelConfig). New formats (FP8) add
+//! an implementation and a name here.
 
+use super::quant_int4::Int4;
 use super::quant_q8::Q8_0;
 use super::safetensors::WeightFiles;
 use crate::backend::cpu::Matrix;
@@ -27,9 +31,16 @@ pub enum QuantMode {
         /// embedding table stays dense).
         lm_head: bool,
     },
+    /// Int4 round-to-nearest in AWQ's convention (min/max range per group).
+    /// Checkpoints: `nanoinfer quantize --method awq`.
+    Awq { group_size: usize },
+    /// Int4 round-to-nearest in GPTQ's convention (sym: `z = 8`).
+    Gptq { group_size: usize, sym: bool },
 }
 
 pub const DEFAULT_GROUP_SIZE: usize = 32;
+/// Group size of `--quant awq|gptq` unless told otherwise.
+pub const INT4_DEFAULT_GROUP_SIZE: usize = 128;
 
 impl QuantMode {
     /// Q8_0 with group 32 and a quantized LM head.
@@ -46,18 +57,30 @@ impl QuantMode {
                 group_size,
                 lm_head,
             } => Some(Box::new(Q8_0::new(group_size, lm_head)?)),
+            QuantMode::Awq { group_size } => Some(Box::new(Int4::awq(group_size)?)),
+            QuantMode::Gptq { group_size, sym } => Some(Box::new(Int4::gptq(group_size, sym)?)),
         })
     }
 }
 
 impl std::str::FromStr for QuantMode {
     type Err = crate::Error;
-    /// `none` or `q8_0` (group 32, LM head quantized).
+    /// `none`, `q8_0` (group 32, LM head quantized), `awq` or `gptq` (int4,
+    /// group 128, GPTQ symmetric; LM head dense).
     fn from_str(s: &str) -> Result<Self> {
         match s.to_ascii_lowercase().as_str() {
             "none" | "" => Ok(QuantMode::None),
             "q8_0" | "q8" => Ok(QuantMode::Q8_0_DEFAULT),
-            _ => bail_arg!("quantization `{s}` is not supported (supported: none, q8_0)"),
+            "awq" | "int4" => Ok(QuantMode::Awq {
+                group_size: INT4_DEFAULT_GROUP_SIZE,
+            }),
+            "gptq" => Ok(QuantMode::Gptq {
+                group_size: INT4_DEFAULT_GROUP_SIZE,
+                sym: true,
+            }),
+            _ => {
+                bail_arg!("quantization `{s}` is not supported (supported: none, q8_0, awq, gptq)")
+            }
         }
     }
 }
@@ -84,6 +107,15 @@ pub trait QuantMethod: Send + Sync {
     fn export(&self, name: &str, rows: usize, cols: usize, w: &[f32]) -> Result<Vec<ExportTensor>>;
     /// Route A: loads `name` as stored by [`export`](Self::export).
     fn load(&self, files: &WeightFiles, name: &str, rows: usize, cols: usize) -> Result<Matrix>;
+    /// Whether `files` stores weight `name` in this format (rather than dense).
+    fn stored_in(&self, files: &WeightFiles, name: &str) -> bool {
+        files.contains(name)
+    }
+    /// config.json's `quantization_config` of a checkpoint in this format,
+    /// for formats that are named there rather than in `__metadata__`.
+    fn quantization_config(&self) -> Option<serde_json::Value> {
+        None
+    }
 }
 
 /// The method a checkpoint was quantized with, from its `__metadata__`

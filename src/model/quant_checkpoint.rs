@@ -5,7 +5,7 @@
 //! `lm_head.weight`), config and tokenizer files copied.
 
 use super::config::ModelConfig;
-use super::quant::{method_from_metadata, ExportTensor, QuantMode};
+use super::quant::{method_from_metadata, ExportTensor, QuantMethod, QuantMode};
 use super::safetensors::WeightFiles;
 use crate::tensor::DType;
 use crate::{bail_arg, Error, Result};
@@ -35,7 +35,7 @@ pub fn quantize_checkpoint(
     mode: QuantMode,
 ) -> Result<QuantizeReport> {
     let Some(method) = mode.method()? else {
-        bail_arg!("choose a quantization method (q8_0)");
+        bail_arg!("choose a quantization method (q8_0, awq, gptq)");
     };
     let same = match (model_dir.canonicalize(), out_dir.canonicalize()) {
         (Ok(a), Ok(b)) => a == b,
@@ -48,6 +48,13 @@ pub fn quantize_checkpoint(
         );
     }
     let config = ModelConfig::from_dir(model_dir)?;
+    if let Some(q) = &config.quantization {
+        bail_arg!(
+            "{} is already quantized ({} in config.json)",
+            model_dir.display(),
+            q.name()
+        );
+    }
     let files = WeightFiles::open(model_dir)?;
     if let Some(m) = method_from_metadata(files.metadata())? {
         bail_arg!(
@@ -63,6 +70,9 @@ pub fn quantize_checkpoint(
         ..Default::default()
     };
     report.files_copied = copy_side_files(model_dir, out_dir)?;
+    if let Some(qc) = method.quantization_config() {
+        write_quantization_config(model_dir, out_dir, qc)?;
+    }
 
     let mut names: Vec<&str> = files.tensor_names().collect();
     names.sort_unstable();
@@ -115,6 +125,25 @@ pub fn quantize_checkpoint(
     })?;
     report.bytes_out = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
     Ok(report)
+}
+
+/// `out_dir/config.json` = the model's config.json with `quantization_config` set.
+fn write_quantization_config(
+    model_dir: &Path,
+    out_dir: &Path,
+    qc: serde_json::Value,
+) -> Result<()> {
+    let src = model_dir.join("config.json");
+    let text = std::fs::read_to_string(&src).map_err(|e| Error::io(src.display(), e))?;
+    let mut v: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::invalid_model(format!("config.json is not valid JSON: {e}")))?;
+    let obj = v
+        .as_object_mut()
+        .ok_or_else(|| Error::invalid_model("config.json must be a JSON object"))?;
+    obj.insert("quantization_config".to_string(), qc);
+    let dst = out_dir.join("config.json");
+    let text = serde_json::to_string_pretty(&v).expect("JSON value serializes");
+    std::fs::write(&dst, text + "\n").map_err(|e| Error::io(dst.display(), e))
 }
 
 fn st_dtype(d: DType) -> safetensors::Dtype {

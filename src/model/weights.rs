@@ -1,6 +1,7 @@
 //! Where decoder weights come from: a name → tensor source, converted into the
 //! matrix/vector forms the CPU backend computes with.
 
+use super::quant::QuantMethod;
 use crate::backend::cpu::Matrix;
 use crate::Result;
 
@@ -34,4 +35,16 @@ pub trait WeightSource {
     fn matrix(&self, name: &str, rows: usize, cols: usize, dtype: WeightDType) -> Result<Matrix>;
     /// A 1-D tensor of `len` values as f32.
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>>;
+    /// Weight `name` (`[rows, cols]`) as stored in the checkpoint format
+    /// `method` (int4 AWQ/GPTQ), `None` when it is not stored that way.
+    fn quantized(
+        &self,
+        method: &dyn QuantMethod,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<Matrix>> {
+        let _ = (method, name, rows, cols);
+        Ok(None)
+    }
 }

@@ -5,13 +5,16 @@
 //! activation rows × 4 weight rows accumulates 16 dot products at once, so
 //! each weight vector loaded feeds 4 FMAs. Many rows (prefill) on AVX-512: the
 //! packed GEMM of `gemm.rs`. Q8_0 weights: the int8 kernels of
-//! `q8_kernels.rs`. Work is split over output-column blocks, so several
+//! `q8_kernels.rs`; int4 weights (AWQ/GPTQ) the kernels of `q4_kernels.rs`
+//! (act-order weights get their inputs permuted first). Work is split over output-column blocks, so several
 //! weights (q/k/v or gate/up) run as one parallel job writing side by side
 //! into one output row.
 
 use super::elem::{Bf16, WeightElem, F16};
 use super::gemm;
 use super::isa::{isa, Isa};
+use super::q4::{Q4Acts, Q4Matrix};
+use super::q4_kernels::q4_blocks;
 use super::q8::{Q8Matrix, QActs, BLOCK_ROWS};
 use super::q8_kernels::{q8_blocks, q8_isa};
 use super::threadpool::ThreadPool;
@@ -27,6 +30,8 @@ pub enum MatrixData {
     BF16(HostSlice<Bf16>),
     /// Int8 weights with per-group scales (see [`Q8Matrix`]).
     Q8_0(Q8Matrix),
+    /// Int4 weights with per-group scales and zeros (see [`Q4Matrix`]).
+    Q4(Q4Matrix),
 }
 
 /// A weight matrix `[rows = out_features, cols = in_features]`, row-major.
@@ -43,6 +48,7 @@ impl Matrix {
             MatrixData::F16(_) => "f16",
             MatrixData::BF16(_) => "bf16",
             MatrixData::Q8_0(_) => "q8_0",
+            MatrixData::Q4(_) => "int4",
         }
     }
 
@@ -54,6 +60,7 @@ impl Matrix {
             MatrixData::F16(d) => widen(&d[range], out),
             MatrixData::BF16(d) => widen(&d[range], out),
             MatrixData::Q8_0(q) => q.row_to_f32(r, out),
+            MatrixData::Q4(q) => q.row_to_f32(r, out),
         }
     }
 
@@ -63,6 +70,7 @@ impl Matrix {
             MatrixData::F32(_) => self.rows * self.cols * 4,
             MatrixData::F16(_) | MatrixData::BF16(_) => self.rows * self.cols * 2,
             MatrixData::Q8_0(q) => q.size_in_bytes(),
+            MatrixData::Q4(q) => q.size_in_bytes(),
         }
     }
 }
@@ -94,6 +102,24 @@ const GEMM_MIN_ROWS: usize = 8;
 thread_local! {
     /// Quantized activations of the current int8 matmul (caller's thread).
     static QACTS: RefCell<QActs> = RefCell::new(QActs::default());
+    /// Quantized activations of the current int4 matmul (caller's thread).
+    static Q4ACTS: RefCell<Q4Acts> = RefCell::new(Q4Acts::default());
+    /// Activations permuted for an act-order int4 weight.
+    static PERMUTED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The activations each kind of quantized weight multiplies.
+#[derive(Clone, Copy, Default)]
+struct Acts<'a> {
+    q8: Option<&'a QActs>,
+    q4: Option<&'a Q4Acts>,
+}
+
+fn as_q4(w: &Matrix) -> Option<&Q4Matrix> {
+    match &w.data {
+        MatrixData::Q4(q) => Some(q),
+        _ => None,
+    }
 }
 
 /// `out[r, col_offset(w) + c] = Σ_j x[r, j] · w[c, j]` for every weight `w` in
@@ -117,52 +143,104 @@ pub fn matmul(pool: &ThreadPool, x: &[f32], m: usize, weights: &[&Matrix], out: 
     if m == 0 {
         return;
     }
+    if weights
+        .iter()
+        .any(|w| as_q4(w).is_some_and(|q| q.perm().is_some()))
+    {
+        // Act-order int4: each weight with a permutation multiplies its own
+        // permuted activations, so the weights run one by one.
+        let mut offset = 0;
+        for w in weights {
+            match as_q4(w).and_then(|q| q.perm()) {
+                Some(perm) => PERMUTED.with(|p| {
+                    let mut p = p.borrow_mut();
+                    p.clear();
+                    for r in 0..m {
+                        let xr = &x[r * k..(r + 1) * k];
+                        p.extend(perm.iter().map(|&i| xr[i as usize]));
+                    }
+                    matmul_quantized(pool, &p, m, &[w], out, offset, n_total);
+                }),
+                None => matmul_quantized(pool, x, m, &[w], out, offset, n_total),
+            }
+            offset += w.rows;
+        }
+    } else {
+        matmul_quantized(pool, x, m, weights, out, 0, n_total);
+    }
+}
+
+/// Quantizes the activations the weights need, then runs them; columns
+/// `offset..offset + Σ rows` of `out` (`[m, stride]`).
+fn matmul_quantized(
+    pool: &ThreadPool,
+    x: &[f32],
+    m: usize,
+    weights: &[&Matrix],
+    out: &mut [f32],
+    offset: usize,
+    stride: usize,
+) {
+    let k = weights[0].cols;
     let q8_group = weights.iter().find_map(|w| match &w.data {
         MatrixData::Q8_0(q) => Some(q.group),
         _ => None,
     });
-    match q8_group {
-        None => matmul_with(pool, x, m, weights, out, None),
-        Some(group) => {
-            assert!(
-                weights.iter().all(|w| match &w.data {
-                    MatrixData::Q8_0(q) => q.group == group,
-                    _ => true,
-                }),
-                "Q8_0 weights of one matmul must share a group size"
-            );
-            QACTS.with(|qa| {
-                let mut qa = qa.borrow_mut();
-                qa.quantize(x, m, k, group);
-                matmul_with(pool, x, m, weights, out, Some(&qa));
-            });
-        }
+    if let Some(group) = q8_group {
+        assert!(
+            weights.iter().all(|w| match &w.data {
+                MatrixData::Q8_0(q) => q.group == group,
+                _ => true,
+            }),
+            "Q8_0 weights of one matmul must share a group size"
+        );
     }
+    let has_q4 = weights.iter().any(|w| as_q4(w).is_some());
+    QACTS.with(|qa| {
+        Q4ACTS.with(|q4a| {
+            let mut qa = qa.borrow_mut();
+            let mut q4a = q4a.borrow_mut();
+            let mut acts = Acts::default();
+            if let Some(group) = q8_group {
+                qa.quantize(x, m, k, group);
+                acts.q8 = Some(&*qa);
+            }
+            if has_q4 {
+                q4a.quantize(x, m, k);
+                acts.q4 = Some(&*q4a);
+            }
+            matmul_with(pool, x, m, weights, out, offset, stride, acts);
+        })
+    });
 }
 
+#[allow(clippy::too_many_arguments)]
 fn matmul_with(
     pool: &ThreadPool,
     x: &[f32],
     m: usize,
     weights: &[&Matrix],
     out: &mut [f32],
-    qacts: Option<&QActs>,
+    offset: usize,
+    n_total: usize,
+    acts: Acts<'_>,
 ) {
     let k = weights[0].cols;
-    let n_total: usize = weights.iter().map(|w| w.rows).sum();
+    let n_here: usize = weights.iter().map(|w| w.rows).sum();
+    assert!(offset + n_here <= n_total && out.len() >= m * n_total);
     let isa = isa();
     let use_gemm = isa == Isa::Avx512 && m >= GEMM_MIN_ROWS;
     let block = if use_gemm {
         gemm::NR
     } else {
-        column_block(n_total, pool.threads())
+        column_block(n_here, pool.threads())
     };
     let mut first_task = [0usize; MAX_SEGMENTS + 1];
     let mut col_offset = [0usize; MAX_SEGMENTS];
     for (i, w) in weights.iter().enumerate() {
         first_task[i + 1] = first_task[i] + w.rows.div_ceil(block);
         col_offset[i] = if i == 0 {
-            0
+            offset
         } else {
             col_offset[i - 1] + weights[i - 1].rows
         };
@@ -199,9 +277,14 @@ fn matmul_with(
                 MatrixData::F16(d) => run_block(isa, x, m, k, d, c0, c1, out_base, n_total),
                 MatrixData::BF16(d) => run_block(isa, x, m, k, d, c0, c1, out_base, n_total),
                 MatrixData::Q8_0(q) => {
-                    let qa = qacts.expect("activations quantized for Q8_0 weights");
+                    let qa = acts.q8.expect("activations quantized for Q8_0 weights");
                     let (b0, b1) = (c0 / BLOCK_ROWS, c1.div_ceil(BLOCK_ROWS));
                     q8_blocks(q8isa, qa, q, b0, b1, out_base, n_total)
+                }
+                MatrixData::Q4(q) => {
+                    let qa = acts.q4.expect("activations quantized for int4 weights");
+                    let (b0, b1) = (c0 / BLOCK_ROWS, c1.div_ceil(BLOCK_ROWS));
+                    q4_blocks(q8isa, qa, q, b0, b1, out_base, n_total)
                 }
             }
         }

@@ -8,11 +8,14 @@ mod gemm;
 pub mod isa;
 pub mod matmul;
 pub mod ops;
+pub mod q4;
+pub mod q4_kernels;
 pub mod q8;
 pub mod q8_kernels;
 pub mod threadpool;
 pub mod vector;
 
 pub use matmul::{matmul, Matrix, MatrixData};
+pub use q4::Q4Matrix;
 pub use q8::Q8Matrix;
 pub use threadpool::ThreadPool;

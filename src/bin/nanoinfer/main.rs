@@ -15,19 +15,25 @@ const USAGE: &str = "usage:
                      [--chat] [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--min-p P]
                      [--repetition-penalty R] [--presence-penalty P] [--frequency-penalty F]
                      [--seed S] [--stop STR ...] [--logprobs N] [--ignore-eos]
-                     [--device cpu|cuda[:N]] [--threads N] [--dtype auto|f32|f16|bf16] [--quant none|q8_0]
-                     [--json] [--kv-backend paged|token] [--block-size N] [--kv-capacity TOKENS]
+                     [--device cpu|cuda[:N]] [--threads N] [--dtype auto|f32|f16|bf16]
+                     [--quant none|q8_0|awq|gptq] [--json]
+                     [--kv-backend paged|token] [--block-size N] [--kv-capacity TOKENS]
                      [--gpu-memory-utilization F]
                      [--max-batched-tokens N] [--max-seqs N] [--prefill-chunk N]
                      [--policy fcfs|priority] [--preemption recompute|swap] [--no-prefix-cache]
   nanoinfer perplexity --model DIR --file PATH [--max-tokens 1024] [--device ..] [--threads N] [--dtype ..]
                      [--quant ..] [--json]
   nanoinfer bench --model DIR [-p 512] [-n 128] [-r|--repetitions 3] [--device ..] [-t|--threads N]
-                  [--dtype auto|f32|f16|bf16] [--quant none|q8_0] [--seed S] [--json]
-  nanoinfer quantize --model DIR --out DIR --method q8_0 [--group-size 32|64|128] [--lm-head q8_0|dense] [--json]
+                  [--dtype auto|f32|f16|bf16] [--quant none|q8_0|awq|gptq] [--seed S] [--json]
+  nanoinfer quantize --model DIR --out DIR --method q8_0|awq|gptq [--group-size 32|64|128]
+                     [--lm-head q8_0|dense] [--sym true|false] [--json]
   --device cuda runs on GPU 0 (bf16 unless --dtype f16); the CPU is the default.
   --quant q8_0 quantizes at load; --quant-group-size 32|64|128 (default 32) and
-  --quant-lm-head q8_0|dense (default q8_0) refine it.";
+  --quant-lm-head q8_0|dense (default q8_0) refine it. --quant awq|gptq: int4
+  round-to-nearest at load (group 128 unless --quant-group-size; LM head dense;
+  --quant-sym false: asymmetric GPTQ). AWQ/GPTQ checkpoints (quantization_config
+  in config.json) load as int4 by themselves; --quant q8_0 with one quantizes
+  the dense LM head.";
 
 fn main() {
     let argv: Vec<String> = std::env::args().skip(1).collect();

@@ -1,4 +1,8 @@
-//! `nanoinfer quantize`: writes a quantized copy of a dense model directory.
+//! `nanoinfer quantize`: writes a quantized copy of a dense model directory:
+//! `--method q8_0` (our int8 format, named in the safetensors metadata) or
+//! `--method awq|gptq` (int4 round-to-nearest checkpoints in AutoAWQ's GEMM /
+//! GPTQ's layout with config.json's `quantization_config`; `--group-size`
+//! 32|64|128, default 128; `--sym false` for asymmetric GPTQ).
 
 use crate::args::Args;
 use crate::session_opts::quant_mode;
@@ -10,15 +14,24 @@ use std::time::Instant;
 pub const FLAGS: &[&str] = &["json"];
 
 pub fn run(a: &Args) -> Result<(), String> {
-    a.check_known(&[FLAGS, &["model", "out", "method", "group-size", "lm-head"]].concat())?;
+    a.check_known(
+        &[
+            FLAGS,
+            &["model", "out", "method", "group-size", "lm-head", "sym"],
+        ]
+        .concat(),
+    )?;
     let model = a.get("model").ok_or("--model DIR is required")?;
     let out = a.get("out").ok_or("--out DIR is required")?;
-    let method = a.get("method").ok_or("--method q8_0 is required")?;
+    let method = a
+        .get("method")
+        .ok_or("--method q8_0|awq|gptq is required")?;
     // Same option checks as --quant on the other commands.
     let mut forwarded = vec!["--quant".to_string(), method.to_string()];
     for (ours, theirs) in [
         ("group-size", "quant-group-size"),
         ("lm-head", "quant-lm-head"),
+        ("sym", "quant-sym"),
     ] {
         if let Some(v) = a.get(ours) {
             forwarded.extend([format!("--{theirs}"), v.to_string()]);
@@ -26,7 +39,7 @@ pub fn run(a: &Args) -> Result<(), String> {
     }
     let mode = quant_mode(&Args::parse(&forwarded, &[])?)?;
     if mode == QuantMode::None {
-        return Err("--method must name a quantization (q8_0)".to_string());
+        return Err("--method must name a quantization (q8_0, awq, gptq)".to_string());
     }
     let start = Instant::now();
     let r =

@@ -16,6 +16,7 @@ pub const MODEL_OPTS: &[&str] = &[
     "quant",
     "quant-group-size",
     "quant-lm-head",
+    "quant-sym",
 ];
 pub const SESSION_OPTS: &[&str] = &[
     "kv-backend",
@@ -58,15 +59,37 @@ pub fn load_model(a: &Args) -> Result<Arc<Model>, String> {
         .map_err(|e| e.to_string())
 }
 
-/// `--quant none|q8_0 [--quant-group-size 32|64|128] [--quant-lm-head q8_0|dense]`.
+/// `--quant none|q8_0|awq|gptq [--quant-group-size 32|64|128] [--quant-lm-head q8_0|dense]`
+/// (`--quant-lm-head` is for q8_0; awq/gptq keep the LM head dense, and
+/// `--quant-sym false` makes gptq asymmetric).
 pub fn quant_mode(a: &Args) -> Result<QuantMode, String> {
     let mode: QuantMode = a.parse_or("quant", QuantMode::None)?;
     let has_options = a.get("quant-group-size").is_some() || a.get("quant-lm-head").is_some();
+    let group_size = |default: usize| -> Result<usize, String> {
+        let g = a.parse_or("quant-group-size", default)?;
+        if ![32, 64, 128].contains(&g) {
+            return Err(format!("--quant-group-size must be 32, 64 or 128, got {g}"));
+        }
+        Ok(g)
+    };
+    if a.get("quant-sym").is_some() && !matches!(mode, QuantMode::Gptq { .. }) {
+        return Err("--quant-sym needs --quant gptq".to_string());
+    }
     match mode {
         QuantMode::None if has_options => {
             Err("--quant-group-size and --quant-lm-head need --quant q8_0".to_string())
         }
         QuantMode::None => Ok(mode),
+        QuantMode::Awq { .. } | QuantMode::Gptq { .. } if a.get("quant-lm-head").is_some() => {
+            Err("--quant-lm-head is for --quant q8_0 (awq/gptq keep the LM head dense)".to_string())
+        }
+        QuantMode::Awq { group_size: g } => Ok(QuantMode::Awq {
+            group_size: group_size(g)?,
+        }),
+        QuantMode::Gptq { group_size: g, sym } => Ok(QuantMode::Gptq {
+            group_size: group_size(g)?,
+            sym: a.parse_or("quant-sym", sym)?,
+        }),
         QuantMode::Q8_0 {
             group_size,
             lm_head,
