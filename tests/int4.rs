@@ -28,6 +28,7 @@ fn load(dir: &Path, quant: QuantMode) -> Arc<Model> {
         dtype: WeightDType::Auto,
         threads: 2,
         quant,
+        ..Default::default()
     };
     Arc::new(
         Model::load(dir, &params, None)
