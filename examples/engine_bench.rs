@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo run --release --example engine_bench -- --model DIR [--threads 2] [--dtype bf16]
-//!     [--concurrency 1,4,16,64] [--decode-tokens 64] [--prompt-len 16]
+//!     [--device cpu|cuda] [--concurrency 1,4,16,64] [--decode-tokens 64] [--prompt-len 16]
 //!     [--prefix-requests 32] [--prefix-len 1000] [--suffix-len 16] [--skip-decode] [--skip-prefix]
 //! ```
 //! Prompts are seeded random token ids: speed does not depend on their text.
@@ -21,6 +21,7 @@ struct Opts {
     model: PathBuf,
     threads: usize,
     dtype: String,
+    device: String,
     concurrency: Vec<usize>,
     decode_tokens: u32,
     prompt_len: usize,
@@ -39,6 +40,7 @@ fn parse() -> Result<Opts, String> {
         model: PathBuf::from("models/SmolLM2-135M-Instruct"),
         threads: 2,
         dtype: "bf16".into(),
+        device: "cpu".into(),
         concurrency: vec![1, 4, 16, 64],
         decode_tokens: 64,
         prompt_len: 16,
@@ -66,6 +68,7 @@ fn parse() -> Result<Opts, String> {
             "--random-from" => o.random_from = Some(PathBuf::from(v)),
             "--threads" => o.threads = num(v)?,
             "--dtype" => o.dtype = v.clone(),
+            "--device" => o.device = v.clone(),
             "--concurrency" => o.concurrency = v.split(',').map(num).collect::<Result<_, _>>()?,
             "--decode-tokens" => o.decode_tokens = num(v)? as u32,
             "--prompt-len" => o.prompt_len = num(v)?,
@@ -103,9 +106,9 @@ fn request(prompt: Vec<u32>, max_tokens: u32) -> RequestParams {
     }
 }
 
-fn session(model: &Arc<Model>, prefix_caching: bool, max_seqs: usize) -> Session {
+fn session(model: &Arc<Model>, prefix_caching: bool, max_seqs: usize, tokens: usize) -> Session {
     let params = SessionParams {
-        kv_capacity_tokens: 8192,
+        kv_capacity_tokens: tokens.max(8192),
         max_seqs: max_seqs.max(64),
         prefix_caching,
         ..Default::default()
@@ -117,7 +120,12 @@ fn session(model: &Arc<Model>, prefix_caching: bool, max_seqs: usize) -> Session
 /// of the steps that computed only decode rows.
 fn decode_rate(model: &Arc<Model>, o: &Opts, n: usize) -> (f64, f64) {
     let vocab = model.config().vocab_size;
-    let mut s = session(model, false, n);
+    let mut s = session(
+        model,
+        false,
+        n,
+        n * (o.prompt_len + o.decode_tokens as usize + 32),
+    );
     let mut seed = 42 + n as u64;
     for _ in 0..n {
         s.add_request(request(
@@ -157,7 +165,7 @@ fn prefix_run(model: &Arc<Model>, o: &Opts, caching: bool) -> PrefixRun {
     let vocab = model.config().vocab_size;
     let mut seed = 7;
     let prefix = tokens(&mut seed, o.prefix_len, vocab);
-    let mut s = session(model, caching, o.prefix_requests);
+    let mut s = session(model, caching, o.prefix_requests, 8192);
     let mut first: HashMap<RequestId, f64> = HashMap::new();
     let start = Instant::now();
     for _ in 0..o.prefix_requests {
@@ -257,6 +265,7 @@ fn main() {
     let params = ModelParams {
         dtype: o.dtype.parse().expect("--dtype"),
         threads: o.threads,
+        device: o.device.parse().expect("--device"),
         ..Default::default()
     };
     let model_dir = match &o.random_from {
