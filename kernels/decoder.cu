@@ -152,7 +152,7 @@ extern "C" __global__ void kv_write(const raw16* qkv, int stride, int k_off, int
     }
 }
 
-#define ATTN_WARPS 4
+#define ATTN_WARPS 8
 #define MAX_PER_LANE 8  // head_dim <= 256
 
 // Causal attention of one (head, row, split): the row attends to positions
@@ -187,20 +187,32 @@ extern "C" __global__ void attention(const raw16* qkv, int stride, const raw16* 
         acc[e] = 0.f;
     }
     float m = -NI_INF, l = 0.f;
-    for (int p = begin + warp; p < end; p += ATTN_WARPS) {
-        const size_t base = (size_t)slots[p] * kv_width + kv_head * hd;
-        float s = 0.f;
+    // Two positions per iteration: their loads overlap, halving the chain
+    // of dependent global-memory round trips each warp walks.
+    for (int p = begin + warp; p < end; p += 2 * ATTN_WARPS) {
+        const int p2 = p + ATTN_WARPS;
+        const bool two = p2 < end;
+        const size_t b1 = (size_t)slots[p] * kv_width + kv_head * hd;
+        const size_t b2 = two ? (size_t)slots[p2] * kv_width + kv_head * hd : b1;
+        float s1 = 0.f, s2 = 0.f;
 #pragma unroll
         for (int e = 0; e < MAX_PER_LANE; e++)
-            if (e < per_lane) s += q[e] * to_f(k_cache[base + lane + 32 * e]);
-        s = warp_sum(s);
-        const float m_new = fmaxf(m, s);
+            if (e < per_lane) {
+                s1 += q[e] * to_f(k_cache[b1 + lane + 32 * e]);
+                s2 += q[e] * to_f(k_cache[b2 + lane + 32 * e]);
+            }
+        s1 = warp_sum(s1);
+        s2 = two ? warp_sum(s2) : -NI_INF;
+        const float m_new = fmaxf(m, fmaxf(s1, s2));
         const float corr = __expf(m - m_new);
-        const float w = __expf(s - m_new);
-        l = l * corr + w;
+        const float w1 = __expf(s1 - m_new);
+        const float w2 = two ? __expf(s2 - m_new) : 0.f;
+        l = l * corr + w1 + w2;
 #pragma unroll
         for (int e = 0; e < MAX_PER_LANE; e++)
-            if (e < per_lane) acc[e] = acc[e] * corr + w * to_f(v_cache[base + lane + 32 * e]);
+            if (e < per_lane)
+                acc[e] = acc[e] * corr + w1 * to_f(v_cache[b1 + lane + 32 * e]) +
+                         w2 * to_f(v_cache[b2 + lane + 32 * e]);
         m = m_new;
     }
 
@@ -269,5 +281,69 @@ extern "C" __global__ void kv_copy_slots(raw16* k_cache, raw16* v_cache, const u
             k_cache[src + i] = k[i];
             v_cache[src + i] = v[i];
         }
+    }
+}
+
+#define GEMV_WARPS 4
+#define GEMV_MAX_ROWS 8
+
+// Eight 16-bit values of a 16-byte load, as floats.
+__device__ __forceinline__ void unpack8(uint4 v, float* f) {
+    const unsigned u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = to_f((raw16)(u[i] & 0xffffu));
+        f[2 * i + 1] = to_f((raw16)(u[i] >> 16));
+    }
+}
+
+template <int R>
+__device__ void gemv_rows(const raw16* x, const raw16* w, void* y, int n, int k, int f32_out) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int j = blockIdx.x * GEMV_WARPS + warp;
+    if (j >= n) return;
+    const uint4* wr = (const uint4*)(w + (size_t)j * k);
+    const int chunks = k >> 3;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = 0.f;
+#pragma unroll 4
+    for (int c = lane; c < chunks; c += 32) {
+        float wf[8], xf[8];
+        unpack8(__ldg(wr + c), wf);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            unpack8(__ldg((const uint4*)(x + (size_t)r * k) + c), xf);
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[r] += wf[i] * xf[i];
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const float v = warp_sum(acc[r]);
+        if (lane == 0) {
+            if (f32_out)
+                ((float*)y)[(size_t)r * n + j] = v;
+            else
+                ((raw16*)y)[(size_t)r * n + j] = from_f(v);
+        }
+    }
+}
+
+// y[r, j] = sum_k x[r, k] * w[j, k] for rows r < R <= GEMV_MAX_ROWS (decode
+// batches): each warp streams one weight row once with 16-byte loads, the
+// few activation rows come from cache. k must be a multiple of 8.
+// grid = ceil(n / GEMV_WARPS), block = 32 * GEMV_WARPS.
+extern "C" __global__ void gemv(const raw16* x, const raw16* w, void* y, int n, int k, int rows,
+                                int f32_out) {
+    switch (rows) {
+    case 1: gemv_rows<1>(x, w, y, n, k, f32_out); break;
+    case 2: gemv_rows<2>(x, w, y, n, k, f32_out); break;
+    case 3: gemv_rows<3>(x, w, y, n, k, f32_out); break;
+    case 4: gemv_rows<4>(x, w, y, n, k, f32_out); break;
+    case 5: gemv_rows<5>(x, w, y, n, k, f32_out); break;
+    case 6: gemv_rows<6>(x, w, y, n, k, f32_out); break;
+    case 7: gemv_rows<7>(x, w, y, n, k, f32_out); break;
+    case 8: gemv_rows<8>(x, w, y, n, k, f32_out); break;
     }
 }

@@ -25,6 +25,11 @@ for step in "$@"; do
         "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 512 -n 128 -r 3 --json | tee "$WORK/ours.json"
         NANOINFER_CUDA_GRAPHS=0 "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 512 -n 128 -r 3 --json \
             | tee "$WORK/ours-nographs.json"
+        NANOINFER_CUDA_GEMV=0 "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 0 -n 128 -r 3 --json \
+            | tee "$WORK/ours-cublas.json"
+        for depth in 1024 32768; do
+            "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 0 -n 64 -d $depth -r 3
+        done
         python3 scripts/cuda_bench_hf.py --model "$WORK/l8b" -p 512 -n 128 -r 3 | tee "$WORK/hf.json" ;;
     engine)
         "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --concurrency 1,16,64,256 --decode-tokens 128 \

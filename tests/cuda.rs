@@ -66,6 +66,14 @@ fn sampling(n: u32, logprobs: u32) -> SamplingParams {
 
 /// Runs every request to completion in one session; outputs in input order.
 fn run(model: &Arc<Model>, params: SessionParams, reqs: &[RequestParams]) -> Vec<Output> {
+    run_with_stats(model, params, reqs).0
+}
+
+fn run_with_stats(
+    model: &Arc<Model>,
+    params: SessionParams,
+    reqs: &[RequestParams],
+) -> (Vec<Output>, nanoinfer::engine::SessionStats) {
     let mut s = Session::new(model.clone(), params).expect("session");
     let ids: Vec<u64> = reqs
         .iter()
@@ -98,7 +106,7 @@ fn run(model: &Arc<Model>, params: SessionParams, reqs: &[RequestParams]) -> Vec
     assert_eq!(finished, reqs.len(), "every request ends exactly once");
     let st = s.stats();
     assert_eq!(st.kv.used_slots, 0, "KV leaked: {:?}", st.kv);
-    ids.iter().map(|id| out.remove(id).unwrap()).collect()
+    (ids.iter().map(|id| out.remove(id).unwrap()).collect(), st)
 }
 
 fn requests(gold: &Value, n: u32) -> Vec<RequestParams> {
@@ -219,15 +227,18 @@ fn batched_equals_single_and_kv_layouts_agree() {
             ..Default::default()
         };
         let chunked_out = run(&model, chunked, &reqs);
+        // Other batch shapes round differently in bf16: equal up to near-ties.
         for (i, r) in reqs.iter().enumerate() {
             let alone = run(&model, SessionParams::default(), std::slice::from_ref(r));
-            assert_eq!(
-                alone[0].tokens, paged[i].tokens,
-                "{name} prompt {i}: batched != alone"
+            check_near(
+                &format!("{name} prompt {i} batched vs alone"),
+                &paged[i],
+                &alone[0],
             );
-            assert_eq!(
-                chunked_out[i].tokens, paged[i].tokens,
-                "{name} prompt {i}: chunked prefill differs"
+            check_near(
+                &format!("{name} prompt {i} chunked vs not"),
+                &chunked_out[i],
+                &paged[i],
             );
         }
     }
@@ -262,12 +273,13 @@ fn seeded_sampling_is_reproducible_and_swap_preemption_is_lossless() {
         preemption: nanoinfer::engine::PreemptionMode::Swap,
         ..Default::default()
     };
-    let swapped = run(&model, tight, &greedy);
+    let (swapped, st) = run_with_stats(&model, tight, &greedy);
+    assert!(
+        st.preemptions > 0 && st.swapped_in_tokens > 0,
+        "the tight cache should have swapped: {st:?}"
+    );
     for (i, (x, y)) in roomy.iter().zip(&swapped).enumerate() {
-        assert_eq!(
-            x.tokens, y.tokens,
-            "prompt {i}: swap preemption changed the output"
-        );
+        check_near(&format!("prompt {i} swap preemption"), y, x);
     }
 }
 

@@ -260,7 +260,9 @@ struct WorkspaceSizes {
 
 /// (row, head, split) triplets the attention partials hold: enough for
 /// `ATTN_BLOCKS_PER_SM` blocks per SM and then some.
-const ATTN_BLOCKS_PER_SM: usize = 4;
+const ATTN_BLOCKS_PER_SM: usize = 8;
+/// 32 * ATTN_WARPS of kernels/decoder.cu.
+const ATTN_THREADS: u32 = 256;
 
 impl CudaDecoder {
     fn attn_partials(&self) -> usize {
@@ -688,7 +690,7 @@ impl CudaForward {
             dev.launch(
                 &k.attention,
                 (c.num_heads as u32, r32, splits as u32),
-                128,
+                ATTN_THREADS,
                 &[
                     KArg::Ptr(ws.qkv.ptr()),
                     KArg::I32(qkv_w as i32),

@@ -123,6 +123,7 @@ kernel_set!(
     attention,
     attn_merge,
     kv_copy_slots,
+    gemv,
 );
 
 impl Kernels {

@@ -97,6 +97,9 @@ fn check_libraries() -> Result<()> {
 }
 
 const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
+/// Must match GEMV_MAX_ROWS / GEMV_WARPS in kernels/decoder.cu.
+const GEMV_MAX_ROWS: usize = 8;
+const GEMV_WARPS: usize = 4;
 
 /// One GPU: its context, the compute stream, a cuBLAS handle on that stream
 /// and the compiled kernels.
@@ -111,6 +114,8 @@ pub struct CudaDevice {
     /// Compute capability (major, minor).
     pub arch: (i32, i32),
     pub sm_count: usize,
+    /// Small-batch projections through our GEMV kernel (NANOINFER_CUDA_GEMV=0: cuBLAS only).
+    use_gemv: bool,
     /// Held for the whole of one forward: sessions sharing the model take
     /// turns on the stream and the cuBLAS handle.
     pub step_lock: Mutex<()>,
@@ -177,6 +182,7 @@ impl CudaDevice {
             name,
             arch,
             sm_count,
+            use_gemv: std::env::var("NANOINFER_CUDA_GEMV").map_or(true, |v| v != "0"),
             step_lock: Mutex::new(()),
         }))
     }
@@ -336,6 +342,24 @@ impl CudaDevice {
         k: usize,
         out: GemmDType,
     ) -> Result<()> {
+        if rows <= GEMV_MAX_ROWS && k % 8 == 0 && self.use_gemv {
+            // Decode-sized batches are bandwidth-bound: our GEMV streams the
+            // weights closer to the copy bandwidth than cuBLAS does.
+            return self.launch(
+                &self.kernels.gemv,
+                (n.div_ceil(GEMV_WARPS) as u32, 1, 1),
+                32 * GEMV_WARPS as u32,
+                &[
+                    KArg::Ptr(x),
+                    KArg::Ptr(w),
+                    KArg::Ptr(y),
+                    KArg::I32(n as i32),
+                    KArg::I32(k as i32),
+                    KArg::I32(rows as i32),
+                    KArg::I32((out == GemmDType::F32) as i32),
+                ],
+            );
+        }
         gemm::gemm_xwt(&self.blas, self.act, x, w, y, rows, n, k, out)
     }
 }

@@ -20,7 +20,7 @@ use serde_json::json;
 use std::time::Instant;
 
 pub const FLAGS: &[&str] = &["json"];
-const OPTS: &[&str] = &["n-prompt", "n-gen", "repetitions", "seed"];
+const OPTS: &[&str] = &["n-prompt", "n-gen", "n-depth", "repetitions", "seed"];
 
 /// llama-bench's short options, mapped to the long ones `Args` understands.
 const SHORT: &[(&str, &str)] = &[
@@ -28,6 +28,7 @@ const SHORT: &[(&str, &str)] = &[
     ("-n", "--n-gen"),
     ("-r", "--repetitions"),
     ("-t", "--threads"),
+    ("-d", "--n-depth"),
     ("-m", "--model"),
 ];
 
@@ -47,6 +48,8 @@ pub fn expand_short_options(argv: &[String]) -> Vec<String> {
 struct Settings {
     n_prompt: usize,
     n_gen: usize,
+    /// tg starts after this many cached tokens (llama-bench's -d).
+    n_depth: usize,
     repetitions: usize,
     seed: u64,
 }
@@ -57,6 +60,7 @@ fn settings(a: &Args) -> Result<Settings, String> {
     let s = Settings {
         n_prompt: a.parse_or("n-prompt", 512)?,
         n_gen: a.parse_or("n-gen", 128)?,
+        n_depth: a.parse_or("n-depth", 0)?,
         repetitions: a.parse_or("repetitions", 3)?,
         seed: a.parse_or("seed", 1234)?,
     };
@@ -70,14 +74,14 @@ pub fn run(a: &Args) -> Result<(), String> {
     let s = settings(a)?;
     let model = load_model(a)?;
     let c = model.config();
-    let longest = s.n_prompt.max(s.n_gen);
+    let longest = s.n_prompt.max(s.n_depth + s.n_gen);
     if longest > c.max_position_embeddings {
         return Err(format!(
             "-p/-n of {longest} tokens exceeds the model's context length {}",
             c.max_position_embeddings
         ));
     }
-    let mut bench = Bench::new(&model, longest, s.seed)?;
+    let mut bench = Bench::new(&model, longest, s.n_prompt.max(FILL_CHUNK), s.seed)?;
     let pp = if s.n_prompt > 0 {
         Some(measure(s.repetitions, s.n_prompt, || {
             bench.prompt(s.n_prompt)
@@ -86,7 +90,10 @@ pub fn run(a: &Args) -> Result<(), String> {
         None
     };
     let tg = if s.n_gen > 0 {
-        Some(measure(s.repetitions, s.n_gen, || bench.generate(s.n_gen))?)
+        bench.fill(s.n_depth)?;
+        Some(measure(s.repetitions, s.n_gen, || {
+            bench.generate(s.n_depth, s.n_gen)
+        })?)
     } else {
         None
     };
@@ -106,6 +113,7 @@ pub fn run(a: &Args) -> Result<(), String> {
                 "tg_stddev": sd(&tg),
                 "n_prompt": s.n_prompt,
                 "n_gen": s.n_gen,
+                "n_depth": s.n_depth,
                 "repetitions": s.repetitions,
                 "threads": threads,
                 "dtype": dtype,
@@ -125,13 +133,18 @@ pub fn run(a: &Args) -> Result<(), String> {
         s.repetitions
     );
     println!("{}", model.decoder.summary());
-    println!("| test   |              t/s |");
-    println!("| ------ | ---------------: |");
+    println!("| test           |              t/s |");
+    println!("| -------------- | ---------------: |");
+    let depth = match s.n_depth {
+        0 => String::new(),
+        d => format!(" @ d{d}"),
+    };
     for (name, n, r) in [("pp", s.n_prompt, &pp), ("tg", s.n_gen, &tg)] {
         if let Some(r) = r {
+            let at = if name == "tg" { depth.as_str() } else { "" };
             println!(
-                "| {:<6} | {:>8.2} ± {:>5.2} |",
-                format!("{name}{n}"),
+                "| {:<14} | {:>8.2} ± {:>5.2} |",
+                format!("{name}{n}{at}"),
                 r.mean,
                 r.stddev
             );
@@ -139,6 +152,9 @@ pub fn run(a: &Args) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// Prefill piece used to fill the cache before tg at depth.
+const FILL_CHUNK: usize = 1024;
 
 /// A model with a KV cache of `capacity` contiguous positions and a fixed
 /// stream of random token ids.
@@ -150,12 +166,14 @@ struct Bench<'m> {
 }
 
 impl<'m> Bench<'m> {
-    fn new(model: &'m Model, capacity: usize, seed: u64) -> Result<Self, String> {
+    /// Room for `capacity` positions, forwards of up to `max_rows` tokens.
+    fn new(model: &'m Model, capacity: usize, max_rows: usize, seed: u64) -> Result<Self, String> {
         let c = model.config();
         let mut rng = SplitMix64(seed);
         Ok(Bench {
             model,
-            seq: SingleSequence::new(model, capacity, capacity).map_err(|e| e.to_string())?,
+            seq: SingleSequence::new(model, capacity, max_rows.min(capacity))
+                .map_err(|e| e.to_string())?,
             logits: vec![0.0; c.vocab_size],
             tokens: (0..capacity)
                 .map(|_| (rng.next() % c.vocab_size as u64) as u32)
@@ -174,8 +192,18 @@ impl<'m> Bench<'m> {
         self.forward(&tokens, 0)
     }
 
-    fn generate(&mut self, n: usize) -> Result<(), String> {
-        for pos in 0..n {
+    /// Caches positions `0..depth` (untimed) for tg at depth.
+    fn fill(&mut self, depth: usize) -> Result<(), String> {
+        for start in (0..depth).step_by(FILL_CHUNK) {
+            let tokens = self.tokens[start..depth.min(start + FILL_CHUNK)].to_vec();
+            self.forward(&tokens, start)?;
+        }
+        Ok(())
+    }
+
+    /// `n` single-token steps at positions `depth..depth + n`.
+    fn generate(&mut self, depth: usize, n: usize) -> Result<(), String> {
+        for pos in depth..depth + n {
             let tok = self.tokens[pos];
             self.forward(&[tok], pos)?;
         }
