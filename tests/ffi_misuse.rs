@@ -644,3 +644,36 @@ fn model_load_failures_have_statuses_and_messages() {
     }
     assert!(m.is_null());
 }
+
+#[test]
+fn bad_quantization_params_are_refused() {
+    let path = std::ffi::CString::new(model_dir().to_str().unwrap()).unwrap();
+    let mut p = std::mem::MaybeUninit::<ni_model_params>::uninit();
+    // SAFETY: init fills the whole struct; valid pointers.
+    unsafe {
+        ni_model_params_init(p.as_mut_ptr());
+        let mut p = p.assume_init();
+        let mut model = ptr::null_mut();
+        p.quant = 7;
+        assert_err(
+            ni_model_load(path.as_ptr(), &p, &mut model),
+            NI_ERR_INVALID_ARGUMENT,
+            &["quant 7", "NI_QUANT_"],
+        );
+        p.quant = NI_QUANT_Q8_0;
+        p.quant_group_size = 30;
+        assert_err(
+            ni_model_load(path.as_ptr(), &p, &mut model),
+            NI_ERR_INVALID_ARGUMENT,
+            &["group size", "30"],
+        );
+        p.quant_group_size = 0;
+        p.struct_size += 8;
+        assert_err(
+            ni_model_load(path.as_ptr(), &p, &mut model),
+            NI_ERR_INVALID_ARGUMENT,
+            &["struct_size", "or an older [40]"],
+        );
+        assert!(model.is_null());
+    }
+}
