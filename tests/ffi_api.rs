@@ -101,7 +101,7 @@ fn text_functions_round_trip() {
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
         );
         // Empty text tokenizes to an empty, NULL array.
-        let mut toks = 0x1 as *mut u32;
+        let mut toks = ptr::without_provenance_mut::<u32>(0x1);
         let mut n = 9usize;
         ok(ni_tokenize(
             model,

@@ -13,12 +13,12 @@ use std::ptr;
 fn null_handles_and_out_params_are_refused() {
     let model = shared_model();
     let session = create_session(model);
-    let mut out_model = 0x1 as *mut ni_model;
-    let mut out_session = 0x1 as *mut ni_session;
+    let mut out_model = ptr::without_provenance_mut::<ni_model>(0x1);
+    let mut out_session = ptr::without_provenance_mut::<ni_session>(0x1);
     let mut id = 77u64;
-    let mut toks = 0x1 as *mut u32;
+    let mut toks = ptr::without_provenance_mut::<u32>(0x1);
     let mut n = 5usize;
-    let mut text = 0x1 as *mut c_char;
+    let mut text = ptr::without_provenance_mut::<c_char>(0x1);
     let path = CString::new(model_dir().to_str().unwrap()).unwrap();
     let req = request_params();
     // SAFETY: NULL and valid pointers only; the library must reject the NULLs.

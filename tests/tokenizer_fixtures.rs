@@ -400,7 +400,7 @@ fn stream_invalid_bytes_come_out_as_replacement_chars() {
     let lead = tok.token_id("<0xE2>").unwrap(); // a 3-byte lead byte
     let a = tok.encode("a", false).unwrap();
     let mut ids = a.clone();
-    ids.extend(std::iter::repeat(cont).take(40));
+    ids.extend(std::iter::repeat_n(cont, 40));
     ids.extend(&a);
     ids.push(lead);
     let mut det = StreamDetokenizer::default();

@@ -43,9 +43,9 @@ pub(crate) unsafe fn slice<'a, T>(ptr: *const T, len: usize, what: &str) -> Resu
     if !ptr.is_aligned() {
         bail_arg!("{what} is not aligned for its element type");
     }
-    if !len
+    if len
         .checked_mul(size_of::<T>())
-        .is_some_and(|b| b <= isize::MAX as usize)
+        .is_none_or(|b| b > isize::MAX as usize)
     {
         bail_arg!("{what} has an impossible length {len}");
     }
