@@ -30,7 +30,11 @@ fuzz_target!(|data: &[u8]| {
             }
             Err(_) => assert!(tok.check_id(id).is_err(), "valid id {id} refused"),
         }
-        assert!(stream.window_len() <= 16, "window grew to {}", stream.window_len());
+        assert!(
+            stream.window_len() <= 16,
+            "window grew to {}",
+            stream.window_len()
+        );
     }
     streamed.push_str(&stream.flush());
     let whole = tok.decode(&accepted, skip).expect("accepted ids decode");

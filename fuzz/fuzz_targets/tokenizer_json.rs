@@ -9,7 +9,11 @@ mod common;
 use libfuzzer_sys::fuzz_target;
 use nanoinfer::tokenizer::{ChatMessage, StreamDetokenizer, Tokenizer};
 
-const TEXTS: [&str; 3] = ["Hello, wörld! 12 你好", " <|im_start|>user\nhi<|im_end|>", ""];
+const TEXTS: [&str; 3] = [
+    "Hello, wörld! 12 你好",
+    " <|im_start|>user\nhi<|im_end|>",
+    "",
+];
 
 fuzz_target!(|data: &[u8]| {
     // The tokenizers crate panics on some malformed files; Tokenizer catches it.

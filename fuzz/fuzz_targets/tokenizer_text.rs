@@ -15,7 +15,9 @@ fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);
     for tok in common::tokenizers() {
         for special in [false, true] {
-            let ids = tok.encode(&text, special).expect("valid UTF-8 always encodes");
+            let ids = tok
+                .encode(&text, special)
+                .expect("valid UTF-8 always encodes");
             for &id in &ids {
                 assert!((id as usize) < tok.vocab_size());
             }
@@ -25,7 +27,11 @@ fuzz_target!(|data: &[u8]| {
                 let mut streamed = String::new();
                 for &id in &ids {
                     streamed.push_str(&stream.push(tok, id).expect("own ids stream"));
-                    assert!(stream.window_len() <= 16, "window grew to {}", stream.window_len());
+                    assert!(
+                        stream.window_len() <= 16,
+                        "window grew to {}",
+                        stream.window_len()
+                    );
                 }
                 streamed.push_str(&stream.flush());
                 if !whole.contains('\u{FFFD}') {

@@ -43,7 +43,10 @@ pub fn tokenizers() -> &'static [Tokenizer] {
                 v.push(Tokenizer::from_dir(&dir).expect("test tokenizer loads"));
             }
         }
-        assert!(v.len() >= 2, "test tokenizers missing under tests/data/tokenizer");
+        assert!(
+            v.len() >= 2,
+            "test tokenizers missing under tests/data/tokenizer"
+        );
         v
     })
 }
