@@ -94,6 +94,11 @@ typedef uint32_t ni_dtype;
 typedef bool (*ni_progress_callback)(float progress, void *user_data);
 
 /**
+ * Online weight quantization at load time.
+ */
+typedef uint32_t ni_quant;
+
+/**
  * How to load a model. Fill with `ni_model_params_init`, then change fields.
  */
 typedef struct ni_model_params {
@@ -125,6 +130,22 @@ typedef struct ni_model_params {
      * Passed to `progress` unchanged.
      */
     void *progress_user_data;
+    /**
+     * `NI_QUANT_*`: quantize the dense F32/F16/BF16 weights at load; default
+     * `NI_QUANT_NONE`. Appended after ABI 1's first release: a caller built
+     * with the older, smaller struct still loads (unquantized).
+     */
+    ni_quant quant;
+    /**
+     * Inputs per scale for `NI_QUANT_Q8_0`: a positive multiple of 4; 0
+     * (default) = 32. Ignored for `NI_QUANT_NONE`.
+     */
+    uint32_t quant_group_size;
+    /**
+     * Whether `NI_QUANT_Q8_0` quantizes the LM head too (a tied head gets its
+     * own int8 copy); default true, as the CLI does.
+     */
+    bool quant_lm_head;
 } ni_model_params;
 
 /**
@@ -606,6 +627,17 @@ typedef struct ni_event {
 #define NI_DTYPE_BF16 3
 
 /**
+ * Keep the checkpoint's weights (a quantized checkpoint still loads quantized).
+ */
+#define NI_QUANT_NONE 0
+
+/**
+ * Int8 weights with one f32 scale per `quant_group_size` inputs of a row
+ * (the CLI's `--quant q8_0`). Embeddings and norms stay in higher precision.
+ */
+#define NI_QUANT_Q8_0 1
+
+/**
  * vLLM-style paged blocks with hash-chained prefix reuse (default).
  */
 #define NI_KV_BACKEND_PAGED 0
@@ -757,7 +789,7 @@ ni_status ni_set_log_callback(ni_log_callback callback, void *user_data);
 
 /**
  * Fills `params` with the defaults (CPU, dtype auto, all cores, no
- * progress callback) and sets `struct_size`. NULL is a no-op.
+ * progress callback, no quantization) and sets `struct_size`. NULL is a no-op.
  *
  * Thread-safety: any thread.
  */

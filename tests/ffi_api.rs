@@ -101,7 +101,7 @@ fn text_functions_round_trip() {
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
         );
         // Empty text tokenizes to an empty, NULL array.
-        let mut toks = 0x1 as *mut u32;
+        let mut toks = ptr::without_provenance_mut::<u32>(0x1);
         let mut n = 9usize;
         ok(ni_tokenize(
             model,
@@ -401,4 +401,115 @@ fn log_and_progress_callbacks() {
         );
         assert!(m2.is_null());
     }
+}
+
+/// Greedy tokens and first-token logprob of `prompt` on the tiny Llama3
+/// model, through the C ABI with `params`.
+fn tiny_generate_ffi(params: &ni_model_params, prompt: &[u32]) -> (Vec<u32>, Vec<f32>) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tiny-llama3");
+    let path = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
+    let mut model = ptr::null_mut();
+    // SAFETY: valid pointers; the handles are freed below.
+    unsafe {
+        ok(ni_model_load(path.as_ptr(), params, &mut model));
+        let session = create_session(model);
+        let mut r = request_params();
+        r.prompt_tokens = prompt.as_ptr();
+        r.n_prompt_tokens = prompt.len();
+        r.max_tokens = 12;
+        r.logprobs = 1;
+        let mut id = 0;
+        ok(ni_session_add_request(session, &r, &mut id));
+        let got = run_to_completion(session).remove(&id).unwrap();
+        ni_session_free(session);
+        ni_model_free(model);
+        (got.tokens, got.logprobs.iter().map(|l| l.1).collect())
+    }
+}
+
+/// The same through the Rust API with `quant`.
+fn tiny_generate_engine(
+    quant: nanoinfer::model::QuantMode,
+    prompt: &[u32],
+) -> (Vec<u32>, Vec<f32>) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tiny-llama3");
+    let params = ModelParams {
+        threads: 2,
+        quant,
+        ..Default::default()
+    };
+    let model = Arc::new(Model::load(&dir, &params, None).unwrap());
+    let mut session = Session::new(
+        model,
+        SessionParams {
+            kv_capacity_tokens: 4096,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut r = RequestParams {
+        prompt: prompt.to_vec(),
+        ..Default::default()
+    };
+    r.sampling.max_tokens = 12;
+    r.sampling.logprobs = 1;
+    session.add_request(r).unwrap();
+    let (mut toks, mut lps) = (vec![], vec![]);
+    while session.has_work() {
+        for ev in session.step().unwrap() {
+            toks.extend(ev.tokens);
+            lps.extend(ev.logprobs.iter().map(|l| l.logprob));
+        }
+    }
+    (toks, lps)
+}
+
+#[test]
+fn quantization_params_match_the_engine_and_old_struct_sizes_still_load() {
+    use nanoinfer::model::QuantMode;
+    let prompt = [3u32, 17, 200, 42, 9];
+    let mut p = std::mem::MaybeUninit::<ni_model_params>::uninit();
+    // SAFETY: init fills the whole struct.
+    let defaults = unsafe {
+        ni_model_params_init(p.as_mut_ptr());
+        p.assume_init()
+    };
+    assert_eq!(defaults.quant, NI_QUANT_NONE);
+    assert_eq!(defaults.quant_group_size, 0);
+    assert!(defaults.quant_lm_head);
+
+    let dense = tiny_generate_engine(QuantMode::None, &prompt);
+    let q8 = tiny_generate_engine(QuantMode::Q8_0_DEFAULT, &prompt);
+    let q8_64 = tiny_generate_engine(
+        QuantMode::Q8_0 {
+            group_size: 64,
+            lm_head: false,
+        },
+        &prompt,
+    );
+    assert_ne!(dense.1, q8.1, "Q8_0 must change the logprobs");
+    assert_ne!(
+        q8.1, q8_64.1,
+        "group 64 / dense head differs from the default Q8_0"
+    );
+
+    let mut p = defaults;
+    p.n_threads = 2;
+    assert_eq!(tiny_generate_ffi(&p, &prompt), dense);
+    p.quant = NI_QUANT_Q8_0;
+    assert_eq!(tiny_generate_ffi(&p, &prompt), q8);
+    p.quant_group_size = 64;
+    p.quant_lm_head = false;
+    assert_eq!(tiny_generate_ffi(&p, &prompt), q8_64);
+
+    // A caller built against the header before the quant fields existed
+    // passes the smaller struct_size: accepted, the new fields default.
+    // The bytes past its end are garbage here, as they would be in C.
+    p.struct_size = std::mem::offset_of!(ni_model_params, quant) as u32;
+    assert_eq!(
+        p.struct_size, 40,
+        "ABI 1's ni_model_params on 64-bit targets"
+    );
+    p.quant = 0xdead;
+    assert_eq!(tiny_generate_ffi(&p, &prompt), dense);
 }

@@ -13,12 +13,12 @@ use std::ptr;
 fn null_handles_and_out_params_are_refused() {
     let model = shared_model();
     let session = create_session(model);
-    let mut out_model = 0x1 as *mut ni_model;
-    let mut out_session = 0x1 as *mut ni_session;
+    let mut out_model = ptr::without_provenance_mut::<ni_model>(0x1);
+    let mut out_session = ptr::without_provenance_mut::<ni_session>(0x1);
     let mut id = 77u64;
-    let mut toks = 0x1 as *mut u32;
+    let mut toks = ptr::without_provenance_mut::<u32>(0x1);
     let mut n = 5usize;
-    let mut text = 0x1 as *mut c_char;
+    let mut text = ptr::without_provenance_mut::<c_char>(0x1);
     let path = CString::new(model_dir().to_str().unwrap()).unwrap();
     let req = request_params();
     // SAFETY: NULL and valid pointers only; the library must reject the NULLs.
@@ -643,4 +643,37 @@ fn model_load_failures_have_statuses_and_messages() {
         );
     }
     assert!(m.is_null());
+}
+
+#[test]
+fn bad_quantization_params_are_refused() {
+    let path = std::ffi::CString::new(model_dir().to_str().unwrap()).unwrap();
+    let mut p = std::mem::MaybeUninit::<ni_model_params>::uninit();
+    // SAFETY: init fills the whole struct; valid pointers.
+    unsafe {
+        ni_model_params_init(p.as_mut_ptr());
+        let mut p = p.assume_init();
+        let mut model = ptr::null_mut();
+        p.quant = 7;
+        assert_err(
+            ni_model_load(path.as_ptr(), &p, &mut model),
+            NI_ERR_INVALID_ARGUMENT,
+            &["quant 7", "NI_QUANT_"],
+        );
+        p.quant = NI_QUANT_Q8_0;
+        p.quant_group_size = 30;
+        assert_err(
+            ni_model_load(path.as_ptr(), &p, &mut model),
+            NI_ERR_INVALID_ARGUMENT,
+            &["group size", "30"],
+        );
+        p.quant_group_size = 0;
+        p.struct_size += 8;
+        assert_err(
+            ni_model_load(path.as_ptr(), &p, &mut model),
+            NI_ERR_INVALID_ARGUMENT,
+            &["struct_size", "or an older [40]"],
+        );
+        assert!(model.is_null());
+    }
 }

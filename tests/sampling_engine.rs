@@ -10,10 +10,10 @@ use nanoinfer::sampling::SamplingParams;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-fn run_all(
-    model: &Arc<Model>,
-    reqs: &[RequestParams],
-) -> Vec<(Vec<u32>, String, Option<FinishReason>, Vec<Event>)> {
+/// One request's tokens, text, finish reason and events.
+type Outcome = (Vec<u32>, String, Option<FinishReason>, Vec<Event>);
+
+fn run_all(model: &Arc<Model>, reqs: &[RequestParams]) -> Vec<Outcome> {
     let params = SessionParams {
         kv_capacity_tokens: 4096,
         ..Default::default()
@@ -23,8 +23,7 @@ fn run_all(
         .iter()
         .map(|r| session.add_request(r.clone()).unwrap())
         .collect();
-    let mut out: HashMap<u64, (Vec<u32>, String, Option<FinishReason>, Vec<Event>)> =
-        HashMap::new();
+    let mut out: HashMap<u64, Outcome> = HashMap::new();
     while session.has_work() {
         for ev in session.step().unwrap() {
             let e = out.entry(ev.request_id).or_default();

@@ -400,7 +400,7 @@ fn stream_invalid_bytes_come_out_as_replacement_chars() {
     let lead = tok.token_id("<0xE2>").unwrap(); // a 3-byte lead byte
     let a = tok.encode("a", false).unwrap();
     let mut ids = a.clone();
-    ids.extend(std::iter::repeat(cont).take(40));
+    ids.extend(std::iter::repeat_n(cont, 40));
     ids.extend(&a);
     ids.push(lead);
     let mut det = StreamDetokenizer::default();
@@ -439,4 +439,40 @@ fn stream_window_stays_small_on_long_sequences() {
     assert!(ids.len() > 20_000, "{}", ids.len());
     let (deltas, rest) = stream(&tok, &ids, false); // asserts window <= 16 at every step
     assert_eq!(deltas.concat() + &rest, tok.decode(&ids, false).unwrap());
+}
+
+#[test]
+fn a_tokenizer_json_that_panics_the_tokenizers_crate_is_an_error() {
+    // Found by fuzz/tokenizer_json: tokenizers 0.22 `expect`s while
+    // deserializing a malformed "decoder" (e.g. a non-object); loading must
+    // fail with an error, not unwind into the caller.
+    let dir = std::env::temp_dir().join(format!("nanoinfer-tok-panic-{}", std::process::id()));
+    fs::create_dir_all(&dir).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(
+        &fs::read_to_string(fixture_dir("spm").join("tokenizer.json")).unwrap(),
+    )
+    .unwrap();
+    for decoder in [
+        serde_json::json!(7),
+        serde_json::json!([1, 2]),
+        serde_json::json!("x"),
+    ] {
+        json["decoder"] = decoder;
+        fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+        let err = Tokenizer::from_dir(&dir).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::InvalidModel, "{err}");
+        assert!(err.message.contains("tokenizer.json"), "{err}");
+    }
+    // The fuzzer's input: a syntax error inside a nested decoder.
+    let text = fs::read_to_string(fixture_dir("spm").join("tokenizer.json")).unwrap();
+    let broken = text.replacen(
+        r#"{"type":"ByteFallback"}"#,
+        r#"{Q"type":"ByteFallback"}"#,
+        1,
+    );
+    assert_ne!(broken, text);
+    fs::write(dir.join("tokenizer.json"), broken).unwrap();
+    let err = Tokenizer::from_dir(&dir).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::InvalidModel, "{err}");
+    fs::remove_dir_all(&dir).unwrap();
 }

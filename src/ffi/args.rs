@@ -43,9 +43,9 @@ pub(crate) unsafe fn slice<'a, T>(ptr: *const T, len: usize, what: &str) -> Resu
     if !ptr.is_aligned() {
         bail_arg!("{what} is not aligned for its element type");
     }
-    if !len
+    if len
         .checked_mul(size_of::<T>())
-        .is_some_and(|b| b <= isize::MAX as usize)
+        .is_none_or(|b| b > isize::MAX as usize)
     {
         bail_arg!("{what} has an impossible length {len}");
     }
@@ -104,6 +104,27 @@ pub(crate) unsafe fn params<T: Copy>(
     defaults: impl FnOnce() -> T,
     what: &str,
 ) -> Result<T> {
+    // SAFETY: forwarded contract; no older layouts.
+    unsafe { params_versioned(ptr, defaults, &[], what) }
+}
+
+/// Like [`params`], but also accepts the sizes of earlier versions of `T`
+/// (`older_sizes`, each a prefix of today's layout that ends on a field
+/// boundary): the fields such a caller knows are copied over `defaults`, and
+/// the fields appended since keep their defaults. This is what lets a params
+/// struct grow at its end without breaking callers built against an older
+/// header.
+///
+/// # Safety
+/// A non-NULL `ptr` must point to `struct_size` initialised bytes laid out
+/// as the first `struct_size` bytes of `T` (a struct initialised by the
+/// `ni_*_params_init` of the header the caller was built with).
+pub(crate) unsafe fn params_versioned<T: Copy>(
+    ptr: *const T,
+    defaults: impl FnOnce() -> T,
+    older_sizes: &[usize],
+    what: &str,
+) -> Result<T> {
     if ptr.is_null() {
         return Ok(defaults());
     }
@@ -118,14 +139,36 @@ pub(crate) unsafe fn params<T: Copy>(
             "{what}.struct_size is 0: initialise the struct with its ni_*_params_init function"
         );
     }
-    if size as usize != expected {
-        bail_arg!(
-            "{what}.struct_size is {size} but this library expects {expected}: the header used to build \
-             the caller does not match the library (compare NI_ABI_VERSION with ni_abi_version())"
-        );
+    if size as usize == expected {
+        // SAFETY: the caller guarantees a fully initialised T.
+        return Ok(unsafe { ptr.read() });
     }
-    // SAFETY: the caller guarantees a fully initialised T.
-    Ok(unsafe { ptr.read() })
+    if older_sizes.contains(&(size as usize)) {
+        debug_assert!((size as usize) < expected);
+        let mut value = defaults();
+        // SAFETY: `size` < size_of::<T>() bytes are readable at `ptr` (the
+        // caller's older struct) and writable at `value`; the regions are
+        // distinct. The prefix ends on a field boundary, so every field of
+        // `value` is either wholly copied from the caller or left at its
+        // default. struct_size keeps the caller's value, which nothing reads.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                ptr.cast::<u8>(),
+                (&mut value as *mut T).cast::<u8>(),
+                size as usize,
+            )
+        };
+        return Ok(value);
+    }
+    bail_arg!(
+        "{what}.struct_size is {size} but this library expects {expected}{}: the header used to build \
+         the caller does not match the library (compare NI_ABI_VERSION with ni_abi_version())",
+        if older_sizes.is_empty() {
+            String::new()
+        } else {
+            format!(" (or an older {older_sizes:?})")
+        }
+    )
 }
 
 /// Checks the `struct_size` of a caller-provided output struct.

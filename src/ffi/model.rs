@@ -5,7 +5,7 @@ use super::boundary::{ffi_call, ffi_value};
 use super::log::{emit, NI_LOG_INFO};
 use super::status::ni_status;
 use crate::engine::{Model, ModelParams};
-use crate::model::WeightDType;
+use crate::model::{QuantMode, WeightDType};
 use crate::{bail_arg, Error, Result};
 use std::ffi::{c_char, c_void, CString};
 use std::path::PathBuf;
@@ -25,6 +25,14 @@ pub const NI_DTYPE_AUTO: ni_dtype = 0;
 pub const NI_DTYPE_F32: ni_dtype = 1;
 pub const NI_DTYPE_F16: ni_dtype = 2;
 pub const NI_DTYPE_BF16: ni_dtype = 3;
+
+/// Online weight quantization at load time.
+pub type ni_quant = u32;
+/// Keep the checkpoint's weights (a quantized checkpoint still loads quantized).
+pub const NI_QUANT_NONE: ni_quant = 0;
+/// Int8 weights with one f32 scale per `quant_group_size` inputs of a row
+/// (the CLI's `--quant q8_0`). Embeddings and norms stay in higher precision.
+pub const NI_QUANT_Q8_0: ni_quant = 1;
 
 /// Reports load progress in [0, 1]; return false to cancel the load (which
 /// then fails with `NI_ERR_CANCELLED`). Called on the loading thread, during
@@ -50,7 +58,21 @@ pub struct ni_model_params {
     pub progress: ni_progress_callback,
     /// Passed to `progress` unchanged.
     pub progress_user_data: *mut c_void,
+    /// `NI_QUANT_*`: quantize the dense F32/F16/BF16 weights at load; default
+    /// `NI_QUANT_NONE`. Appended after ABI 1's first release: a caller built
+    /// with the older, smaller struct still loads (unquantized).
+    pub quant: ni_quant,
+    /// Inputs per scale for `NI_QUANT_Q8_0`: a positive multiple of 4; 0
+    /// (default) = 32. Ignored for `NI_QUANT_NONE`.
+    pub quant_group_size: u32,
+    /// Whether `NI_QUANT_Q8_0` quantizes the LM head too (a tied head gets its
+    /// own int8 copy); default true, as the CLI does.
+    pub quant_lm_head: bool,
 }
+
+/// `sizeof(ni_model_params)` before the `quant*` fields were appended; such
+/// callers are still accepted (see `args::params_versioned`).
+pub(crate) const NI_MODEL_PARAMS_SIZE_V1: usize = std::mem::offset_of!(ni_model_params, quant);
 
 impl Default for ni_model_params {
     fn default() -> Self {
@@ -62,6 +84,9 @@ impl Default for ni_model_params {
             n_threads: 0,
             progress: None,
             progress_user_data: std::ptr::null_mut(),
+            quant: NI_QUANT_NONE,
+            quant_group_size: 0,
+            quant_lm_head: true,
         }
     }
 }
@@ -124,8 +149,22 @@ fn path_from_bytes(bytes: &[u8]) -> PathBuf {
     String::from_utf8_lossy(bytes).into_owned().into()
 }
 
+fn quant_mode(p: &ni_model_params) -> Result<QuantMode> {
+    Ok(match p.quant {
+        NI_QUANT_NONE => QuantMode::None,
+        NI_QUANT_Q8_0 => QuantMode::Q8_0 {
+            group_size: match p.quant_group_size {
+                0 => crate::model::quant::DEFAULT_GROUP_SIZE,
+                g => g as usize,
+            },
+            lm_head: p.quant_lm_head,
+        },
+        q => bail_arg!("model params: quant {q} is not an NI_QUANT_* value"),
+    })
+}
+
 /// Fills `params` with the defaults (CPU, dtype auto, all cores, no
-/// progress callback) and sets `struct_size`. NULL is a no-op.
+/// progress callback, no quantization) and sets `struct_size`. NULL is a no-op.
 ///
 /// Thread-safety: any thread.
 #[no_mangle]
@@ -155,7 +194,14 @@ pub unsafe extern "C" fn ni_model_load(
         // SAFETY: per this function's contract.
         let path_bytes = unsafe { args::cstr_bytes(path, "path")? };
         // SAFETY: per this function's contract.
-        let p = unsafe { args::params(params, ni_model_params::default, "params")? };
+        let p = unsafe {
+            args::params_versioned(
+                params,
+                ni_model_params::default,
+                &[NI_MODEL_PARAMS_SIZE_V1],
+                "params",
+            )?
+        };
         let out = args::out_ptr(out_model, "out_model")?;
         if path_bytes.is_empty() {
             bail_arg!("path is empty");
@@ -172,7 +218,7 @@ pub unsafe extern "C" fn ni_model_load(
         let model_params = ModelParams {
             dtype: weight_dtype(p.dtype)?,
             threads: p.n_threads as usize,
-            ..Default::default()
+            quant: quant_mode(&p)?,
         };
         let dir = path_from_bytes(path_bytes);
         let model = match p.progress {

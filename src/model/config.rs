@@ -88,7 +88,8 @@ fn get_f32(v: &Value, key: &str) -> Result<Option<f32>> {
     match v.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(x) => match x.as_f64() {
-            Some(f) if f.is_finite() => Ok(Some(f as f32)),
+            // Finite as f64 but past f32's range (1e300) would become infinity.
+            Some(f) if (f as f32).is_finite() => Ok(Some(f as f32)),
             _ => bail_model!("config.json: `{key}` must be a finite number, got {x}"),
         },
     }
@@ -105,10 +106,15 @@ fn get_bool(v: &Value, key: &str) -> Result<Option<bool>> {
 /// Token ids given as an integer or a list of integers.
 pub fn token_ids(v: Option<&Value>) -> Vec<u32> {
     match v {
-        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        // Ids past u32 are dropped, not wrapped onto real tokens.
+        Some(Value::Number(n)) => n
+            .as_u64()
+            .and_then(|x| u32::try_from(x).ok())
+            .map(|x| vec![x])
+            .unwrap_or_default(),
         Some(Value::Array(a)) => a
             .iter()
-            .filter_map(|x| x.as_u64().map(|x| x as u32))
+            .filter_map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
             .collect(),
         _ => vec![],
     }
@@ -334,6 +340,17 @@ mod tests {
         assert!(e.message.contains("hidden_size"), "{e}");
         let e = ModelConfig::from_json(&SMOL.replace("silu", "gelu")).unwrap_err();
         assert!(e.message.contains("gelu"), "{e}");
+        let e = ModelConfig::from_json(&SMOL.replace("100000.0", "1e300")).unwrap_err();
+        assert!(e.message.contains("rope_theta"), "{e}");
+        let c = ModelConfig::from_json(
+            &SMOL.replace("\"eos_token_id\":2", "\"eos_token_id\":[4294967298,2]"),
+        )
+        .unwrap();
+        assert_eq!(
+            c.eos_token_ids,
+            vec![2],
+            "an id past u32 must not wrap to 2"
+        );
     }
 
     #[test]

@@ -145,7 +145,7 @@ plain!(f32, u16, i8, i32);
 /// which the header validation makes impossible).
 fn cast_or_copy<T: Plain>(bytes: &[u8]) -> Cow<'_, [T]> {
     let size = std::mem::size_of::<T>();
-    if bytes.as_ptr().cast::<T>().is_aligned() && bytes.len() % size == 0 {
+    if bytes.as_ptr().cast::<T>().is_aligned() && bytes.len().is_multiple_of(size) {
         // SAFETY: the pointer is aligned for T and covers len / size whole
         // elements inside `bytes`; T accepts any bit pattern (`Plain`) and the
         // host is little-endian like the file; the result borrows `bytes`.

@@ -90,7 +90,7 @@ impl StopMatcher {
             }
             if let Some(start) = self.held.find(s.as_str()) {
                 let cand = (start + s.len(), start, i);
-                if best.map_or(true, |b| cand < b) {
+                if best.is_none_or(|b| cand < b) {
                     best = Some(cand);
                 }
             }

@@ -55,3 +55,41 @@ impl<T: Copy + 'static> Deref for HostSlice<T> {
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owned_slices_read_back_and_cross_threads() {
+        let s = HostSlice::from_vec(vec![1.5f32, -2.0, 3.25]);
+        assert_eq!(&*s, &[1.5, -2.0, 3.25]);
+        let s = Arc::new(s);
+        let handles: Vec<_> = (0..2)
+            .map(|_| {
+                let s = Arc::clone(&s);
+                std::thread::spawn(move || s.iter().sum::<f32>())
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap(), 2.75);
+        }
+        let empty = HostSlice::<u16>::from_vec(vec![]);
+        assert!(empty.is_empty());
+    }
+
+    #[test]
+    fn views_outlive_their_creator_through_the_owner() {
+        let backing: Arc<Vec<u32>> = Arc::new((0..16).collect());
+        let (base, bytes) = (backing.as_ptr().cast::<u8>(), backing.len() * 4);
+        // SAFETY: the slice points into `backing`, which the view keeps alive
+        // and nobody mutates.
+        let view = unsafe { HostSlice::borrowed_from(backing.clone(), &backing[4..8]) };
+        drop(backing);
+        assert_eq!(&*view, &[4, 5, 6, 7]);
+        assert!(view.is_view_of(base, bytes));
+        let copy = HostSlice::from_vec(view.to_vec());
+        assert!(!copy.is_view_of(base, bytes));
+        assert_eq!(&*copy, &*view);
+    }
+}

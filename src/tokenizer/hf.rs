@@ -9,6 +9,22 @@ use tokenizers::PostProcessor;
 
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
+/// Runs a call into the `tokenizers` crate and turns a panic into an error
+/// message: it `expect`s on some malformed input (0.22 panics while
+/// deserializing a `tokenizer.json` whose "decoder" does not parse, found by
+/// fuzz/tokenizer_json), and a library must not unwind into its caller. The
+/// tokenizer is immutable, so nothing is left half-updated.
+fn contain<T>(f: impl FnOnce() -> T) -> std::result::Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|panic| {
+        let what = panic
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| panic.downcast_ref::<&str>().copied())
+            .unwrap_or("unknown panic");
+        format!("the tokenizers library panicked: {what}")
+    })
+}
+
 enum ChatSlot {
     None,
     Ready(Box<ChatTemplate>),
@@ -51,9 +67,11 @@ impl Tokenizer {
         let path = dir.join(TOKENIZER_FILE);
         let bytes = std::fs::read(&path)
             .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
-            Error::invalid_model(format!("{} is not a valid tokenizer: {e}", path.display()))
-        })?;
+        let inner = contain(|| tokenizers::Tokenizer::from_bytes(&bytes))
+            .and_then(|r| r.map_err(|e| e.to_string()))
+            .map_err(|e| {
+                Error::invalid_model(format!("{} is not a valid tokenizer: {e}", path.display()))
+            })?;
         let config = TokenizerConfig::load(dir)?;
         Self::new(inner, config, dir)
     }
@@ -136,9 +154,8 @@ impl Tokenizer {
     /// (e.g. BOS) are added, as in transformers' `encode`. Special tokens written in
     /// the text (like `<|im_start|>`) are recognised as such.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let encoding = self
-            .inner
-            .encode_fast(text, add_special_tokens)
+        let encoding = contain(|| self.inner.encode_fast(text, add_special_tokens))
+            .and_then(|r| r.map_err(|e| e.to_string()))
             .map_err(|e| Error::invalid_arg(format!("cannot tokenize text: {e}")))?;
         let ids = encoding.get_ids();
         if !add_special_tokens || (self.extra_bos.is_none() && self.extra_eos.is_none()) {
@@ -164,8 +181,8 @@ impl Tokenizer {
         ids: &[u32],
         skip_special_tokens: bool,
     ) -> Result<String> {
-        self.inner
-            .decode(ids, skip_special_tokens)
+        contain(|| self.inner.decode(ids, skip_special_tokens))
+            .and_then(|r| r.map_err(|e| e.to_string()))
             .map_err(|e| Error::internal(format!("cannot decode token ids: {e}")))
     }
 

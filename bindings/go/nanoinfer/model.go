@@ -31,12 +31,30 @@ const (
 	DTypeBF16 DType = C.NI_DTYPE_BF16
 )
 
+// Quant selects online weight quantization at load time.
+type Quant int
+
+const (
+	QuantNone Quant = C.NI_QUANT_NONE // keep the checkpoint's weights
+	// QuantQ8_0: int8 weights with one f32 scale per QuantGroupSize inputs
+	// (the CLI's --quant q8_0); embeddings and norms stay dense.
+	QuantQ8_0 Quant = C.NI_QUANT_Q8_0
+)
+
 // ModelOptions tunes LoadModel. The zero value loads on the CPU with the
 // checkpoint's dtype on all cores.
 type ModelOptions struct {
 	DType DType
 	// Threads for the CPU kernels; 0 = all cores.
 	Threads int
+	// Quant quantizes the dense weights at load; the zero value keeps them.
+	Quant Quant
+	// QuantGroupSize is the inputs per scale for QuantQ8_0, a positive
+	// multiple of 4; 0 = 32.
+	QuantGroupSize int
+	// QuantDenseLMHead keeps the LM head dense under QuantQ8_0 (by default
+	// it is quantized too, as the CLI does).
+	QuantDenseLMHead bool
 	// Progress, if set, is called with values in [0, 1] during the load;
 	// returning false cancels it (LoadModel then fails with ErrCancelled).
 	Progress func(progress float32) bool
@@ -82,6 +100,9 @@ func LoadModel(path string, opts *ModelOptions) (*Model, error) {
 	C.ni_model_params_init(&params)
 	params.dtype = C.ni_dtype(opts.DType)
 	params.n_threads = C.uint32_t(opts.Threads)
+	params.quant = C.ni_quant(opts.Quant)
+	params.quant_group_size = C.uint32_t(opts.QuantGroupSize)
+	params.quant_lm_head = C.bool(!opts.QuantDenseLMHead)
 	var progress *progressState
 	if opts.Progress != nil {
 		progress = &progressState{fn: opts.Progress}

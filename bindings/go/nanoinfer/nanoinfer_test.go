@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -375,4 +376,53 @@ func equal(a, b []uint32) bool {
 		}
 	}
 	return true
+}
+
+// tinyLogprobs greedily generates 8 tokens on the tiny random Llama3 of
+// tests/data loaded with opts and returns each token's logprob.
+func tinyLogprobs(t *testing.T, opts ModelOptions) ([]uint32, []float32) {
+	t.Helper()
+	opts.Threads = 1
+	m, err := LoadModel(filepath.Join("..", "..", "..", "tests", "data", "tiny-llama3"), &opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	s, err := NewSession(m, &SessionOptions{KVCapacityTokens: 256})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	var toks []uint32
+	var lps []float32
+	for ev, err := range s.Generate(context.Background(), Request{Prompt: []uint32{3, 17, 200, 42, 9}, MaxTokens: 8, Logprobs: 1}) {
+		if err != nil {
+			t.Fatal(err)
+		}
+		toks = append(toks, ev.Tokens...)
+		for _, l := range ev.Logprobs {
+			lps = append(lps, l.Logprob)
+		}
+	}
+	if len(toks) != 8 || len(lps) != 8 {
+		t.Fatalf("%d tokens, %d logprobs", len(toks), len(lps))
+	}
+	return toks, lps
+}
+
+func TestQuantization(t *testing.T) {
+	_, dense := tinyLogprobs(t, ModelOptions{})
+	_, q8 := tinyLogprobs(t, ModelOptions{Quant: QuantQ8_0})
+	_, q8b := tinyLogprobs(t, ModelOptions{Quant: QuantQ8_0})
+	_, q64 := tinyLogprobs(t, ModelOptions{Quant: QuantQ8_0, QuantGroupSize: 64, QuantDenseLMHead: true})
+	if slices.Equal(dense, q8) || slices.Equal(q8, q64) {
+		t.Fatalf("quantization had no effect: dense %v q8 %v q8/64 %v", dense, q8, q64)
+	}
+	if !slices.Equal(q8, q8b) {
+		t.Fatalf("Q8_0 is not deterministic: %v vs %v", q8, q8b)
+	}
+	_, err := LoadModel(filepath.Join("..", "..", "..", "tests", "data", "tiny-llama3"), &ModelOptions{Quant: QuantQ8_0, QuantGroupSize: 30})
+	if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), "30") {
+		t.Fatalf("group size 30: %v", err)
+	}
 }

@@ -5,10 +5,23 @@ public enum DType: UInt32 {
     case auto = 0, f32, f16, bf16
 }
 
+/// Online weight quantization at load (`NI_QUANT_*`).
+public enum Quant: UInt32 {
+    /// Keep the checkpoint's weights.
+    case none = 0
+    /// Int8 weights, one f32 scale per `quantGroupSize` inputs.
+    case q8_0 = 1
+}
+
 public struct ModelOptions {
     public var dtype: DType
     /// CPU kernel threads; 0 = all cores.
     public var threads: Int
+    public var quant: Quant = .none
+    /// Inputs per scale for `.q8_0`: a positive multiple of 4; 0 = 32.
+    public var quantGroupSize: Int = 0
+    /// Quantize the LM head too under `.q8_0` (the default, as the CLI does).
+    public var quantLMHead: Bool = true
     /// Called with values in [0, 1] while loading; return false to cancel.
     public var progress: ((Float) -> Bool)?
 
@@ -59,6 +72,9 @@ public final class Model {
         ni_model_params_init(&params)
         params.dtype = ni_dtype(options.dtype.rawValue)
         params.n_threads = UInt32(options.threads)
+        params.quant = ni_quant(options.quant.rawValue)
+        params.quant_group_size = UInt32(options.quantGroupSize)
+        params.quant_lm_head = options.quantLMHead
         var box: Unmanaged<ProgressBox>?
         if let progress = options.progress {
             let b = Unmanaged.passRetained(ProgressBox(progress))
