@@ -630,11 +630,19 @@ fn model_load_failures_have_statuses_and_messages() {
         );
         p.dtype = NI_DTYPE_AUTO;
         p.device = NI_DEVICE_CUDA;
+        // This machine has no CUDA driver: a clear error, not a crash.
         assert_err(
             ni_model_load(path.as_ptr(), &p, &mut m),
             NI_ERR_UNSUPPORTED,
             &["CUDA"],
         );
+        p.device_index = -1;
+        assert_err(
+            ni_model_load(path.as_ptr(), &p, &mut m),
+            NI_ERR_INVALID_ARGUMENT,
+            &["device_index -1"],
+        );
+        p.device_index = 0;
         p.device = 7;
         assert_err(
             ni_model_load(path.as_ptr(), &p, &mut m),

@@ -4,9 +4,10 @@ use super::args;
 use super::boundary::{ffi_call, ffi_value};
 use super::log::{emit, NI_LOG_INFO};
 use super::status::ni_status;
+use crate::backend::Device;
 use crate::engine::{Model, ModelParams};
 use crate::model::{QuantMode, WeightDType};
-use crate::{bail_arg, Error, Result};
+use crate::{bail_arg, Result};
 use std::ffi::{c_char, c_void, CString};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -206,19 +207,19 @@ pub unsafe extern "C" fn ni_model_load(
         if path_bytes.is_empty() {
             bail_arg!("path is empty");
         }
-        match p.device {
-            NI_DEVICE_CPU => {}
-            NI_DEVICE_CUDA => {
-                return Err(Error::unsupported(
-                    "device NI_DEVICE_CUDA: this build of nanoinfer has no CUDA backend",
-                ))
-            }
+        let device = match p.device {
+            NI_DEVICE_CPU => Device::Cpu,
+            NI_DEVICE_CUDA => match usize::try_from(p.device_index) {
+                Ok(n) => Device::Cuda(n),
+                Err(_) => bail_arg!("model params: device_index {} is negative", p.device_index),
+            },
             d => bail_arg!("model params: device {d} is not an NI_DEVICE_* value"),
-        }
+        };
         let model_params = ModelParams {
             dtype: weight_dtype(p.dtype)?,
             threads: p.n_threads as usize,
             quant: quant_mode(&p)?,
+            device,
         };
         let dir = path_from_bytes(path_bytes);
         let model = match p.progress {
