@@ -347,3 +347,108 @@ extern "C" __global__ void gemv(const raw16* x, const raw16* w, void* y, int n, 
     case 8: gemv_rows<8>(x, w, y, n, k, f32_out); break;
     }
 }
+
+#define TILE_ROWS 16
+#define TILE_KEYS 32
+#define TILE_WARPS 4
+#define ROWS_PER_WARP (TILE_ROWS / TILE_WARPS)
+#define TILE_HD_MAX 128  // head_dim <= 128 (larger heads use `attention`)
+#define TILE_PER_LANE (TILE_HD_MAX / 32)
+#define KV_PAD 2  // keeps lanes reading different key rows on different banks
+
+// Causal attention for prefill: one block per (head, tile), a tile being up
+// to TILE_ROWS consecutive rows of one sequence (rows tile_row[t] ..
+// + tile_n[t]). Blocks of TILE_KEYS cached positions are staged in shared
+// memory once and used by every row of the tile, instead of once per row.
+// Each warp owns ROWS_PER_WARP rows; lane j scores position j of the key
+// block, and owns output dims lane + 32 e. grid = (heads, tiles),
+// block = 32 * TILE_WARPS.
+extern "C" __global__ void attention_tiles(const raw16* qkv, int stride, const raw16* k_cache,
+                                           const raw16* v_cache, const unsigned* slot_list,
+                                           const unsigned* table_off, const int* positions,
+                                           const unsigned* tile_row, const unsigned* tile_n,
+                                           int heads, int kv_heads, int hd, float scale,
+                                           raw16* out) {
+    __shared__ float q_s[TILE_ROWS][TILE_HD_MAX];
+    __shared__ raw16 k_s[TILE_KEYS][TILE_HD_MAX + KV_PAD];
+    __shared__ raw16 v_s[TILE_KEYS][TILE_HD_MAX + KV_PAD];
+    const int head = blockIdx.x, t = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int per_lane = hd >> 5;
+    const int kv_head = head / (heads / kv_heads);
+    const int kv_width = kv_heads * hd;
+    const int row0 = tile_row[t], n = tile_n[t];
+    const unsigned* slots = slot_list + table_off[row0];
+    const int last = positions[row0 + n - 1];
+
+    for (int i = threadIdx.x; i < TILE_ROWS * hd; i += blockDim.x) {
+        const int r = i / hd, d = i % hd;
+        q_s[r][d] = r < n ? to_f(qkv[(size_t)(row0 + r) * stride + head * hd + d]) * scale : 0.f;
+    }
+    float m[ROWS_PER_WARP], l[ROWS_PER_WARP], acc[ROWS_PER_WARP][TILE_PER_LANE];
+    int pos[ROWS_PER_WARP];
+#pragma unroll
+    for (int i = 0; i < ROWS_PER_WARP; i++) {
+        const int r = warp * ROWS_PER_WARP + i;
+        pos[i] = r < n ? positions[row0 + r] : -1;
+        m[i] = -NI_INF;
+        l[i] = 0.f;
+#pragma unroll
+        for (int e = 0; e < TILE_PER_LANE; e++) acc[i][e] = 0.f;
+    }
+    for (int kb = 0; kb <= last; kb += TILE_KEYS) {
+        __syncthreads();  // the previous block's keys are no longer read
+        for (int i = threadIdx.x; i < TILE_KEYS * hd; i += blockDim.x) {
+            const int j = i / hd, d = i % hd, p = kb + j;
+            raw16 kv = 0, vv = 0;
+            if (p <= last) {
+                const size_t base = (size_t)slots[p] * kv_width + kv_head * hd + d;
+                kv = k_cache[base];
+                vv = v_cache[base];
+            }
+            k_s[j][d] = kv;
+            v_s[j][d] = vv;
+        }
+        __syncthreads();
+        float s[ROWS_PER_WARP];
+#pragma unroll
+        for (int i = 0; i < ROWS_PER_WARP; i++) s[i] = 0.f;
+        const int r0 = warp * ROWS_PER_WARP;
+        for (int d = 0; d < hd; d++) {
+            const float kd = to_f(k_s[lane][d]);
+#pragma unroll
+            for (int i = 0; i < ROWS_PER_WARP; i++) s[i] += q_s[r0 + i][d] * kd;
+        }
+        const int p = kb + lane;
+#pragma unroll
+        for (int i = 0; i < ROWS_PER_WARP; i++) {
+            if (pos[i] < kb) continue;  // row absent, or this block is past its causal window
+            const float sc = p <= pos[i] ? s[i] : -NI_INF;
+            float bm = sc;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, o));
+            const float m_new = fmaxf(m[i], bm);
+            const float corr = __expf(m[i] - m_new);
+            const float w = p <= pos[i] ? __expf(sc - m_new) : 0.f;
+            l[i] = l[i] * corr + warp_sum(w);
+#pragma unroll
+            for (int e = 0; e < TILE_PER_LANE; e++) acc[i][e] *= corr;
+            for (int j = 0; j < TILE_KEYS; j++) {
+                const float wj = __shfl_sync(0xffffffffu, w, j);
+#pragma unroll
+                for (int e = 0; e < TILE_PER_LANE; e++)
+                    if (e < per_lane) acc[i][e] += wj * to_f(v_s[j][lane + 32 * e]);
+            }
+            m[i] = m_new;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < ROWS_PER_WARP; i++) {
+        if (pos[i] < 0) continue;
+        const int r = row0 + warp * ROWS_PER_WARP + i;
+        raw16* o = out + (size_t)r * heads * hd + head * hd;
+#pragma unroll
+        for (int e = 0; e < TILE_PER_LANE; e++)
+            if (e < per_lane) o[lane + 32 * e] = from_f(l[i] > 0.f ? acc[i][e] / l[i] : 0.f);
+    }
+}

@@ -24,7 +24,7 @@ def make_8b(out):
         num_hidden_layers=32,
         num_attention_heads=32,
         num_key_value_heads=8,
-        max_position_embeddings=8192,
+        max_position_embeddings=131072,
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
@@ -39,6 +39,28 @@ def make_8b(out):
         model = LlamaForCausalLM(cfg)
     model.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")
     print(f"wrote {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params to {out}")
+
+
+def write_golden(model_dir, new_tokens=12):
+    """transformers' greedy continuation of two random prompts (ids + top-5
+    logprobs per step), in the format of scripts/cuda_fixtures.py."""
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from cuda_fixtures import golden
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 120000, (n,), generator=g).tolist() for n in (9, 300)]
+    gold = {"model": "llama3-8b-shape", "dtype": "bf16", "prompts": prompts, "tokens": [], "top": []}
+    with torch.no_grad():
+        for p in prompts:
+            t, top = golden(model, p, new_tokens)
+            gold["tokens"].append(t)
+            gold["top"].append(top)
+    with open(os.path.join(model_dir, "golden.json"), "w") as f:
+        json.dump(gold, f)
+    print(f"golden for {model_dir}: {gold['tokens']}")
 
 
 def copy_bandwidth():
@@ -71,7 +93,7 @@ def timed(f, reps=3):
 def bench(model_dir, n_prompt, n_gen, reps):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, vocab, (1, n_prompt), generator=g).cuda()
@@ -103,12 +125,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--make-8b")
     ap.add_argument("--model")
+    ap.add_argument("--golden", help="write DIR/golden.json (greedy ids + top-5 logprobs)")
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-r", type=int, default=3)
     a = ap.parse_args()
     if a.make_8b:
         make_8b(a.make_8b)
+    if a.golden:
+        write_golden(a.golden)
     if a.model:
         print(json.dumps(bench(a.model, a.p, a.n, a.r)))
 

@@ -20,7 +20,20 @@ for step in "$@"; do
     tests)
         NANOINFER_CUDA_FIXTURES="$WORK/fx" "$BIN/cuda" --test-threads 1 --nocapture 2>&1 | tail -40 ;;
     make8b)
-        [ -f "$WORK/l8b/config.json" ] || python3 scripts/cuda_bench_hf.py --make-8b "$WORK/l8b" ;;
+        [ -f "$WORK/l8b/config.json" ] || python3 scripts/cuda_bench_hf.py --make-8b "$WORK/l8b"
+        [ -f "$WORK/l8b/golden.json" ] || python3 scripts/cuda_bench_hf.py --golden "$WORK/l8b" ;;
+    tests8b)
+        NANOINFER_CUDA_FIXTURES="$WORK/fx" NANOINFER_CUDA_8B="$WORK/l8b" "$BIN/cuda" --test-threads 1 --nocapture \
+            eight_b 2>&1 | tail -12 ;;
+    profile)
+        if command -v nsys >/dev/null; then
+            nsys profile -o "$WORK/prof" --force-overwrite true "$BIN/nanoinfer" bench --model "$WORK/l8b" \
+                --device cuda -p 512 -n 64 -r 1 >/dev/null 2>&1
+            nsys stats -r cuda_gpu_kern_sum -f csv "$WORK/prof.nsys-rep" 2>/dev/null \
+                | python3 -c 'import sys,csv; r=list(csv.DictReader(l for l in sys.stdin if "," in l)); [print(f"{float(x["Time (%)"]):5.1f}% {int(float(x["Total Time (ns)"]))/1e6:9.2f} ms {x["Instances"]:>6} {x["Name"][:70]}") for x in r[:14]]'
+        else
+            echo "nsys not found"
+        fi ;;
     bench)
         "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 512 -n 128 -r 3 --json | tee "$WORK/ours.json"
         NANOINFER_CUDA_GRAPHS=0 "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 512 -n 128 -r 3 --json \

@@ -87,7 +87,7 @@ def main():
     for name, cfg in CONFIGS.items():
         d = os.path.join(a.out, name)
         cfg.torch_dtype = "bfloat16"
-        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16).cuda().eval()
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
         model.save_pretrained(d, safe_serialization=True)
         ps = prompts(cfg.vocab_size)
         gold = {"model": name, "dtype": "bf16", "prompts": ps, "tokens": [], "top": []}

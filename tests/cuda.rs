@@ -9,6 +9,7 @@
 use nanoinfer::backend::Device;
 use nanoinfer::engine::{Event, Model, ModelParams, RequestParams, Session, SessionParams};
 use nanoinfer::kv::KvBackendKind;
+use nanoinfer::model::WeightDType;
 use nanoinfer::sampling::SamplingParams;
 use nanoinfer::ErrorKind;
 use serde_json::Value;
@@ -29,8 +30,13 @@ fn fixtures() -> Option<PathBuf> {
 }
 
 fn load(dir: &std::path::Path) -> Arc<Model> {
+    load_as(dir, WeightDType::Auto)
+}
+
+fn load_as(dir: &std::path::Path, dtype: WeightDType) -> Arc<Model> {
     let params = ModelParams {
         device: Device::Cuda(0),
+        dtype,
         ..Default::default()
     };
     Arc::new(Model::load(dir, &params, None).unwrap_or_else(|e| panic!("{}: {e}", dir.display())))
@@ -201,6 +207,46 @@ fn greedy_matches_transformers_bf16() {
             "{name}: too few tokens identical to transformers: {matched:?} of {n}"
         );
     }
+}
+
+#[test]
+fn f16_activations_match_transformers_within_near_ties() {
+    let Some(fx) = fixtures() else { return };
+    for name in MODELS {
+        let dir = fx.join(name);
+        let gold = golden(&dir);
+        let model = load_as(&dir, WeightDType::F16);
+        assert_eq!(model.decoder.weight_dtype_name(), "f16");
+        let n = ids(&gold["tokens"][0]).len() as u32;
+        let outs = run(&model, SessionParams::default(), &requests(&gold, n));
+        let matched: Vec<usize> = outs
+            .iter()
+            .enumerate()
+            .map(|(i, o)| check_near(&format!("{name} f16 prompt {i}"), o, &reference(&gold, i)))
+            .collect();
+        eprintln!("{name} f16: identical to transformers bf16 for {matched:?} of {n} steps");
+    }
+}
+
+/// A Llama-3-8B-shaped random bf16 model (`scripts/cuda_bench_hf.py
+/// --make-8b DIR --golden DIR`, then `NANOINFER_CUDA_8B=DIR`).
+#[test]
+fn eight_b_shape_matches_transformers() {
+    let Some(dir) = std::env::var_os("NANOINFER_CUDA_8B").map(PathBuf::from) else {
+        eprintln!("NANOINFER_CUDA_8B is not set: GPU test skipped");
+        return;
+    };
+    let gold = golden(&dir);
+    let model = load(&dir);
+    eprintln!("8B shape: {}", model.decoder.summary());
+    let n = ids(&gold["tokens"][0]).len() as u32;
+    let outs = run(&model, SessionParams::default(), &requests(&gold, n));
+    let matched: Vec<usize> = outs
+        .iter()
+        .enumerate()
+        .map(|(i, o)| check_near(&format!("8B prompt {i}"), o, &reference(&gold, i)))
+        .collect();
+    eprintln!("8B shape: greedy tokens identical to transformers for {matched:?} of {n} steps");
 }
 
 #[test]

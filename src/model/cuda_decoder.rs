@@ -42,6 +42,9 @@ pub struct CudaDecoder {
     /// Bytes of weights on the device.
     resident_bytes: usize,
     load_seconds: f64,
+    /// Prefill attention over shared-memory tiles (head_dim <= 128;
+    /// NANOINFER_CUDA_TILES=0 turns it off).
+    use_tiles: bool,
 }
 
 /// Uploads weights tensor by tensor, converting to the activation dtype on
@@ -229,6 +232,8 @@ pub fn load(
         inv_freq,
         resident_bytes,
         load_seconds: start.elapsed().as_secs_f64(),
+        use_tiles: config.head_dim <= TILE_HD_MAX
+            && std::env::var("NANOINFER_CUDA_TILES").map_or(true, |v| v != "0"),
         config,
     }))
 }
@@ -263,6 +268,10 @@ struct WorkspaceSizes {
 const ATTN_BLOCKS_PER_SM: usize = 8;
 /// 32 * ATTN_WARPS of kernels/decoder.cu.
 const ATTN_THREADS: u32 = 256;
+/// TILE_ROWS, 32 * TILE_WARPS and TILE_HD_MAX of kernels/decoder.cu.
+const TILE_ROWS: usize = 16;
+const TILE_THREADS: u32 = 128;
+const TILE_HD_MAX: usize = 128;
 
 impl CudaDecoder {
     fn attn_partials(&self) -> usize {
@@ -437,6 +446,9 @@ struct Inputs {
     positions: usize,
     table_off: usize,
     logits_rows: usize,
+    /// `n_tiles` first rows then `n_tiles` row counts of prefill tiles.
+    tiles: usize,
+    n_tiles: usize,
     slot_list: usize,
 }
 
@@ -457,6 +469,7 @@ impl CudaForward {
     /// many rows: dummy rows read token 0 at position 0 and write reserved
     /// slot 0, which no sequence ever maps.
     fn upload_inputs(&mut self, batch: &ForwardBatch<'_>, pad_to: Option<usize>) -> Result<Inputs> {
+        let tiled = self.model.use_tiles && batch.seqs.iter().any(|s| s.len > 1);
         let rows = batch.tokens.len();
         let padded = pad_to.unwrap_or(rows);
         let pad = padded - rows;
@@ -489,6 +502,25 @@ impl CudaForward {
         } else {
             h.extend(batch.logits_rows.iter().map(|&r| r as u32));
         }
+        // Prefill tiles: runs of up to TILE_ROWS rows of one sequence, as
+        // (first row) list then (row count) list.
+        let tiles_at = h.len();
+        if tiled {
+            for s in batch.seqs {
+                h.extend((0..s.len).step_by(TILE_ROWS).map(|i| (s.start + i) as u32));
+            }
+            let n_tiles = h.len() - tiles_at;
+            for s in batch.seqs {
+                h.extend(
+                    (0..s.len)
+                        .step_by(TILE_ROWS)
+                        .map(|i| TILE_ROWS.min(s.len - i) as u32),
+                );
+            }
+            debug_assert_eq!(h.len() - tiles_at, 2 * n_tiles);
+        }
+        let n_tiles = (h.len() - tiles_at) / 2;
+        let slot_list = h.len();
         for s in batch.seqs {
             h.extend((0..s.context_len + s.len).map(|p| s.kv.slot(p) as u32));
         }
@@ -508,7 +540,9 @@ impl CudaForward {
             positions: 2 * padded,
             table_off: 3 * padded,
             logits_rows: 4 * padded,
-            slot_list: 4 * padded + n_out,
+            tiles: tiles_at,
+            n_tiles,
+            slot_list,
         })
     }
 
@@ -687,28 +721,52 @@ impl CudaForward {
                     KArg::I32(nkv as i32),
                 ],
             )?;
-            dev.launch(
-                &k.attention,
-                (c.num_heads as u32, r32, splits as u32),
-                ATTN_THREADS,
-                &[
-                    KArg::Ptr(ws.qkv.ptr()),
-                    KArg::I32(qkv_w as i32),
-                    KArg::Ptr(kc),
-                    KArg::Ptr(vc),
-                    inp(inputs.slot_list),
-                    inp(inputs.table_off),
-                    inp(inputs.positions),
-                    KArg::I32(c.num_heads as i32),
-                    KArg::I32(c.num_kv_heads as i32),
-                    KArg::I32(hd as i32),
-                    KArg::F32(1.0 / (hd as f32).sqrt()),
-                    KArg::Ptr(ws.attn.ptr()),
-                    KArg::Ptr(ws.part_o.ptr()),
-                    KArg::Ptr(ws.part_ml.ptr()),
-                ],
-            )?;
-            if splits > 1 {
+            if inputs.n_tiles > 0 {
+                dev.launch(
+                    &k.attention_tiles,
+                    (c.num_heads as u32, inputs.n_tiles as u32, 1),
+                    TILE_THREADS,
+                    &[
+                        KArg::Ptr(ws.qkv.ptr()),
+                        KArg::I32(qkv_w as i32),
+                        KArg::Ptr(kc),
+                        KArg::Ptr(vc),
+                        inp(inputs.slot_list),
+                        inp(inputs.table_off),
+                        inp(inputs.positions),
+                        inp(inputs.tiles),
+                        inp(inputs.tiles + inputs.n_tiles),
+                        KArg::I32(c.num_heads as i32),
+                        KArg::I32(c.num_kv_heads as i32),
+                        KArg::I32(hd as i32),
+                        KArg::F32(1.0 / (hd as f32).sqrt()),
+                        KArg::Ptr(ws.attn.ptr()),
+                    ],
+                )?;
+            } else {
+                dev.launch(
+                    &k.attention,
+                    (c.num_heads as u32, r32, splits as u32),
+                    ATTN_THREADS,
+                    &[
+                        KArg::Ptr(ws.qkv.ptr()),
+                        KArg::I32(qkv_w as i32),
+                        KArg::Ptr(kc),
+                        KArg::Ptr(vc),
+                        inp(inputs.slot_list),
+                        inp(inputs.table_off),
+                        inp(inputs.positions),
+                        KArg::I32(c.num_heads as i32),
+                        KArg::I32(c.num_kv_heads as i32),
+                        KArg::I32(hd as i32),
+                        KArg::F32(1.0 / (hd as f32).sqrt()),
+                        KArg::Ptr(ws.attn.ptr()),
+                        KArg::Ptr(ws.part_o.ptr()),
+                        KArg::Ptr(ws.part_ml.ptr()),
+                    ],
+                )?;
+            }
+            if splits > 1 && inputs.n_tiles == 0 {
                 dev.launch(
                     &k.attn_merge,
                     (c.num_heads as u32, r32, 1),

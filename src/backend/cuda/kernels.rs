@@ -124,6 +124,7 @@ kernel_set!(
     attn_merge,
     kv_copy_slots,
     gemv,
+    attention_tiles,
 );
 
 impl Kernels {
