@@ -158,6 +158,10 @@ const NEAR_TIE: f32 = 0.25;
 /// model). Chosen-token logprobs before the divergence must agree within
 /// NEAR_TIE. Returns the number of identical leading tokens.
 fn check_near(what: &str, a: &Output, b: &Output) -> usize {
+    check_near_within(what, a, b, NEAR_TIE)
+}
+
+fn check_near_within(what: &str, a: &Output, b: &Output, near_tie: f32) -> usize {
     for (t, (&x, &y)) in a.tokens.iter().zip(&b.tokens).enumerate() {
         let lp = |o: &Output, tok: u32| o.top[t].iter().find(|e| e.0 == tok).map(|e| e.1);
         if x != y {
@@ -170,14 +174,14 @@ fn check_near(what: &str, a: &Output, b: &Output) -> usize {
             let gap_a = lp(a, x).unwrap() - a_y;
             let gap_b = lp(b, y).unwrap() - b_x;
             assert!(
-                gap_a < NEAR_TIE && gap_b < NEAR_TIE,
+                gap_a < near_tie && gap_b < near_tie,
                 "{what}: step {t} diverges ({x} vs {y}) by more than a near-tie: gaps {gap_a}, {gap_b}"
             );
             return t;
         }
         let d = (lp(a, x).unwrap() - lp(b, y).unwrap()).abs();
         assert!(
-            d < NEAR_TIE,
+            d < near_tie,
             "{what}: step {t} logprob of {x} differs by {d}"
         );
     }
@@ -222,7 +226,11 @@ fn f16_activations_match_transformers_within_near_ties() {
         let matched: Vec<usize> = outs
             .iter()
             .enumerate()
-            .map(|(i, o)| check_near(&format!("{name} f16 prompt {i}"), o, &reference(&gold, i)))
+            .map(|(i, o)| {
+                // f16 against a bf16 reference: both dtypes' rounding adds up.
+                let what = format!("{name} f16 prompt {i}");
+                check_near_within(&what, o, &reference(&gold, i), 2.0 * NEAR_TIE)
+            })
             .collect();
         eprintln!("{name} f16: identical to transformers bf16 for {matched:?} of {n} steps");
     }
