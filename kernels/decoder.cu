@@ -452,3 +452,50 @@ extern "C" __global__ void attention_tiles(const raw16* qkv, int stride, const r
             if (e < per_lane) o[lane + 32 * e] = from_f(l[i] > 0.f ? acc[i][e] / l[i] : 0.f);
     }
 }
+
+// ids[r] = index of the first largest logit of row r (greedy decoding on the
+// GPU: only the ids travel to the host). grid = rows, block = 1024.
+extern "C" __global__ void argmax_rows(const float* logits, int vocab, unsigned* ids) {
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    const float* row = logits + (size_t)blockIdx.x * vocab;
+    float v = -NI_INF;
+    int idx = 0x7fffffff;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float x = row[i];
+        if (x > v) {  // strided ascending scan: the first max of this thread
+            v = x;
+            idx = i;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ov > v || (ov == v && oi < idx)) {
+            v = ov;
+            idx = oi;
+        }
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) {
+        best_v[warp] = v;
+        best_i[warp] = idx;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int nw = blockDim.x >> 5;
+        v = lane < nw ? best_v[lane] : -NI_INF;
+        idx = lane < nw ? best_i[lane] : 0x7fffffff;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+            if (ov > v || (ov == v && oi < idx)) {
+                v = ov;
+                idx = oi;
+            }
+        }
+        if (lane == 0) ids[blockIdx.x] = idx == 0x7fffffff ? 0 : idx;
+    }
+}

@@ -274,6 +274,23 @@ fn batched_equals_single_and_kv_layouts_agree() {
             paged,
             "{name}: token and paged KV differ"
         );
+        // Without logprobs, greedy rows are decoded on the GPU (argmax
+        // kernel, no logits copied): the same tokens as the host sampler.
+        let plain: Vec<RequestParams> = reqs
+            .iter()
+            .cloned()
+            .map(|mut r| {
+                r.sampling.logprobs = 0;
+                r
+            })
+            .collect();
+        let plain_out = run(&model, SessionParams::default(), &plain);
+        for (i, (a, b)) in plain_out.iter().zip(&paged).enumerate() {
+            assert_eq!(
+                a.tokens, b.tokens,
+                "{name} prompt {i}: GPU argmax differs from the host sampler"
+            );
+        }
         // Small chunks: prefill split across steps and mixed with decodes.
         let chunked = SessionParams {
             prefill_chunk_size: 7,

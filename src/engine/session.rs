@@ -155,6 +155,10 @@ pub struct Session {
 
 #[derive(Default)]
 struct StepScratch {
+    /// Every sampled row this step is plain greedy: the forward returned
+    /// only `argmax` (token ids), no logits.
+    greedy: bool,
+    argmax: Vec<u32>,
     /// (request, rows to compute) in batch order; logits rows follow it.
     plan: Vec<(RequestId, usize)>,
     tokens: Vec<u32>,

@@ -254,6 +254,8 @@ struct Workspace {
     part_ml: DeviceBuffer<f32>,
     /// Step inputs (tokens, slots, positions, tables), uploaded once per step.
     inputs: DeviceBuffer<u32>,
+    /// Greedy token ids of the logits rows.
+    argmax: DeviceBuffer<u32>,
 }
 
 /// Sizes of the workspace buffers in elements, in field order.
@@ -328,6 +330,7 @@ impl CudaDecoder {
             part_o: dev.alloc::<f32>(s.f32s[1])?,
             part_ml: dev.alloc::<f32>(s.f32s[2])?,
             inputs: dev.alloc::<u32>(s.inputs)?,
+            argmax: dev.alloc::<u32>(shape.max_logits_rows.max(1))?,
         })
     }
 }
@@ -433,6 +436,13 @@ struct CudaForward {
     /// Captured decode steps by padded batch size.
     graphs: HashMap<usize, Graph>,
     use_graphs: bool,
+}
+
+/// Where a forward's result goes.
+enum Output<'a> {
+    Logits(&'a mut [f32]),
+    /// Only each row's argmax: greedy decoding without copying logits.
+    Argmax(&'a mut [u32]),
 }
 
 /// Offsets of the sections of the step-input buffer.
@@ -574,9 +584,7 @@ impl CudaForward {
         (self.use_graphs && decode && fits).then_some(bucket)
     }
 
-    fn run(&mut self, batch: &ForwardBatch<'_>, logits: &mut [f32]) -> Result<()> {
-        let vocab = self.model.config.vocab_size;
-        let n_out = batch.logits_rows.len();
+    fn run(&mut self, batch: &ForwardBatch<'_>, out: Output<'_>) -> Result<()> {
         let dev = self.model.dev.clone();
         if let Some(bucket) = self.graph_bucket(batch) {
             let inputs = self.upload_inputs(batch, Some(bucket))?;
@@ -590,7 +598,7 @@ impl CudaForward {
                 self.graphs.insert(bucket, graph);
             }
             dev.replay(&self.graphs[&bucket])?;
-            return dev.download(&self.ws.logits, &mut logits[..n_out * vocab]);
+            return self.read_output(batch.logits_rows.len(), out);
         }
         let inputs = self.upload_inputs(batch, None)?;
         let longest = batch
@@ -602,10 +610,44 @@ impl CudaForward {
         let splits = self.attention_splits(inputs.rows, longest);
         let _turn = dev.step_lock.lock().unwrap_or_else(|p| p.into_inner());
         self.enqueue(&inputs, splits)?;
-        if n_out == 0 {
-            return dev.synchronize();
+        self.read_output(batch.logits_rows.len(), out)
+    }
+
+    fn check_limits(&self, batch: &ForwardBatch<'_>) -> Result<()> {
+        if batch.tokens.len() > self.max_rows || batch.logits_rows.len() > self.max_logits_rows {
+            bail_arg!(
+                "forward of {} rows ({} with logits) exceeds the context's limits ({} rows, {} with logits)",
+                batch.tokens.len(),
+                batch.logits_rows.len(),
+                self.max_rows,
+                self.max_logits_rows
+            );
         }
-        dev.download(&self.ws.logits, &mut logits[..n_out * vocab])
+        Ok(())
+    }
+
+    /// Copies the first `n_out` logits rows, or only their argmax ids, to
+    /// the host (the step's one synchronization).
+    fn read_output(&self, n_out: usize, out: Output<'_>) -> Result<()> {
+        let dev = &self.model.dev;
+        let vocab = self.model.config.vocab_size;
+        match out {
+            _ if n_out == 0 => dev.synchronize(),
+            Output::Logits(logits) => dev.download(&self.ws.logits, &mut logits[..n_out * vocab]),
+            Output::Argmax(ids) => {
+                dev.launch(
+                    &dev.kernels.argmax_rows,
+                    (n_out as u32, 1, 1),
+                    1024,
+                    &[
+                        KArg::Ptr(self.ws.logits.ptr()),
+                        KArg::I32(vocab as i32),
+                        KArg::Ptr(self.ws.argmax.ptr()),
+                    ],
+                )?;
+                dev.download(&self.ws.argmax, &mut ids[..n_out])
+            }
+        }
     }
 
     /// Enqueues one forward over the uploaded inputs on the stream (no host
@@ -931,19 +973,24 @@ impl CudaForward {
 impl ForwardContext for CudaForward {
     fn forward(&mut self, batch: &ForwardBatch<'_>, logits: &mut [f32]) -> Result<()> {
         validate_batch(&self.model.config, batch, self.slots, logits.len())?;
-        if batch.tokens.len() > self.max_rows || batch.logits_rows.len() > self.max_logits_rows {
-            bail_arg!(
-                "forward of {} rows ({} with logits) exceeds the context's limits ({} rows, {} with logits)",
-                batch.tokens.len(),
-                batch.logits_rows.len(),
-                self.max_rows,
-                self.max_logits_rows
-            );
+        self.check_limits(batch)?;
+        if batch.tokens.is_empty() {
+            return Ok(());
+        }
+        self.run(batch, Output::Logits(logits))
+    }
+
+    fn forward_argmax(&mut self, batch: &ForwardBatch<'_>, ids: &mut [u32]) -> Result<()> {
+        let c = &self.model.config;
+        validate_batch(c, batch, self.slots, batch.logits_rows.len() * c.vocab_size)?;
+        self.check_limits(batch)?;
+        if ids.len() < batch.logits_rows.len() {
+            bail_arg!("argmax buffer too small");
         }
         if batch.tokens.is_empty() {
             return Ok(());
         }
-        self.run(batch, logits)
+        self.run(batch, Output::Argmax(ids))
     }
 
     fn kv_values_per_slot(&self) -> usize {

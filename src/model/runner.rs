@@ -71,6 +71,11 @@ pub trait ForwardContext: Send {
     /// Runs the batch, writes its keys/values into the KV storage and the
     /// logits of `batch.logits_rows` into `logits` (`[logits_rows.len(), vocab]`).
     fn forward(&mut self, batch: &ForwardBatch<'_>, logits: &mut [f32]) -> Result<()>;
+    /// Like `forward`, for callers that need only each logits row's argmax
+    /// (plain greedy decoding): writes `ids[i]` = the first index of the
+    /// largest logit of `batch.logits_rows[i]`. A GPU never copies the
+    /// logits to the host for this.
+    fn forward_argmax(&mut self, batch: &ForwardBatch<'_>, ids: &mut [u32]) -> Result<()>;
     /// Values `save_kv` writes per slot (keys and values of every layer).
     fn kv_values_per_slot(&self) -> usize;
     /// Appends the KV of `slots` to `out` (slot after slot) as f32: swap-out.
@@ -128,6 +133,17 @@ pub fn validate_batch(
     Ok(())
 }
 
+/// Index of the first largest value (NaNs never win).
+fn first_argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
 /// The CPU decoder and the thread pool its kernels run on.
 pub struct CpuDecoder {
     pub decoder: Decoder,
@@ -181,6 +197,7 @@ impl DeviceDecoder for CpuDecoder {
             model: self,
             storage,
             ws: Workspace::default(),
+            scratch_logits: Vec::new(),
         }))
     }
 }
@@ -189,6 +206,8 @@ struct CpuContext {
     model: Arc<CpuDecoder>,
     storage: KvStorage,
     ws: Workspace,
+    /// Logits of `forward_argmax`, reused.
+    scratch_logits: Vec<f32>,
 }
 
 impl ForwardContext for CpuContext {
@@ -196,6 +215,19 @@ impl ForwardContext for CpuContext {
         let m = &*self.model;
         m.decoder
             .forward(&m.pool, batch, &mut self.storage, &mut self.ws, logits)
+    }
+    fn forward_argmax(&mut self, batch: &ForwardBatch<'_>, ids: &mut [u32]) -> Result<()> {
+        let vocab = self.model.decoder.config.vocab_size;
+        let mut logits = std::mem::take(&mut self.scratch_logits);
+        logits.resize(batch.logits_rows.len() * vocab, 0.0);
+        let result = self.forward(batch, &mut logits);
+        if result.is_ok() {
+            for (id, row) in ids.iter_mut().zip(logits.chunks_exact(vocab)) {
+                *id = first_argmax(row);
+            }
+        }
+        self.scratch_logits = logits;
+        result
     }
     fn kv_values_per_slot(&self) -> usize {
         self.storage.slot_width() * 2 * self.storage.num_layers

@@ -73,6 +73,16 @@ impl Sampler {
     ///
     /// On return `logits` holds the processed logits (see `SampledToken`).
     /// Errors only on an empty `logits` row.
+    /// Whether `sample` reduces to the argmax of the raw logits: no
+    /// temperature, penalties, bias or logprobs (min_tokens suppression is
+    /// the caller's to check). Such rows may be decoded on the device.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.plan.temperature.is_none()
+            && !self.plan.needs_history()
+            && self.logit_bias.is_empty()
+            && self.logprobs == 0
+    }
+
     pub fn sample(
         &mut self,
         logits: &mut [f32],

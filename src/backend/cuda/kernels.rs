@@ -125,6 +125,7 @@ kernel_set!(
     kv_copy_slots,
     gemv,
     attention_tiles,
+    argmax_rows,
 );
 
 impl Kernels {

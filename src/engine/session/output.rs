@@ -4,6 +4,7 @@ use super::Session;
 use crate::backend::cpu::attention::AttnSeq;
 use crate::engine::request::{Event, FinishReason, RequestId, TokenLogprob};
 use crate::model::ForwardBatch;
+use crate::sampling::SampledToken;
 use crate::Error;
 
 impl Session {
@@ -22,6 +23,7 @@ impl Session {
         scratch.tokens.clear();
         scratch.logits_rows.clear();
         let mut seqs = Vec::with_capacity(scratch.plan.len());
+        let mut greedy = true;
         for &(id, n) in &scratch.plan {
             let req = &requests[&id];
             let start = scratch.tokens.len();
@@ -30,6 +32,9 @@ impl Session {
                 .extend_from_slice(&req.tokens[req.computed..req.computed + n]);
             if req.computed + n == req.tokens.len() {
                 scratch.logits_rows.push(start + n - 1);
+                let generated = req.tokens.len() - req.prompt_len;
+                let suppressing = generated < req.params.sampling.min_tokens as usize;
+                greedy &= req.sampler.is_plain_greedy() && !suppressing;
             }
             seqs.push(AttnSeq {
                 start,
@@ -43,7 +48,13 @@ impl Session {
             seqs: &seqs,
             logits_rows: &scratch.logits_rows,
         };
-        ctx.forward(&batch, logits)
+        scratch.greedy = greedy && !scratch.logits_rows.is_empty();
+        if scratch.greedy {
+            scratch.argmax.resize(scratch.logits_rows.len(), 0);
+            ctx.forward_argmax(&batch, &mut scratch.argmax)
+        } else {
+            ctx.forward(&batch, logits)
+        }
     }
 
     pub(super) fn fail_scheduled(&mut self, err: &Error, events: &mut Vec<Event>) {
@@ -86,15 +97,35 @@ impl Session {
             if req.computed < req.tokens.len() {
                 continue; // a non-final prefill chunk: no logits, no event
             }
-            let row = &mut logits[logits_row * vocab..(logits_row + 1) * vocab];
+            let sampled = if self.scratch.greedy {
+                Ok(SampledToken {
+                    token: self.scratch.argmax[logits_row],
+                    logprob: f32::NAN,
+                    top_logprobs: Vec::new(),
+                })
+            } else {
+                let row = &mut logits[logits_row * vocab..(logits_row + 1) * vocab];
+                self.sample(id, row)
+            };
             logits_row += 1;
-            self.sample_and_report(id, row, events);
+            match sampled {
+                Ok(sampled) => self.report(id, sampled, events),
+                Err(e) => self.finish(
+                    id,
+                    FinishReason::Error(e.message),
+                    vec![],
+                    String::new(),
+                    vec![],
+                    events,
+                ),
+            }
         }
         self.logits = logits;
         self.scratch.plan = plan;
     }
 
-    fn sample_and_report(&mut self, id: RequestId, logits: &mut [f32], events: &mut Vec<Event>) {
+    /// Runs the request's sampler over its logits row.
+    fn sample(&mut self, id: RequestId, logits: &mut [f32]) -> crate::Result<SampledToken> {
         let req = self
             .requests
             .get_mut(&id)
@@ -106,20 +137,16 @@ impl Session {
             suppress,
         );
         let (prompt, output) = req.tokens.split_at(req.prompt_len);
-        let sampled = match req.sampler.sample(logits, prompt, output, suppress) {
-            Ok(s) => s,
-            Err(e) => {
-                self.finish(
-                    id,
-                    FinishReason::Error(e.message),
-                    vec![],
-                    String::new(),
-                    vec![],
-                    events,
-                );
-                return;
-            }
-        };
+        req.sampler.sample(logits, prompt, output, suppress)
+    }
+
+    /// Appends the sampled token and reports it (finishing the request when
+    /// it stops).
+    fn report(&mut self, id: RequestId, sampled: SampledToken, events: &mut Vec<Event>) {
+        let req = self
+            .requests
+            .get_mut(&id)
+            .expect("scheduled request exists");
         req.tokens.push(sampled.token);
         let logprobs = if req.params.sampling.logprobs > 0 {
             vec![TokenLogprob {
