@@ -6,6 +6,12 @@
 //! cargo run --release --example engine_bench -- --model DIR [--threads 2] [--dtype bf16]
 //!     [--device cpu|cuda] [--concurrency 1,4,16,64] [--decode-tokens 64] [--prompt-len 16]
 //!     [--prefix-requests 32] [--prefix-len 1000] [--suffix-len 16] [--skip-decode] [--skip-prefix]
+//!     [--offline N [--max-batched-tokens 512] [--max-seqs 64]]
+//! ```
+//! `--offline N` adds N requests of `--prompt-len` prompt and `--decode-tokens`
+//! output tokens at once and reports output tokens per second of wall time
+//! until the last one finishes (vLLM's offline throughput), then exits.
+//! ```text
 //! ```
 //! Prompts are seeded random token ids: speed does not depend on their text.
 
@@ -30,6 +36,10 @@ struct Opts {
     suffix_len: usize,
     skip_decode: bool,
     skip_prefix: bool,
+    /// Offline throughput: this many requests added at once, run to the end.
+    offline: usize,
+    max_batched_tokens: usize,
+    max_seqs: usize,
     /// Build a random-weight model with this directory's config.json
     /// instead of loading `model` (same shapes, so the same speed).
     random_from: Option<PathBuf>,
@@ -49,6 +59,9 @@ fn parse() -> Result<Opts, String> {
         suffix_len: 16,
         skip_decode: false,
         skip_prefix: false,
+        offline: 0,
+        max_batched_tokens: 512,
+        max_seqs: 64,
         random_from: None,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -75,6 +88,9 @@ fn parse() -> Result<Opts, String> {
             "--prefix-requests" => o.prefix_requests = num(v)?,
             "--prefix-len" => o.prefix_len = num(v)?,
             "--suffix-len" => o.suffix_len = num(v)?,
+            "--offline" => o.offline = num(v)?,
+            "--max-batched-tokens" => o.max_batched_tokens = num(v)?,
+            "--max-seqs" => o.max_seqs = num(v)?,
             _ => return Err(format!("unknown option {flag}")),
         }
         i += 2;
@@ -150,6 +166,51 @@ fn decode_rate(model: &Arc<Model>, o: &Opts, n: usize) -> (f64, f64) {
         }
     }
     (toks as f64 / secs, batch_sum as f64 / steps.max(1) as f64)
+}
+
+/// Output tokens/s of `o.offline` requests added at once and run to the end.
+fn offline_throughput(model: &Arc<Model>, o: &Opts) {
+    let vocab = model.config().vocab_size;
+    let per_request = o.prompt_len + o.decode_tokens as usize;
+    let params = SessionParams {
+        kv_capacity_tokens: 0,
+        max_seqs: o.max_seqs,
+        max_batched_tokens: o.max_batched_tokens,
+        prefill_chunk_size: o.max_batched_tokens,
+        prefix_caching: false,
+        ..Default::default()
+    };
+    let mut s = Session::new(model.clone(), params).expect("session");
+    let mut seed = 7;
+    let t = Instant::now();
+    for _ in 0..o.offline {
+        s.add_request(request(
+            tokens(&mut seed, o.prompt_len, vocab),
+            o.decode_tokens,
+        ))
+        .unwrap();
+    }
+    let mut steps = 0;
+    while s.has_work() {
+        s.step().unwrap();
+        steps += 1;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let st = s.stats();
+    println!(
+        "offline: {} requests x ({} prompt + {} output) tokens, max_seqs {}, step budget {}: \
+         {:.1} s, {:.0} output tok/s, {:.0} total tok/s, {steps} steps, {} preemptions, KV {} tokens",
+        o.offline,
+        o.prompt_len,
+        o.decode_tokens,
+        o.max_seqs,
+        o.max_batched_tokens,
+        secs,
+        (o.offline * o.decode_tokens as usize) as f64 / secs,
+        (o.offline * per_request) as f64 / secs,
+        st.preemptions,
+        st.kv_capacity_tokens
+    );
 }
 
 struct PrefixRun {
@@ -284,6 +345,10 @@ fn main() {
         model.decoder.weight_dtype_name(),
         o.threads
     );
+    if o.offline > 0 {
+        offline_throughput(&model, &o);
+        return;
+    }
     // Warm-up: fault in the weights and start the pool.
     decode_rate(
         &model,

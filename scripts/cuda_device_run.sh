@@ -47,5 +47,8 @@ for step in "$@"; do
     engine)
         "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --concurrency 1,16,64,256 --decode-tokens 128 \
             --prompt-len 512 --skip-prefix ;;
+    offline)
+        "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --offline 1000 --prompt-len 512 --decode-tokens 256 \
+            --max-seqs 256 --max-batched-tokens 8192 ;;
     esac
 done
