@@ -287,7 +287,7 @@ fn soak_c_round(
                 c.n_prompt_tokens = r.prompt.len();
                 c.max_tokens = r.sampling.max_tokens;
                 c.temperature = r.sampling.temperature;
-                c.top_k = r.sampling.top_k as i32;
+                c.top_k = r.sampling.top_k;
                 if let Some(seed) = r.sampling.seed {
                     c.seed = seed;
                     c.use_seed = true;
