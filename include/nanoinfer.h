@@ -433,7 +433,9 @@ typedef struct ni_session_stats {
     uint64_t running;
     uint64_t waiting;
     /**
-     * Usable KV capacity.
+     * Usable KV capacity: the requested capacity rounded up to whole blocks
+     * (so `kv_used_tokens + kv_free_tokens + kv_cached_tokens` never exceeds
+     * it). A single request is still limited to the requested capacity.
      */
     uint64_t kv_capacity_tokens;
     uint64_t kv_block_size;

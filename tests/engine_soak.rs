@@ -287,7 +287,7 @@ fn soak_c_round(
                 c.n_prompt_tokens = r.prompt.len();
                 c.max_tokens = r.sampling.max_tokens;
                 c.temperature = r.sampling.temperature;
-                c.top_k = r.sampling.top_k as i32;
+                c.top_k = r.sampling.top_k;
                 if let Some(seed) = r.sampling.seed {
                     c.seed = seed;
                     c.use_seed = true;
@@ -484,10 +484,13 @@ fn soak_timed_through_the_c_abi() {
         std::fs::write(path, format!("seconds,rss_bytes\n{csv}")).unwrap();
     }
     assert!(rounds > 0 && requests > 0 && cancelled > 0 && compared > 0);
-    // Flat memory once warm: allow allocator noise, not growth.
+    // Flat memory once warm: allow allocator noise, not growth. Under a
+    // sanitizer (quarantined frees) set NANOINFER_SOAK_RSS_CHECK=0.
     let allowed = (8 << 20).max(warm / 10) as i64;
-    assert!(
-        drift <= allowed,
-        "RSS grew by {drift} bytes (allowed {allowed})"
-    );
+    if env_u64("NANOINFER_SOAK_RSS_CHECK", 1) != 0 {
+        assert!(
+            drift <= allowed,
+            "RSS grew by {drift} bytes (allowed {allowed})"
+        );
+    }
 }

@@ -513,3 +513,33 @@ fn quantization_params_match_the_engine_and_old_struct_sizes_still_load() {
     p.quant = 0xdead;
     assert_eq!(tiny_generate_ffi(&p, &prompt), dense);
 }
+
+#[test]
+fn kv_capacity_is_reported_in_whole_blocks() {
+    // Found by the C ABI soak: a paged cache of 209 tokens in 16-token blocks
+    // has 14 blocks (224 slots) and can hold 224 tokens of several requests,
+    // so reporting 209 made kv_used_tokens exceed kv_capacity_tokens.
+    let model = shared_model();
+    for (backend, block, want) in [
+        (NI_KV_BACKEND_PAGED, 16, 224),
+        (NI_KV_BACKEND_PAGED, 1, 209),
+        (NI_KV_BACKEND_TOKEN, 16, 209),
+    ] {
+        let mut p = session_params();
+        p.kv_backend = backend;
+        p.block_size = block;
+        p.kv_capacity_tokens = 209;
+        let mut s = ptr::null_mut();
+        // SAFETY: valid pointers.
+        ok(unsafe { ni_session_create(model, &p, &mut s) });
+        let st = stats(s);
+        assert_eq!(
+            st.kv_capacity_tokens, want,
+            "backend {backend} block {block}"
+        );
+        assert_eq!(st.kv_free_tokens + st.kv_cached_tokens, want);
+        assert_usable(s);
+        // SAFETY: created above, freed once.
+        unsafe { ni_session_free(s) };
+    }
+}

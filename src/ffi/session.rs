@@ -366,7 +366,9 @@ pub struct ni_session_stats {
     /// Requests scheduled in the KV cache / waiting for admission.
     pub running: u64,
     pub waiting: u64,
-    /// Usable KV capacity.
+    /// Usable KV capacity: the requested capacity rounded up to whole blocks
+    /// (so `kv_used_tokens + kv_free_tokens + kv_cached_tokens` never exceeds
+    /// it). A single request is still limited to the requested capacity.
     pub kv_capacity_tokens: u64,
     pub kv_block_size: u64,
     /// Slots referenced by live requests.
@@ -407,7 +409,10 @@ pub unsafe extern "C" fn ni_session_get_stats(
             struct_size: size_of::<ni_session_stats>() as u32,
             running: st.running as u64,
             waiting: st.waiting as u64,
-            kv_capacity_tokens: st.kv_capacity_tokens as u64,
+            // The KV manager's slots, not the requested figure: a paged cache
+            // rounds the request up to whole blocks (found by the C ABI soak:
+            // used 224 > capacity 209 with 16-token blocks).
+            kv_capacity_tokens: st.kv.total_slots as u64,
             kv_block_size: st.kv.granularity as u64,
             kv_used_tokens: st.kv.used_slots as u64,
             kv_free_tokens: st.kv.free_slots as u64,
