@@ -145,7 +145,7 @@ pub fn load(
 ) -> Result<Arc<dyn DeviceDecoder>> {
     let act = act_dtype(dtype)?;
     let c = &config;
-    if c.head_dim % 32 != 0 || c.head_dim > 256 {
+    if !c.head_dim.is_multiple_of(32) || c.head_dim > 256 {
         return Err(Error::new(
             ErrorKind::Unsupported,
             format!(
@@ -664,7 +664,7 @@ impl CudaForward {
         let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
         let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
         let qkv_w = nq + 2 * nkv;
-        let eps = c.rms_norm_eps as f32;
+        let eps = c.rms_norm_eps;
         let inp = |o: usize| KArg::Ptr(ws.inputs.at(o));
 
         dev.launch(

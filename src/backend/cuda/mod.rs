@@ -342,7 +342,7 @@ impl CudaDevice {
         k: usize,
         out: GemmDType,
     ) -> Result<()> {
-        if rows <= GEMV_MAX_ROWS && k % 8 == 0 && self.use_gemv {
+        if rows <= GEMV_MAX_ROWS && k.is_multiple_of(8) && self.use_gemv {
             // Decode-sized batches are bandwidth-bound: our GEMV streams the
             // weights closer to the copy bandwidth than cuBLAS does.
             return self.launch(
