@@ -650,6 +650,51 @@ impl CudaForward {
         }
     }
 
+    /// `out[j] = rmsnorm(hidden[r] (+= delta[r])) * w` for `n` output rows;
+    /// `rows` (a device list, or `KArg::Ptr(0)`) maps output rows to input rows.
+    fn add_rms_norm(&self, n: u32, delta: u64, rows: KArg, w: u64, out: u64) -> Result<()> {
+        let c = &self.model.config;
+        self.model.dev.launch(
+            &self.model.dev.kernels.add_rms_norm,
+            (n, 1, 1),
+            256,
+            &[
+                KArg::Ptr(self.ws.hidden.ptr()),
+                KArg::Ptr(delta),
+                rows,
+                KArg::Ptr(w),
+                KArg::Ptr(out),
+                KArg::I32(c.hidden_size as i32),
+                KArg::F32(c.rms_norm_eps),
+            ],
+        )
+    }
+
+    /// `y = x · wᵀ (+ bias)` in the activation dtype.
+    #[allow(clippy::too_many_arguments)]
+    fn linear(
+        &self,
+        x: u64,
+        w: u64,
+        bias: Option<&DeviceBuffer<u16>>,
+        y: u64,
+        rows: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        let dev = &self.model.dev;
+        dev.gemm(x, w, y, rows, n, k, GemmDType::Act)?;
+        match bias {
+            None => Ok(()),
+            Some(b) => dev.launch(
+                &dev.kernels.add_bias,
+                (rows as u32, 1, 1),
+                256,
+                &[KArg::Ptr(y), KArg::Ptr(b.ptr()), KArg::I32(n as i32)],
+            ),
+        }
+    }
+
     /// Enqueues one forward over the uploaded inputs on the stream (no host
     /// synchronization: it may be captured into a graph).
     fn enqueue(&self, inputs: &Inputs, splits: usize) -> Result<()> {
@@ -681,41 +726,22 @@ impl CudaForward {
         for (li, layer) in m.layers.iter().enumerate() {
             // Residual add of the previous layer's MLP output, fused with this norm.
             let delta = if li == 0 { 0 } else { ws.delta.ptr() };
-            dev.launch(
-                &k.add_rms_norm,
-                (r32, 1, 1),
-                256,
-                &[
-                    KArg::Ptr(ws.hidden.ptr()),
-                    KArg::Ptr(delta),
-                    KArg::Ptr(0),
-                    KArg::Ptr(layer.input_norm.ptr()),
-                    KArg::Ptr(ws.normed.ptr()),
-                    KArg::I32(d as i32),
-                    KArg::F32(eps),
-                ],
+            self.add_rms_norm(
+                r32,
+                delta,
+                KArg::Ptr(0),
+                layer.input_norm.ptr(),
+                ws.normed.ptr(),
             )?;
-            dev.gemm(
+            self.linear(
                 ws.normed.ptr(),
                 layer.qkv.ptr(),
+                layer.qkv_bias.as_ref(),
                 ws.qkv.ptr(),
                 rows,
                 qkv_w,
                 d,
-                GemmDType::Act,
             )?;
-            if let Some(b) = &layer.qkv_bias {
-                dev.launch(
-                    &k.add_bias,
-                    (r32, 1, 1),
-                    256,
-                    &[
-                        KArg::Ptr(ws.qkv.ptr()),
-                        KArg::Ptr(b.ptr()),
-                        KArg::I32(qkv_w as i32),
-                    ],
-                )?;
-            }
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
                 for (w, offset, heads) in [(qn, 0, c.num_heads), (kn, nq, c.num_kv_heads)] {
                     dev.launch(
@@ -823,40 +849,21 @@ impl CudaForward {
                     ],
                 )?;
             }
-            dev.gemm(
+            self.linear(
                 ws.attn.ptr(),
                 layer.o.ptr(),
+                layer.o_bias.as_ref(),
                 ws.delta.ptr(),
                 rows,
                 d,
                 nq,
-                GemmDType::Act,
             )?;
-            if let Some(b) = &layer.o_bias {
-                dev.launch(
-                    &k.add_bias,
-                    (r32, 1, 1),
-                    256,
-                    &[
-                        KArg::Ptr(ws.delta.ptr()),
-                        KArg::Ptr(b.ptr()),
-                        KArg::I32(d as i32),
-                    ],
-                )?;
-            }
-            dev.launch(
-                &k.add_rms_norm,
-                (r32, 1, 1),
-                256,
-                &[
-                    KArg::Ptr(ws.hidden.ptr()),
-                    KArg::Ptr(ws.delta.ptr()),
-                    KArg::Ptr(0),
-                    KArg::Ptr(layer.post_norm.ptr()),
-                    KArg::Ptr(ws.normed.ptr()),
-                    KArg::I32(d as i32),
-                    KArg::F32(eps),
-                ],
+            self.add_rms_norm(
+                r32,
+                ws.delta.ptr(),
+                KArg::Ptr(0),
+                layer.post_norm.ptr(),
+                ws.normed.ptr(),
             )?;
             dev.gemm(
                 ws.normed.ptr(),
@@ -891,19 +898,12 @@ impl CudaForward {
             return Ok(());
         }
         // Last residual add and the final norm, for the rows that want logits only.
-        dev.launch(
-            &k.add_rms_norm,
-            (n_out as u32, 1, 1),
-            256,
-            &[
-                KArg::Ptr(ws.hidden.ptr()),
-                KArg::Ptr(ws.delta.ptr()),
-                inp(inputs.logits_rows),
-                KArg::Ptr(m.final_norm.ptr()),
-                KArg::Ptr(ws.head_in.ptr()),
-                KArg::I32(d as i32),
-                KArg::F32(eps),
-            ],
+        self.add_rms_norm(
+            n_out as u32,
+            ws.delta.ptr(),
+            inp(inputs.logits_rows),
+            m.final_norm.ptr(),
+            ws.head_in.ptr(),
         )?;
         let head = m.lm_head.as_ref().unwrap_or(&m.embed);
         dev.gemm(
