@@ -18,22 +18,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 fn scratch_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("nanoinfer-int4-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+    common::scratch_dir(&format!("int4-{tag}"))
 }
 
 fn load(dir: &Path, quant: QuantMode) -> Arc<Model> {
-    let params = ModelParams {
-        dtype: WeightDType::Auto,
-        threads: 2,
-        quant,
-        ..Default::default()
-    };
-    Arc::new(
-        Model::load(dir, &params, None)
-            .unwrap_or_else(|e| panic!("loading {}: {e}", dir.display())),
-    )
+    load_quantized(dir, WeightDType::Auto, quant)
 }
 
 fn fixture_method(dir: &Path) -> Int4 {

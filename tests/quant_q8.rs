@@ -14,22 +14,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 fn scratch_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("nanoinfer-q8-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+    common::scratch_dir(&format!("q8-{tag}"))
 }
 
 fn load(dir: &Path, quant: QuantMode) -> Arc<Model> {
-    let params = ModelParams {
-        dtype: WeightDType::Auto,
-        threads: 2,
-        quant,
-        ..Default::default()
-    };
-    Arc::new(
-        Model::load(dir, &params, None)
-            .unwrap_or_else(|e| panic!("loading {}: {e}", dir.display())),
-    )
+    load_quantized(dir, WeightDType::Auto, quant)
 }
 
 #[test]

@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use nanoinfer::engine::{Model, ModelParams};
-use nanoinfer::model::WeightDType;
+use nanoinfer::model::{QuantMode, WeightDType};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -31,15 +31,29 @@ pub fn smollm2_dir(dtype_suffix: &str) -> PathBuf {
 }
 
 pub fn load_model(dir: &Path, dtype: WeightDType) -> Arc<Model> {
+    load_quantized(dir, dtype, QuantMode::None)
+}
+
+/// Loads with quantization at load (`QuantMode::None` for checkpoints that
+/// are quantized already or dense).
+pub fn load_quantized(dir: &Path, dtype: WeightDType, quant: QuantMode) -> Arc<Model> {
     let params = ModelParams {
         dtype,
         threads: 2,
+        quant,
         ..Default::default()
     };
     Arc::new(
         Model::load(dir, &params, None)
             .unwrap_or_else(|e| panic!("loading {}: {e}", dir.display())),
     )
+}
+
+/// A fresh (emptied) directory under the system temp dir, unique per process.
+pub fn scratch_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("nanoinfer-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
 }
 
 pub fn golden(name: &str) -> Value {
