@@ -16,21 +16,7 @@ pub type Q4Isa = Q8Isa;
 
 pub use super::q8_kernels::{available_q8_isas as available_q4_isas, q8_isa as q4_isa};
 
-macro_rules! dispatch {
-    ($f:ident, $mr:expr, $nb:expr, $($arg:expr),*) => {
-        match ($mr, $nb) {
-            (1, 4) => $f::<1, 4>($($arg),*),
-            (1, 2) => $f::<1, 2>($($arg),*),
-            (2, 2) => $f::<2, 2>($($arg),*),
-            (3, 2) => $f::<3, 2>($($arg),*),
-            (4, 2) => $f::<4, 2>($($arg),*),
-            (1, _) => $f::<1, 1>($($arg),*),
-            (2, _) => $f::<2, 1>($($arg),*),
-            (3, _) => $f::<3, 1>($($arg),*),
-            _ => $f::<4, 1>($($arg),*),
-        }
-    };
-}
+use super::q8_kernels::dispatch;
 
 /// `out[r, b·16 + j] = Σ_k w[b·16 + j, k] · x[r, k]` (dequantized weights,
 /// quantized activations) for rows `r < a.m` and weight-row blocks `b0..b1`.

@@ -40,6 +40,8 @@ pub fn available_q8_isas() -> Vec<Q8Isa> {
     v
 }
 
+/// Calls `$f::<MR, NB>` for the row/block tile shape: shared by the Q8_0 and
+/// int4 kernels.
 macro_rules! dispatch {
     ($f:ident, $mr:expr, $nb:expr, $($arg:expr),*) => {
         match ($mr, $nb) {
@@ -55,6 +57,7 @@ macro_rules! dispatch {
         }
     };
 }
+pub(super) use dispatch;
 
 /// `out[r, b·16 + j] = Σ_g sw·sx·Σ q_w q_x` for rows `r < a.m` and the
 /// weight rows of blocks `b0..b1`.
