@@ -225,6 +225,17 @@ fn random_c_params(rng: &mut TestRng) -> nanoinfer::ffi::ni_session_params {
     p
 }
 
+/// Sets a helper thread's stop flag when dropped, also while unwinding from a
+/// failed assertion: the scope joins the helper, so without it a failure
+/// would hang instead of failing.
+struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 struct SessionPtr(*mut nanoinfer::ffi::ni_session);
 // SAFETY: stats may be read from any thread (documented in the header).
 unsafe impl Send for SessionPtr {}
@@ -277,6 +288,7 @@ fn soak_c_round(
                 std::thread::sleep(std::time::Duration::from_micros(200));
             }
         });
+        let _stop = StopOnDrop(&stop);
         for _ in 0..ops {
             let roll = rng.range(0, 100);
             if roll < 30 {
@@ -441,6 +453,7 @@ fn soak_timed_through_the_c_abi() {
             }
             samples
         });
+        let stop_sampler = StopOnDrop(&done);
         while start.elapsed() < deadline {
             let (r, c, k, t) = soak_c_round(&mut rng, model, &reference, eos);
             rounds += 1;
@@ -449,7 +462,7 @@ fn soak_timed_through_the_c_abi() {
             compared += k;
             tokens += t;
         }
-        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        drop(stop_sampler);
         sampler.join().unwrap()
     });
     // SAFETY: loaded above, freed once.
