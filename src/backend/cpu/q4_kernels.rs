@@ -17,6 +17,8 @@ pub type Q4Isa = Q8Isa;
 pub use super::q8_kernels::{available_q8_isas as available_q4_isas, q8_isa as q4_isa};
 
 use super::q8_kernels::dispatch;
+#[cfg(target_arch = "x86_64")]
+use super::q8_kernels::{store_acc256, store_acc512};
 
 /// `out[r, b·16 + j] = Σ_k w[b·16 + j, k] · x[r, k]` (dequantized weights,
 /// quantized activations) for rows `r < a.m` and weight-row blocks `b0..b1`.
@@ -102,20 +104,6 @@ unsafe fn micro_scalar(
     }
 }
 
-/// Writes `acc` (MR rows × NB·16 columns) keeping only the first `valid` columns.
-#[inline(always)]
-unsafe fn store_rows<const MR: usize, const NB: usize>(
-    acc: &[[[f32; BLOCK_ROWS]; NB]; MR],
-    out: *mut f32,
-    stride: usize,
-    valid: usize,
-) {
-    for (r, row) in acc.iter().enumerate() {
-        let flat = row.as_ptr() as *const f32;
-        std::ptr::copy_nonoverlapping(flat, out.add(r * stride), valid);
-    }
-}
-
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[allow(clippy::too_many_arguments)]
@@ -184,21 +172,7 @@ unsafe fn micro_vnni<const MR: usize, const NB: usize>(
             }
         }
     }
-    if valid == NB * BLOCK_ROWS {
-        for (r, acc_row) in acc.iter().enumerate() {
-            for (nb, v) in acc_row.iter().enumerate() {
-                _mm512_storeu_ps(out.add(r * stride + nb * BLOCK_ROWS), *v);
-            }
-        }
-    } else {
-        let mut tmp = [[[0f32; BLOCK_ROWS]; NB]; MR];
-        for (t_row, acc_row) in tmp.iter_mut().zip(acc.iter()) {
-            for (t, v) in t_row.iter_mut().zip(acc_row.iter()) {
-                _mm512_storeu_ps(t.as_mut_ptr(), *v);
-            }
-        }
-        store_rows(&tmp, out, stride, valid);
-    }
+    store_acc512(&acc, out, stride, valid);
 }
 
 /// AVX2 without VNNI: `vpmaddubsw(nibbles, x)` (unsigned × signed, pairs
@@ -287,14 +261,7 @@ unsafe fn micro_avx2<const MR: usize, const NB: usize>(
             }
         }
     }
-    let mut tmp = [[[0f32; BLOCK_ROWS]; NB]; MR];
-    for (t_row, acc_row) in tmp.iter_mut().zip(acc.iter()) {
-        for (t, v) in t_row.iter_mut().zip(acc_row.iter()) {
-            _mm256_storeu_ps(t.as_mut_ptr(), v[0]);
-            _mm256_storeu_ps(t.as_mut_ptr().add(8), v[1]);
-        }
-    }
-    store_rows(&tmp, out, stride, valid);
+    store_acc256(&acc, out, stride, valid);
 }
 
 #[cfg(test)]

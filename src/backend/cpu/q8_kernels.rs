@@ -113,6 +113,54 @@ unsafe fn store_rows<const MR: usize, const NB: usize>(
     }
 }
 
+/// Stores AVX-512 accumulators (MR rows × NB blocks of 16 columns), keeping
+/// the first `valid` columns: the tail of the Q8_0 and int4 micro-kernels.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(super) unsafe fn store_acc512<const MR: usize, const NB: usize>(
+    acc: &[[__m512; NB]; MR],
+    out: *mut f32,
+    stride: usize,
+    valid: usize,
+) {
+    if valid == NB * BLOCK_ROWS {
+        for (r, acc_row) in acc.iter().enumerate() {
+            for (nb, v) in acc_row.iter().enumerate() {
+                _mm512_storeu_ps(out.add(r * stride + nb * BLOCK_ROWS), *v);
+            }
+        }
+    } else {
+        let mut tmp = [[[0f32; BLOCK_ROWS]; NB]; MR];
+        for (t_row, acc_row) in tmp.iter_mut().zip(acc.iter()) {
+            for (t, v) in t_row.iter_mut().zip(acc_row.iter()) {
+                _mm512_storeu_ps(t.as_mut_ptr(), *v);
+            }
+        }
+        store_rows(&tmp, out, stride, valid);
+    }
+}
+
+/// As `store_acc512`, for AVX2 accumulators (two 8-lane halves per block).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn store_acc256<const MR: usize, const NB: usize>(
+    acc: &[[[__m256; 2]; NB]; MR],
+    out: *mut f32,
+    stride: usize,
+    valid: usize,
+) {
+    let mut tmp = [[[0f32; BLOCK_ROWS]; NB]; MR];
+    for (t_row, acc_row) in tmp.iter_mut().zip(acc.iter()) {
+        for (t, v) in t_row.iter_mut().zip(acc_row.iter()) {
+            _mm256_storeu_ps(t.as_mut_ptr(), v[0]);
+            _mm256_storeu_ps(t.as_mut_ptr().add(8), v[1]);
+        }
+    }
+    store_rows(&tmp, out, stride, valid);
+}
+
 #[allow(clippy::too_many_arguments)]
 unsafe fn micro_scalar(
     mr: usize,
@@ -200,21 +248,7 @@ unsafe fn micro_vnni<const MR: usize, const NB: usize>(
             }
         }
     }
-    if valid == NB * BLOCK_ROWS {
-        for (r, acc_row) in acc.iter().enumerate() {
-            for (nb, v) in acc_row.iter().enumerate() {
-                _mm512_storeu_ps(out.add(r * stride + nb * BLOCK_ROWS), *v);
-            }
-        }
-    } else {
-        let mut tmp = [[[0f32; BLOCK_ROWS]; NB]; MR];
-        for (t_row, acc_row) in tmp.iter_mut().zip(acc.iter()) {
-            for (t, v) in t_row.iter_mut().zip(acc_row.iter()) {
-                _mm512_storeu_ps(t.as_mut_ptr(), *v);
-            }
-        }
-        store_rows(&tmp, out, stride, valid);
-    }
+    store_acc512(&acc, out, stride, valid);
 }
 
 /// AVX2 without VNNI: `vpmaddubsw(|x|, sign(w, x))` then `vpmaddwd` by 1
@@ -273,14 +307,7 @@ unsafe fn micro_avx2<const MR: usize, const NB: usize>(
             }
         }
     }
-    let mut tmp = [[[0f32; BLOCK_ROWS]; NB]; MR];
-    for (t_row, acc_row) in tmp.iter_mut().zip(acc.iter()) {
-        for (t, v) in t_row.iter_mut().zip(acc_row.iter()) {
-            _mm256_storeu_ps(t.as_mut_ptr(), v[0]);
-            _mm256_storeu_ps(t.as_mut_ptr().add(8), v[1]);
-        }
-    }
-    store_rows(&tmp, out, stride, valid);
+    store_acc256(&acc, out, stride, valid);
 }
 
 #[cfg(test)]
