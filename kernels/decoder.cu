@@ -55,8 +55,44 @@ __device__ float block_sum(float v) {
     return warp_sum(v);
 }
 
+// Programmatic dependent launch (sm_90+). Kernels are launched so that the
+// next one may start while this one drains: every kernel lets its
+// dependents launch at once (grid_dep_launch) and waits for the previous
+// kernel to complete, memory included, before it reads or writes anything
+// that kernel touches (grid_dep_wait). Both are no-ops on older GPUs and in
+// plain launches.
+__device__ __forceinline__ void grid_dep_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dep_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Kernel prologue for kernels that read their inputs right away.
+#define GRID_DEP_ENTER() \
+    grid_dep_launch();   \
+    grid_dep_wait()
+
+// Rotate-half RoPE of one pair (x1 in the first half of the head, x2 in the
+// second), rounding where transformers does in the activation dtype.
+__device__ __forceinline__ void rope_rotate(float& x1, float& x2, float c, float s) {
+    const float y1 = rnd(x1 * c) - rnd(x2 * s);
+    const float y2 = rnd(x2 * c) + rnd(x1 * s);
+    x1 = y1;
+    x2 = y2;
+}
+
+// silu(gate) * up, gate and up already in the activation dtype.
+__device__ __forceinline__ float silu_mul_f(float gate, float up) {
+    return rnd(gate / (1.f + __expf(-gate))) * up;
+}
+
 // out[r] = table[tokens[r]]; grid = rows.
 extern "C" __global__ void embed(const raw16* table, const unsigned* tokens, raw16* out, int d) {
+    GRID_DEP_ENTER();
     const raw16* src = table + (size_t)tokens[blockIdx.x] * d;
     raw16* dst = out + (size_t)blockIdx.x * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) dst[i] = src[i];
@@ -67,6 +103,7 @@ extern "C" __global__ void embed(const raw16* table, const unsigned* tokens, raw
 // out[j] = rmsnorm(residual[r]) * w. grid = output rows.
 extern "C" __global__ void add_rms_norm(raw16* residual, const raw16* delta, const unsigned* rows,
                                         const raw16* w, raw16* out, int d, float eps) {
+    GRID_DEP_ENTER();
     const size_t r = rows ? rows[blockIdx.x] : blockIdx.x;
     raw16* x = residual + r * d;
     const raw16* dx = delta ? delta + r * d : 0;
@@ -93,6 +130,7 @@ extern "C" __global__ void add_rms_norm(raw16* residual, const raw16* delta, con
 // column `offset` of rows of stride `stride`. grid = (rows, heads), block = 32.
 extern "C" __global__ void head_rms_norm(raw16* x, const raw16* w, int stride, int offset, int hd,
                                          float eps) {
+    GRID_DEP_ENTER();
     raw16* h = x + (size_t)blockIdx.x * stride + offset + (size_t)blockIdx.y * hd;
     float ss = 0.f;
     for (int i = threadIdx.x; i < hd; i += 32) {
@@ -105,6 +143,7 @@ extern "C" __global__ void head_rms_norm(raw16* x, const raw16* w, int stride, i
 
 // x[r, i] += b[i]; grid = rows.
 extern "C" __global__ void add_bias(raw16* x, const raw16* b, int width) {
+    GRID_DEP_ENTER();
     raw16* row = x + (size_t)blockIdx.x * width;
     for (int i = threadIdx.x; i < width; i += blockDim.x) row[i] = from_f(to_f(row[i]) + to_f(b[i]));
 }
@@ -113,6 +152,7 @@ extern "C" __global__ void add_bias(raw16* x, const raw16* b, int width) {
 // fused QKV rows; angle = position * inv_freq[i]. grid = rows.
 extern "C" __global__ void rope(raw16* qkv, const int* positions, const float* inv_freq, int stride,
                                 int heads, int hd) {
+    GRID_DEP_ENTER();
     const int half = hd / 2;
     const float pos = (float)positions[blockIdx.x];
     raw16* row = qkv + (size_t)blockIdx.x * stride;
@@ -123,19 +163,20 @@ extern "C" __global__ void rope(raw16* qkv, const int* positions, const float* i
         c = rnd(c);
         s = rnd(s);
         raw16* p = row + h * hd;
-        const float x1 = to_f(p[i]), x2 = to_f(p[i + half]);
-        p[i] = from_f(rnd(x1 * c) - rnd(x2 * s));
-        p[i + half] = from_f(rnd(x2 * c) + rnd(x1 * s));
+        float x1 = to_f(p[i]), x2 = to_f(p[i + half]);
+        rope_rotate(x1, x2, c, s);
+        p[i] = from_f(x1);
+        p[i + half] = from_f(x2);
     }
 }
 
 // out[r, i] = silu(gate[r, i]) * up[r, i] over rows of [gate | up]. grid = rows.
 extern "C" __global__ void silu_mul(const raw16* gate_up, raw16* out, int inter) {
+    GRID_DEP_ENTER();
     const raw16* g = gate_up + (size_t)blockIdx.x * 2 * inter;
     raw16* y = out + (size_t)blockIdx.x * inter;
     for (int i = threadIdx.x; i < inter; i += blockDim.x) {
-        const float a = to_f(g[i]);
-        y[i] = from_f(rnd(a / (1.f + __expf(-a))) * to_f(g[inter + i]));
+        y[i] = from_f(silu_mul_f(to_f(g[i]), to_f(g[inter + i])));
     }
 }
 
@@ -144,6 +185,7 @@ extern "C" __global__ void silu_mul(const raw16* gate_up, raw16* out, int inter)
 extern "C" __global__ void kv_write(const raw16* qkv, int stride, int k_off, int v_off,
                                     const unsigned* slots, raw16* k_cache, raw16* v_cache,
                                     int kv_width) {
+    GRID_DEP_ENTER();
     const raw16* row = qkv + (size_t)blockIdx.x * stride;
     const size_t dst = (size_t)slots[blockIdx.x] * kv_width;
     for (int i = threadIdx.x; i < kv_width; i += blockDim.x) {
@@ -152,105 +194,202 @@ extern "C" __global__ void kv_write(const raw16* qkv, int stride, int k_off, int
     }
 }
 
-#define ATTN_WARPS 8
-#define MAX_PER_LANE 8  // head_dim <= 256
+// Eight 16-bit values of a 16-byte load, as floats.
+__device__ __forceinline__ void unpack8(uint4 v, float* f) {
+    const unsigned u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = to_f((raw16)(u[i] & 0xffffu));
+        f[2 * i + 1] = to_f((raw16)(u[i] >> 16));
+    }
+}
 
-// Causal attention of one (head, row, split): the row attends to positions
-// [split * chunk, min((split + 1) * chunk, pos + 1)) of its sequence, whose
-// slots are slot_list[table_off[row] + p]. Each warp walks every
-// ATTN_WARPS-th position with an online softmax (no shared-memory bound on
-// the context length); the warps then merge. With one split the result goes
-// to `out` ([rows, heads * hd]); otherwise the unnormalized partial sum and
-// its (max, sum) go to part_o / part_ml for attn_merge.
-// grid = (heads, rows, splits), block = 32 * ATTN_WARPS.
-extern "C" __global__ void attention(const raw16* qkv, int stride, const raw16* k_cache,
-                                     const raw16* v_cache, const unsigned* slot_list,
-                                     const unsigned* table_off, const int* positions, int heads,
-                                     int kv_heads, int hd, float scale, raw16* out, float* part_o,
-                                     float* part_ml) {
-    const int head = blockIdx.x, row = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+// VEC consecutive 16-bit values as floats; one vector load when VEC is 2, 4
+// or 8 (p then aligned to VEC elements).
+template <int VEC>
+__device__ __forceinline__ void load_vec(const raw16* p, float* f) {
+    if (VEC == 8) {
+        unpack8(*(const uint4*)p, f);
+    } else if (VEC == 4) {
+        const uint2 v = *(const uint2*)p;
+        f[0] = to_f((raw16)(v.x & 0xffffu));
+        f[1] = to_f((raw16)(v.x >> 16));
+        f[2] = to_f((raw16)(v.y & 0xffffu));
+        f[3] = to_f((raw16)(v.y >> 16));
+    } else if (VEC == 2) {
+        const unsigned v = *(const unsigned*)p;
+        f[0] = to_f((raw16)(v & 0xffffu));
+        f[1] = to_f((raw16)(v >> 16));
+    } else {
+#pragma unroll
+        for (int i = 0; i < VEC; i++) f[i] = to_f(p[i]);
+    }
+}
+
+#define ATTN_WARPS 8
+#define ATTN_POS 4    // positions each warp loads per iteration (loads in flight)
+#define ATTN_GROUP 4  // query heads per block; they share one kv head (GQA)
+#define ATTN_HD_MAX 256
+
+struct AttnShared {
+    float m[ATTN_GROUP][ATTN_WARPS], l[ATTN_GROUP][ATTN_WARPS];
+    float acc[ATTN_WARPS][ATTN_HD_MAX];
+};
+
+// Decode attention. One block serves up to ATTN_GROUP query heads of one kv
+// head (GQA: each key and value is loaded once for all of them) for one row
+// and one split of its context: positions [split * chunk, min((split + 1) *
+// chunk, pos + 1)) of the row's sequence, whose slots are
+// slot_list[table_off[row] + p]. Each warp walks every ATTN_WARPS-th group
+// of ATTN_POS positions with an online softmax (no shared-memory bound on the
+// context length); the warps then merge. Lane l owns dims [l * VEC, l * VEC +
+// VEC) of a head (hd = 32 * VEC). With one split the result goes to `out`
+// ([rows, heads * hd]); otherwise the unnormalized partial sum and its (max,
+// sum) go to part_o / part_ml for attn_merge.
+// grid = (kv_heads * ceil(group / ATTN_GROUP), rows, splits), block = 32 * ATTN_WARPS.
+template <int VEC>
+__device__ void attention_group(const raw16* qkv, int stride, const raw16* k_cache,
+                                const raw16* v_cache, const unsigned* slot_list,
+                                const unsigned* table_off, const int* positions, int heads,
+                                int kv_heads, float scale, raw16* out, float* part_o,
+                                float* part_ml, AttnShared& sm) {
+    const int hd = 32 * VEC;
+    const int group = heads / kv_heads;
+    const int subs = (group + ATTN_GROUP - 1) / ATTN_GROUP;
+    const int kv_head = blockIdx.x / subs;
+    const int h0 = kv_head * group + (blockIdx.x % subs) * ATTN_GROUP;
+    const int g_n = min(ATTN_GROUP, kv_head * group + group - h0);
+    const int row = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int per_lane = hd >> 5;
-    const int kv_head = head / (heads / kv_heads);
     const int kv_width = kv_heads * hd;
     const int n = positions[row] + 1;
     const int chunk = (n + splits - 1) / splits;
     const int begin = split * chunk;
     const int end = min(n, begin + chunk);
     const unsigned* slots = slot_list + table_off[row];
+    const int d0 = lane * VEC;
 
-    float q[MAX_PER_LANE], acc[MAX_PER_LANE];
-    const raw16* qh = qkv + (size_t)row * stride + head * hd;
+    float q[ATTN_GROUP][VEC], acc[ATTN_GROUP][VEC], m[ATTN_GROUP], l[ATTN_GROUP];
 #pragma unroll
-    for (int e = 0; e < MAX_PER_LANE; e++) {
-        q[e] = e < per_lane ? to_f(qh[lane + 32 * e]) * scale : 0.f;
-        acc[e] = 0.f;
+    for (int g = 0; g < ATTN_GROUP; g++) {
+        if (g < g_n) load_vec<VEC>(qkv + (size_t)row * stride + (h0 + g) * hd + d0, q[g]);
+#pragma unroll
+        for (int e = 0; e < VEC; e++) {
+            q[g][e] = g < g_n ? q[g][e] * scale : 0.f;
+            acc[g][e] = 0.f;
+        }
+        m[g] = -NI_INF;
+        l[g] = 0.f;
     }
-    float m = -NI_INF, l = 0.f;
-    // Two positions per iteration: their loads overlap, halving the chain
-    // of dependent global-memory round trips each warp walks.
-    for (int p = begin + warp; p < end; p += 2 * ATTN_WARPS) {
-        const int p2 = p + ATTN_WARPS;
-        const bool two = p2 < end;
-        const size_t b1 = (size_t)slots[p] * kv_width + kv_head * hd;
-        const size_t b2 = two ? (size_t)slots[p2] * kv_width + kv_head * hd : b1;
-        float s1 = 0.f, s2 = 0.f;
+    for (int p0 = begin + warp * ATTN_POS; p0 < end; p0 += ATTN_WARPS * ATTN_POS) {
+        float kf[ATTN_POS][VEC], vf[ATTN_POS][VEC];
 #pragma unroll
-        for (int e = 0; e < MAX_PER_LANE; e++)
-            if (e < per_lane) {
-                s1 += q[e] * to_f(k_cache[b1 + lane + 32 * e]);
-                s2 += q[e] * to_f(k_cache[b2 + lane + 32 * e]);
+        for (int i = 0; i < ATTN_POS; i++) {
+            const int p = p0 + i < end ? p0 + i : p0;
+            const size_t base = (size_t)slots[p] * kv_width + kv_head * hd + d0;
+            load_vec<VEC>(k_cache + base, kf[i]);
+            load_vec<VEC>(v_cache + base, vf[i]);
+        }
+#pragma unroll
+        for (int g = 0; g < ATTN_GROUP; g++) {
+            if (g >= g_n) break;
+            float s[ATTN_POS], best = m[g];
+#pragma unroll
+            for (int i = 0; i < ATTN_POS; i++) {
+                float dot = 0.f;
+#pragma unroll
+                for (int e = 0; e < VEC; e++) dot += q[g][e] * kf[i][e];
+                s[i] = p0 + i < end ? warp_sum(dot) : -NI_INF;
+                best = fmaxf(best, s[i]);
             }
-        s1 = warp_sum(s1);
-        s2 = two ? warp_sum(s2) : -NI_INF;
-        const float m_new = fmaxf(m, fmaxf(s1, s2));
-        const float corr = __expf(m - m_new);
-        const float w1 = __expf(s1 - m_new);
-        const float w2 = two ? __expf(s2 - m_new) : 0.f;
-        l = l * corr + w1 + w2;
+            const float corr = __expf(m[g] - best);
+            float w[ATTN_POS], wsum = 0.f;
 #pragma unroll
-        for (int e = 0; e < MAX_PER_LANE; e++)
-            if (e < per_lane)
-                acc[e] = acc[e] * corr + w1 * to_f(v_cache[b1 + lane + 32 * e]) +
-                         w2 * to_f(v_cache[b2 + lane + 32 * e]);
-        m = m_new;
+            for (int i = 0; i < ATTN_POS; i++) {
+                w[i] = p0 + i < end ? __expf(s[i] - best) : 0.f;
+                wsum += w[i];
+            }
+            l[g] = l[g] * corr + wsum;
+#pragma unroll
+            for (int e = 0; e < VEC; e++) {
+                float a = acc[g][e] * corr;
+#pragma unroll
+                for (int i = 0; i < ATTN_POS; i++) a += w[i] * vf[i][e];
+                acc[g][e] = a;
+            }
+            m[g] = best;
+        }
     }
 
-    __shared__ float sm_m[ATTN_WARPS], sm_l[ATTN_WARPS];
-    __shared__ float sm_acc[ATTN_WARPS][32 * MAX_PER_LANE];
+    // Merge the warps, one head at a time through shared memory.
+    float(&sm_m)[ATTN_GROUP][ATTN_WARPS] = sm.m;
+    float(&sm_l)[ATTN_GROUP][ATTN_WARPS] = sm.l;
+    float(&sm_acc)[ATTN_WARPS][ATTN_HD_MAX] = sm.acc;
     if (lane == 0) {
-        sm_m[warp] = m;
-        sm_l[warp] = l;
+#pragma unroll
+        for (int g = 0; g < ATTN_GROUP; g++) {
+            sm_m[g][warp] = m[g];
+            sm_l[g][warp] = l[g];
+        }
     }
 #pragma unroll
-    for (int e = 0; e < MAX_PER_LANE; e++)
-        if (e < per_lane) sm_acc[warp][lane + 32 * e] = acc[e];
-    __syncthreads();
-    float big = -NI_INF;
-    for (int w = 0; w < ATTN_WARPS; w++) big = fmaxf(big, sm_m[w]);
-    float total = 0.f, f[ATTN_WARPS];
-    for (int w = 0; w < ATTN_WARPS; w++) {
-        f[w] = sm_l[w] > 0.f ? __expf(sm_m[w] - big) : 0.f;
-        total += sm_l[w] * f[w];
-    }
-    const size_t rh = (size_t)row * heads + head;
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-        float o = 0.f;
-        for (int w = 0; w < ATTN_WARPS; w++) o += sm_acc[w][i] * f[w];
-        if (splits == 1)
-            out[rh * hd + i] = from_f(total > 0.f ? o / total : 0.f);
-        else
-            part_o[(rh * splits + split) * hd + i] = o;
-    }
-    if (splits > 1 && threadIdx.x == 0) {
-        part_ml[(rh * splits + split) * 2] = total > 0.f ? big : -NI_INF;
-        part_ml[(rh * splits + split) * 2 + 1] = total;
+    for (int g = 0; g < ATTN_GROUP; g++) {
+        if (g >= g_n) break;
+        __syncthreads();  // the previous head's partial sums are consumed
+#pragma unroll
+        for (int e = 0; e < VEC; e++) sm_acc[warp][d0 + e] = acc[g][e];
+        __syncthreads();
+        float big = -NI_INF;
+        for (int w = 0; w < ATTN_WARPS; w++) big = fmaxf(big, sm_m[g][w]);
+        float total = 0.f, f[ATTN_WARPS];
+        for (int w = 0; w < ATTN_WARPS; w++) {
+            f[w] = sm_l[g][w] > 0.f ? __expf(sm_m[g][w] - big) : 0.f;
+            total += sm_l[g][w] * f[w];
+        }
+        const size_t rh = (size_t)row * heads + h0 + g;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+            float o = 0.f;
+            for (int w = 0; w < ATTN_WARPS; w++) o += sm_acc[w][i] * f[w];
+            if (splits == 1)
+                out[rh * hd + i] = from_f(total > 0.f ? o / total : 0.f);
+            else
+                part_o[(rh * splits + split) * hd + i] = o;
+        }
+        if (splits > 1 && threadIdx.x == 0) {
+            part_ml[(rh * splits + split) * 2] = total > 0.f ? big : -NI_INF;
+            part_ml[(rh * splits + split) * 2 + 1] = total;
+        }
     }
 }
+
+// One kernel per head-size range: registers are allocated per kernel, and
+// the wide heads need about twice as many.
+#define ATTN_KERNEL(NAME, MIN_BLOCKS, CASES)                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, MIN_BLOCKS) NAME(const raw16* qkv, int stride, const raw16* k_cache,           \
+                                    const raw16* v_cache, const unsigned* slot_list,              \
+                                    const unsigned* table_off, const int* positions, int heads,   \
+                                    int kv_heads, int hd, float scale, raw16* out, float* part_o, \
+                                    float* part_ml) {                                             \
+        __shared__ AttnShared sm;                                                                 \
+        GRID_DEP_ENTER();                                                                         \
+        switch (hd >> 5) { CASES }                                                                \
+    }
+#define ATTN_CASE(V)                                                                              \
+    case V:                                                                                       \
+        attention_group<V>(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, heads, \
+                           kv_heads, scale, out, part_o, part_ml, sm);                            \
+        break;
+
+// head_dim = 32 * VEC: VEC 1..4 here, 5..8 in attention_wide (the host checks).
+ATTN_KERNEL(attention, 2, ATTN_CASE(1) ATTN_CASE(2) ATTN_CASE(3) ATTN_CASE(4))
+ATTN_KERNEL(attention_wide, 1, ATTN_CASE(5) ATTN_CASE(6) ATTN_CASE(7) ATTN_CASE(8))
+#undef ATTN_CASE
+#undef ATTN_KERNEL
 
 // Merges the splits of attention: grid = (heads, rows), block >= hd threads.
 extern "C" __global__ void attn_merge(const float* part_o, const float* part_ml, int heads, int hd,
                                       int splits, raw16* out) {
+    GRID_DEP_ENTER();
     const size_t rh = (size_t)blockIdx.y * heads + blockIdx.x;
     const float* ml = part_ml + rh * splits * 2;
     float big = -NI_INF;
@@ -270,6 +409,7 @@ extern "C" __global__ void attn_merge(const float* part_o, const float* part_ml,
 // the cache and a staging buffer [n, kv_width]: swap-out and swap-in.
 extern "C" __global__ void kv_copy_slots(raw16* k_cache, raw16* v_cache, const unsigned* slots,
                                          raw16* staging, int kv_width, int to_host) {
+    GRID_DEP_ENTER();
     const size_t src = (size_t)slots[blockIdx.x] * kv_width;
     raw16* k = staging + (size_t)blockIdx.x * 2 * kv_width;
     raw16* v = k + kv_width;
@@ -286,66 +426,190 @@ extern "C" __global__ void kv_copy_slots(raw16* k_cache, raw16* v_cache, const u
 
 #define GEMV_WARPS 4
 #define GEMV_MAX_ROWS 8
+#define GEMV_PREFETCH_BYTES 2048
 
-// Eight 16-bit values of a 16-byte load, as floats.
-__device__ __forceinline__ void unpack8(uint4 v, float* f) {
-    const unsigned u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        f[2 * i] = to_f((raw16)(u[i] & 0xffffu));
-        f[2 * i + 1] = to_f((raw16)(u[i] >> 16));
-    }
+// Starts pulling the head of a weight row into L2. Weights never depend on
+// the previous kernel, so GEMVs issue this before grid_dep_wait: with
+// programmatic launch the first weight bytes stream in while the previous
+// kernel drains.
+__device__ __forceinline__ void prefetch_row(const raw16* w, int k) {
+    const int lane = threadIdx.x & 31;
+    if (lane * 128 < min(2 * k, GEMV_PREFETCH_BYTES))
+        asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)w + lane * 128));
 }
 
-template <int R>
-__device__ void gemv_rows(const raw16* x, const raw16* w, void* y, int n, int k, int f32_out) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int j = blockIdx.x * GEMV_WARPS + warp;
-    if (j >= n) return;
-    const uint4* wr = (const uint4*)(w + (size_t)j * k);
+// acc[i][r] = dot(weight row wr[i], activation row r of x) for W weight rows
+// and R activation rows, every lane of the warp getting the full sums. Each
+// lane streams 16-byte chunks of the weight rows once; the few activation
+// rows come from cache. k must be a multiple of 8.
+template <int R, int W>
+__device__ __forceinline__ void warp_dots(const raw16* x, const raw16* const (&wr)[W], int k,
+                                          float (&acc)[W][R]) {
+    const int lane = threadIdx.x & 31;
     const int chunks = k >> 3;
-    float acc[R];
 #pragma unroll
-    for (int r = 0; r < R; r++) acc[r] = 0.f;
+    for (int i = 0; i < W; i++)
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[i][r] = 0.f;
 #pragma unroll 4
     for (int c = lane; c < chunks; c += 32) {
-        float wf[8], xf[8];
-        unpack8(__ldg(wr + c), wf);
+        float wf[W][8];
+#pragma unroll
+        for (int i = 0; i < W; i++) unpack8(__ldg((const uint4*)wr[i] + c), wf[i]);
 #pragma unroll
         for (int r = 0; r < R; r++) {
+            float xf[8];
             unpack8(__ldg((const uint4*)(x + (size_t)r * k) + c), xf);
 #pragma unroll
-            for (int i = 0; i < 8; i++) acc[r] += wf[i] * xf[i];
+            for (int i = 0; i < W; i++)
+#pragma unroll
+                for (int e = 0; e < 8; e++) acc[i][r] += wf[i][e] * xf[e];
         }
     }
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-        const float v = warp_sum(acc[r]);
-        if (lane == 0) {
+    for (int i = 0; i < W; i++)
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[i][r] = warp_sum(acc[i][r]);
+}
+
+// Instantiates CALL(R) for the runtime row count 1..GEMV_MAX_ROWS.
+#define GEMV_ROWS_SWITCH(rows, CALL) \
+    switch (rows) {                  \
+    case 1: CALL(1); break;          \
+    case 2: CALL(2); break;          \
+    case 3: CALL(3); break;          \
+    case 4: CALL(4); break;          \
+    case 5: CALL(5); break;          \
+    case 6: CALL(6); break;          \
+    case 7: CALL(7); break;          \
+    case 8: CALL(8); break;          \
+    }
+
+template <int R>
+__device__ void gemv_rows(const raw16* x, const raw16* w, void* y, int n, int k, int f32_out) {
+    const int j = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (j >= n) return;
+    const raw16* wr[1] = {w + (size_t)j * k};
+    prefetch_row(wr[0], k);
+    grid_dep_wait();
+    float acc[1][R];
+    warp_dots<R, 1>(x, wr, k, acc);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
             if (f32_out)
-                ((float*)y)[(size_t)r * n + j] = v;
+                ((float*)y)[(size_t)r * n + j] = acc[0][r];
             else
-                ((raw16*)y)[(size_t)r * n + j] = from_f(v);
+                ((raw16*)y)[(size_t)r * n + j] = from_f(acc[0][r]);
         }
     }
 }
 
 // y[r, j] = sum_k x[r, k] * w[j, k] for rows r < R <= GEMV_MAX_ROWS (decode
-// batches): each warp streams one weight row once with 16-byte loads, the
-// few activation rows come from cache. k must be a multiple of 8.
-// grid = ceil(n / GEMV_WARPS), block = 32 * GEMV_WARPS.
+// batches), one weight row per warp. grid = ceil(n / GEMV_WARPS), block =
+// 32 * GEMV_WARPS.
 extern "C" __global__ void gemv(const raw16* x, const raw16* w, void* y, int n, int k, int rows,
                                 int f32_out) {
-    switch (rows) {
-    case 1: gemv_rows<1>(x, w, y, n, k, f32_out); break;
-    case 2: gemv_rows<2>(x, w, y, n, k, f32_out); break;
-    case 3: gemv_rows<3>(x, w, y, n, k, f32_out); break;
-    case 4: gemv_rows<4>(x, w, y, n, k, f32_out); break;
-    case 5: gemv_rows<5>(x, w, y, n, k, f32_out); break;
-    case 6: gemv_rows<6>(x, w, y, n, k, f32_out); break;
-    case 7: gemv_rows<7>(x, w, y, n, k, f32_out); break;
-    case 8: gemv_rows<8>(x, w, y, n, k, f32_out); break;
+    grid_dep_launch();
+#define GEMV_CALL(R) gemv_rows<R>(x, w, y, n, k, f32_out)
+    GEMV_ROWS_SWITCH(rows, GEMV_CALL)
+#undef GEMV_CALL
+}
+
+template <int R>
+__device__ void gemv_swiglu_rows(const raw16* x, const raw16* w, raw16* out, int inter, int k) {
+    const int j = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (j >= inter) return;
+    const raw16* wr[2] = {w + (size_t)j * k, w + (size_t)(inter + j) * k};
+    prefetch_row(wr[0], k);
+    prefetch_row(wr[1], k);
+    grid_dep_wait();
+    float acc[2][R];
+    warp_dots<R, 2>(x, wr, k, acc);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            out[(size_t)r * inter + j] = from_f(silu_mul_f(rnd(acc[0][r]), rnd(acc[1][r])));
     }
+}
+
+// The MLP's gate/up projection fused with SwiGLU for decode batches:
+// out[r, j] = silu(x[r] · gate[j]) * (x[r] · up[j]), w = [gate; up] stacked
+// ([2 * inter, k]). Each warp streams gate row j and up row j.
+// grid = ceil(inter / GEMV_WARPS), block = 32 * GEMV_WARPS.
+extern "C" __global__ void gemv_swiglu(const raw16* x, const raw16* w, raw16* out, int inter, int k,
+                                       int rows) {
+    grid_dep_launch();
+#define GEMV_CALL(R) gemv_swiglu_rows<R>(x, w, out, inter, k)
+    GEMV_ROWS_SWITCH(rows, GEMV_CALL)
+#undef GEMV_CALL
+}
+
+template <int R>
+__device__ void gemv_qkv_rope_rows(const raw16* x, const raw16* w, const raw16* bias, raw16* qkv,
+                                   const int* positions, const float* inv_freq,
+                                   const unsigned* slots, raw16* k_cache, raw16* v_cache, int nq,
+                                   int nkv, int hd, int k) {
+    const int u = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    const int half = hd / 2, width = nq + 2 * nkv, rope_units = (nq + nkv) / 2;
+    if (u >= width / 2) return;
+    // A rope unit is the pair (i, i + half) of one q or k head; the other
+    // units are adjacent pairs of v columns.
+    int a, freq = -1;
+    if (u < rope_units) {
+        freq = u % half;
+        a = (u / half) * hd + freq;
+    } else {
+        a = nq + nkv + 2 * (u - rope_units);
+    }
+    const int b = freq >= 0 ? a + half : a + 1;
+    const raw16* wr[2] = {w + (size_t)a * k, w + (size_t)b * k};
+    prefetch_row(wr[0], k);
+    prefetch_row(wr[1], k);
+    grid_dep_wait();
+    float acc[2][R];
+    warp_dots<R, 2>(x, wr, k, acc);
+    if ((threadIdx.x & 31) != 0) return;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        float ya = rnd(acc[0][r]), yb = rnd(acc[1][r]);
+        if (bias) {
+            ya = rnd(ya + to_f(bias[a]));
+            yb = rnd(yb + to_f(bias[b]));
+        }
+        if (freq >= 0) {
+            float s, c;
+            sincosf((float)positions[r] * inv_freq[freq], &s, &c);
+            rope_rotate(ya, yb, rnd(c), rnd(s));
+        }
+        if (a < nq) {
+            raw16* row = qkv + (size_t)r * width;
+            row[a] = from_f(ya);
+            row[b] = from_f(yb);
+        } else {
+            const bool is_k = a < nq + nkv;
+            const int col = a - (is_k ? nq : nq + nkv);
+            raw16* dst = (is_k ? k_cache : v_cache) + (size_t)slots[r] * nkv + col;
+            dst[0] = from_f(ya);
+            dst[b - a] = from_f(yb);
+        }
+    }
+}
+
+// The QKV projection fused with bias, RoPE and the KV-cache write for decode
+// batches (models without q/k norms): q goes to the QKV rows (stride nq +
+// 2 * nkv), k and v straight to slot slots[r] of the layer's caches. Each
+// warp streams the two weight rows of one rope pair or two v columns.
+// grid = ceil((nq + 2 * nkv) / 2 / GEMV_WARPS), block = 32 * GEMV_WARPS.
+extern "C" __global__ void gemv_qkv_rope(const raw16* x, const raw16* w, const raw16* bias,
+                                         raw16* qkv, const int* positions, const float* inv_freq,
+                                         const unsigned* slots, raw16* k_cache, raw16* v_cache,
+                                         int nq, int nkv, int hd, int k, int rows) {
+    grid_dep_launch();
+#define GEMV_CALL(R) \
+    gemv_qkv_rope_rows<R>(x, w, bias, qkv, positions, inv_freq, slots, k_cache, v_cache, nq, nkv, hd, k)
+    GEMV_ROWS_SWITCH(rows, GEMV_CALL)
+#undef GEMV_CALL
 }
 
 #define TILE_ROWS 16
@@ -369,6 +633,7 @@ extern "C" __global__ void attention_tiles(const raw16* qkv, int stride, const r
                                            const unsigned* tile_row, const unsigned* tile_n,
                                            int heads, int kv_heads, int hd, float scale,
                                            raw16* out) {
+    GRID_DEP_ENTER();
     __shared__ float q_s[TILE_ROWS][TILE_HD_MAX];
     __shared__ raw16 k_s[TILE_KEYS][TILE_HD_MAX + KV_PAD];
     __shared__ raw16 v_s[TILE_KEYS][TILE_HD_MAX + KV_PAD];
@@ -456,6 +721,7 @@ extern "C" __global__ void attention_tiles(const raw16* qkv, int stride, const r
 // ids[r] = index of the first largest logit of row r (greedy decoding on the
 // GPU: only the ids travel to the host). grid = rows, block = 1024.
 extern "C" __global__ void argmax_rows(const float* logits, int vocab, unsigned* ids) {
+    GRID_DEP_ENTER();
     __shared__ float best_v[32];
     __shared__ int best_i[32];
     const float* row = logits + (size_t)blockIdx.x * vocab;

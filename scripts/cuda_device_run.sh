@@ -2,7 +2,8 @@
 # Runs the CUDA checks on a GPU machine that has no Rust: the release binaries
 # built elsewhere are in $BIN (nanoinfer, cuda test binary), torch +
 # transformers are installed. Prints a short table last.
-#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|bench]...
+#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|make8b|tests8b|bench|profile|engine|offline]...
+# Binaries: `bash scripts/cuda_carry.sh` (here, with Rust) fills gpu-carry/.
 set -uo pipefail
 BIN=${BIN:-gpu-carry}
 WORK=${WORK:-/tmp/nanoinfer-gpu}
@@ -26,20 +27,23 @@ for step in "$@"; do
         NANOINFER_CUDA_FIXTURES="$WORK/fx" NANOINFER_CUDA_8B="$WORK/l8b" "$BIN/cuda" --test-threads 1 --nocapture \
             eight_b 2>&1 | tail -12 ;;
     profile)
-        if command -v nsys >/dev/null; then
-            nsys profile -o "$WORK/prof" --force-overwrite true "$BIN/nanoinfer" bench --model "$WORK/l8b" \
-                --device cuda -p 512 -n 64 -r 1 >/dev/null 2>&1
-            nsys stats -r cuda_gpu_kern_sum -f csv "$WORK/prof.nsys-rep" 2>/dev/null \
-                | python3 -c 'import sys,csv; r=list(csv.DictReader(l for l in sys.stdin if "," in l)); [print(f"{float(x["Time (%)"]):5.1f}% {int(float(x["Total Time (ns)"]))/1e6:9.2f} ms {x["Instances"]:>6} {x["Name"][:70]}") for x in r[:14]]'
-        else
-            echo "nsys not found"
-        fi ;;
+        # Per-kernel GPU time (NANOINFER_CUDA_PROFILE: events around every launch, graphs off).
+        for args in "-p 0 -n 64" "-p 512 -n 0"; do
+            echo "== profile: bench $args"
+            NANOINFER_CUDA_PROFILE=1 "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda $args -r 1 2>&1 \
+                | grep -A16 NANOINFER_CUDA_PROFILE
+        done
+        echo "== profile: engine, 256 concurrent decodes"
+        NANOINFER_CUDA_PROFILE=1 "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --concurrency 256 \
+            --decode-tokens 32 --prompt-len 512 --skip-prefix 2>&1 | grep -A16 NANOINFER_CUDA_PROFILE ;;
     bench)
         "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 512 -n 128 -r 3 --json | tee "$WORK/ours.json"
         NANOINFER_CUDA_GRAPHS=0 "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 512 -n 128 -r 3 --json \
             | tee "$WORK/ours-nographs.json"
         NANOINFER_CUDA_GEMV=0 "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 0 -n 128 -r 3 --json \
             | tee "$WORK/ours-cublas.json"
+        NANOINFER_CUDA_PDL=0 "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 0 -n 128 -r 3 --json \
+            | tee "$WORK/ours-nopdl.json"
         for depth in 1024 32768; do
             "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 0 -n 64 -d $depth -r 3
         done

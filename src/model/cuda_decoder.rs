@@ -265,11 +265,16 @@ struct WorkspaceSizes {
     inputs: usize,
 }
 
-/// (row, head, split) triplets the attention partials hold: enough for
-/// `ATTN_BLOCKS_PER_SM` blocks per SM and then some.
+/// Decode attention blocks to aim for per SM (two are resident at a time);
+/// the (row, head, split) partials hold twice that many query heads' worth.
 const ATTN_BLOCKS_PER_SM: usize = 8;
-/// 32 * ATTN_WARPS of kernels/decoder.cu.
+/// A split of the context gets at least this many positions (four rounds
+/// of the kernel's 8 warps × 4 positions).
+const MIN_SPLIT_POSITIONS: usize = 128;
+const MAX_SPLITS: usize = 64;
+/// 32 * ATTN_WARPS and ATTN_GROUP of kernels/decoder.cu.
 const ATTN_THREADS: u32 = 256;
+const ATTN_GROUP: usize = 4;
 /// TILE_ROWS, 32 * TILE_WARPS and TILE_HD_MAX of kernels/decoder.cu.
 const TILE_ROWS: usize = 16;
 const TILE_THREADS: u32 = 128;
@@ -277,7 +282,7 @@ const TILE_HD_MAX: usize = 128;
 
 impl CudaDecoder {
     fn attn_partials(&self) -> usize {
-        2 * ATTN_BLOCKS_PER_SM * self.dev.sm_count
+        2 * ATTN_GROUP * ATTN_BLOCKS_PER_SM * self.dev.sm_count
     }
 
     fn workspace_sizes(&self, shape: &ContextShape) -> WorkspaceSizes {
@@ -397,7 +402,8 @@ impl DeviceDecoder for CudaDecoder {
             staging: None,
             host: Vec::with_capacity(inputs_len),
             graphs: HashMap::new(),
-            use_graphs: std::env::var("NANOINFER_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            use_graphs: !self.dev.profiling()
+                && std::env::var("NANOINFER_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             model: self,
         }))
     }
@@ -554,6 +560,13 @@ impl CudaForward {
         })
     }
 
+    /// Blocks of the decode attention kernel per (row, split): one per
+    /// ATTN_GROUP query heads of each kv head.
+    fn attention_blocks(&self) -> usize {
+        let c = &self.model.config;
+        c.num_kv_heads * (c.num_heads / c.num_kv_heads).div_ceil(ATTN_GROUP)
+    }
+
     /// Attention splits for this step: enough blocks to fill the GPU when
     /// few rows attend over long contexts (flash-decoding), one otherwise.
     fn attention_splits(&self, rows: usize, longest: usize) -> usize {
@@ -561,9 +574,9 @@ impl CudaForward {
         let heads = m.config.num_heads;
         let target = ATTN_BLOCKS_PER_SM * m.dev.sm_count;
         let mut splits = target
-            .div_ceil(rows * heads)
-            .min(longest.div_ceil(64))
-            .clamp(1, 32);
+            .div_ceil(rows * self.attention_blocks())
+            .min(longest.div_ceil(MIN_SPLIT_POSITIONS))
+            .clamp(1, MAX_SPLITS);
         while splits > 1 && rows * heads * splits > m.attn_partials() {
             splits -= 1;
         }
@@ -693,6 +706,145 @@ impl CudaForward {
         }
     }
 
+    /// q, k, v of the normed rows: q (with RoPE) into the QKV rows, k (with
+    /// RoPE) and v into the layer's cache slots. Decode batches of models
+    /// without q/k norms take one fused GEMV for all of it.
+    fn qkv_rope_kv_write(
+        &self,
+        layer: &Layer,
+        inputs: &Inputs,
+        (kc, vc): (u64, u64),
+    ) -> Result<()> {
+        let m = &*self.model;
+        let (dev, c, ws) = (&*m.dev, &m.config, &self.ws);
+        let k = &dev.kernels;
+        let (rows, d, hd) = (inputs.rows, c.hidden_size, c.head_dim);
+        let r32 = rows as u32;
+        let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
+        let qkv_w = nq + 2 * nkv;
+        let inp = |o: usize| KArg::Ptr(ws.inputs.at(o));
+        if dev.gemv_fits(rows, d) && layer.q_norm.is_none() {
+            return dev.launch_gemv(
+                &k.gemv_qkv_rope,
+                qkv_w / 2,
+                (rows, qkv_w, d),
+                &[
+                    KArg::Ptr(ws.normed.ptr()),
+                    KArg::Ptr(layer.qkv.ptr()),
+                    KArg::Ptr(layer.qkv_bias.as_ref().map_or(0, |b| b.ptr())),
+                    KArg::Ptr(ws.qkv.ptr()),
+                    inp(inputs.positions),
+                    KArg::Ptr(m.inv_freq.ptr()),
+                    inp(inputs.write_slots),
+                    KArg::Ptr(kc),
+                    KArg::Ptr(vc),
+                    KArg::I32(nq as i32),
+                    KArg::I32(nkv as i32),
+                    KArg::I32(hd as i32),
+                    KArg::I32(d as i32),
+                    KArg::I32(rows as i32),
+                ],
+            );
+        }
+        self.linear(
+            ws.normed.ptr(),
+            layer.qkv.ptr(),
+            layer.qkv_bias.as_ref(),
+            ws.qkv.ptr(),
+            rows,
+            qkv_w,
+            d,
+        )?;
+        if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+            for (w, offset, heads) in [(qn, 0, c.num_heads), (kn, nq, c.num_kv_heads)] {
+                dev.launch(
+                    &k.head_rms_norm,
+                    (r32, heads as u32, 1),
+                    32,
+                    &[
+                        KArg::Ptr(ws.qkv.ptr()),
+                        KArg::Ptr(w.ptr()),
+                        KArg::I32(qkv_w as i32),
+                        KArg::I32(offset as i32),
+                        KArg::I32(hd as i32),
+                        KArg::F32(c.rms_norm_eps),
+                    ],
+                )?;
+            }
+        }
+        // q and k heads are adjacent in the fused row: one pass over both.
+        dev.launch(
+            &k.rope,
+            (r32, 1, 1),
+            256,
+            &[
+                KArg::Ptr(ws.qkv.ptr()),
+                inp(inputs.positions),
+                KArg::Ptr(m.inv_freq.ptr()),
+                KArg::I32(qkv_w as i32),
+                KArg::I32((c.num_heads + c.num_kv_heads) as i32),
+                KArg::I32(hd as i32),
+            ],
+        )?;
+        dev.launch(
+            &k.kv_write,
+            (r32, 1, 1),
+            256,
+            &[
+                KArg::Ptr(ws.qkv.ptr()),
+                KArg::I32(qkv_w as i32),
+                KArg::I32(nq as i32),
+                KArg::I32((nq + nkv) as i32),
+                inp(inputs.write_slots),
+                KArg::Ptr(kc),
+                KArg::Ptr(vc),
+                KArg::I32(nkv as i32),
+            ],
+        )
+    }
+
+    /// `act = silu(normed · gateᵀ) * (normed · upᵀ)`: one fused GEMV for
+    /// decode batches, else a GEMM into `gate_up` and the SwiGLU kernel.
+    fn gate_up_swiglu(&self, layer: &Layer, rows: usize) -> Result<()> {
+        let m = &*self.model;
+        let (dev, c, ws) = (&*m.dev, &m.config, &self.ws);
+        let (d, inter) = (c.hidden_size, c.intermediate_size);
+        if dev.gemv_fits(rows, d) {
+            return dev.launch_gemv(
+                &dev.kernels.gemv_swiglu,
+                inter,
+                (rows, 2 * inter, d),
+                &[
+                    KArg::Ptr(ws.normed.ptr()),
+                    KArg::Ptr(layer.gate_up.ptr()),
+                    KArg::Ptr(ws.act.ptr()),
+                    KArg::I32(inter as i32),
+                    KArg::I32(d as i32),
+                    KArg::I32(rows as i32),
+                ],
+            );
+        }
+        dev.gemm(
+            ws.normed.ptr(),
+            layer.gate_up.ptr(),
+            ws.gate_up.ptr(),
+            rows,
+            2 * inter,
+            d,
+            GemmDType::Act,
+        )?;
+        dev.launch(
+            &dev.kernels.silu_mul,
+            (rows as u32, 1, 1),
+            256,
+            &[
+                KArg::Ptr(ws.gate_up.ptr()),
+                KArg::Ptr(ws.act.ptr()),
+                KArg::I32(inter as i32),
+            ],
+        )
+    }
+
     /// Enqueues one forward over the uploaded inputs on the stream (no host
     /// synchronization: it may be captured into a graph).
     fn enqueue(&self, inputs: &Inputs, splits: usize) -> Result<()> {
@@ -707,7 +859,6 @@ impl CudaForward {
         let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
         let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
         let qkv_w = nq + 2 * nkv;
-        let eps = c.rms_norm_eps;
         let inp = |o: usize| KArg::Ptr(ws.inputs.at(o));
 
         dev.launch(
@@ -731,62 +882,8 @@ impl CudaForward {
                 layer.input_norm.ptr(),
                 ws.normed.ptr(),
             )?;
-            self.linear(
-                ws.normed.ptr(),
-                layer.qkv.ptr(),
-                layer.qkv_bias.as_ref(),
-                ws.qkv.ptr(),
-                rows,
-                qkv_w,
-                d,
-            )?;
-            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                for (w, offset, heads) in [(qn, 0, c.num_heads), (kn, nq, c.num_kv_heads)] {
-                    dev.launch(
-                        &k.head_rms_norm,
-                        (r32, heads as u32, 1),
-                        32,
-                        &[
-                            KArg::Ptr(ws.qkv.ptr()),
-                            KArg::Ptr(w.ptr()),
-                            KArg::I32(qkv_w as i32),
-                            KArg::I32(offset as i32),
-                            KArg::I32(hd as i32),
-                            KArg::F32(eps),
-                        ],
-                    )?;
-                }
-            }
-            // q and k heads are adjacent in the fused row: one pass over both.
-            dev.launch(
-                &k.rope,
-                (r32, 1, 1),
-                256,
-                &[
-                    KArg::Ptr(ws.qkv.ptr()),
-                    inp(inputs.positions),
-                    KArg::Ptr(m.inv_freq.ptr()),
-                    KArg::I32(qkv_w as i32),
-                    KArg::I32((c.num_heads + c.num_kv_heads) as i32),
-                    KArg::I32(hd as i32),
-                ],
-            )?;
             let (kc, vc) = self.layer_kv(li);
-            dev.launch(
-                &k.kv_write,
-                (r32, 1, 1),
-                256,
-                &[
-                    KArg::Ptr(ws.qkv.ptr()),
-                    KArg::I32(qkv_w as i32),
-                    KArg::I32(nq as i32),
-                    KArg::I32((nq + nkv) as i32),
-                    inp(inputs.write_slots),
-                    KArg::Ptr(kc),
-                    KArg::Ptr(vc),
-                    KArg::I32(nkv as i32),
-                ],
-            )?;
+            self.qkv_rope_kv_write(layer, inputs, (kc, vc))?;
             if inputs.n_tiles > 0 {
                 dev.launch(
                     &k.attention_tiles,
@@ -810,9 +907,14 @@ impl CudaForward {
                     ],
                 )?;
             } else {
+                let kernel = if hd <= 128 {
+                    &k.attention
+                } else {
+                    &k.attention_wide
+                };
                 dev.launch(
-                    &k.attention,
-                    (c.num_heads as u32, r32, splits as u32),
+                    kernel,
+                    (self.attention_blocks() as u32, r32, splits as u32),
                     ATTN_THREADS,
                     &[
                         KArg::Ptr(ws.qkv.ptr()),
@@ -863,25 +965,7 @@ impl CudaForward {
                 layer.post_norm.ptr(),
                 ws.normed.ptr(),
             )?;
-            dev.gemm(
-                ws.normed.ptr(),
-                layer.gate_up.ptr(),
-                ws.gate_up.ptr(),
-                rows,
-                2 * inter,
-                d,
-                GemmDType::Act,
-            )?;
-            dev.launch(
-                &k.silu_mul,
-                (r32, 1, 1),
-                256,
-                &[
-                    KArg::Ptr(ws.gate_up.ptr()),
-                    KArg::Ptr(ws.act.ptr()),
-                    KArg::I32(inter as i32),
-                ],
-            )?;
+            self.gate_up_swiglu(layer, rows)?;
             dev.gemm(
                 ws.act.ptr(),
                 layer.down.ptr(),

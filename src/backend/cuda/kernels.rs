@@ -93,19 +93,28 @@ fn compile(arch: (i32, i32), act: ActDType) -> Result<String> {
     }
 }
 
+/// One kernel of the module, with its name for errors and profiles.
+pub struct Kernel {
+    pub name: &'static str,
+    pub func: CudaFunction,
+}
+
 macro_rules! kernel_set {
     ($($name:ident),* $(,)?) => {
         /// Handles to every kernel of the module.
         pub struct Kernels {
-            $(pub $name: CudaFunction,)*
+            $(pub $name: Kernel,)*
         }
 
         impl Kernels {
             fn from_module(module: &Arc<cudarc::driver::CudaModule>) -> Result<Kernels> {
                 Ok(Kernels {
-                    $($name: module
-                        .load_function(stringify!($name))
-                        .map_err(|e| cuda_error(concat!("loading kernel ", stringify!($name)), e))?,)*
+                    $($name: Kernel {
+                        name: stringify!($name),
+                        func: module
+                            .load_function(stringify!($name))
+                            .map_err(|e| cuda_error(concat!("loading kernel ", stringify!($name)), e))?,
+                    },)*
                 })
             }
         }
@@ -121,9 +130,12 @@ kernel_set!(
     silu_mul,
     kv_write,
     attention,
+    attention_wide,
     attn_merge,
     kv_copy_slots,
     gemv,
+    gemv_swiglu,
+    gemv_qkv_rope,
     attention_tiles,
     argmax_rows,
 );

@@ -8,17 +8,23 @@
 
 mod gemm;
 mod kernels;
+mod profile;
 
 pub use gemm::GemmDType;
-pub use kernels::{KernelCache, Kernels};
+pub use kernels::{Kernel, KernelCache, Kernels};
 
 use crate::{Error, ErrorKind, Result};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
-    PushKernelArg, ValidAsZeroBits,
+    sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
 };
+use profile::Profiler;
 use std::sync::{Arc, Mutex};
+
+// Kernel arguments are passed as 8-byte slots whose first bytes hold the
+// value (see `CudaDevice::launch_raw`).
+#[cfg(target_endian = "big")]
+compile_error!("the CUDA backend assumes a little-endian host");
 
 /// 16-bit activation/weight type on the GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,8 +120,12 @@ pub struct CudaDevice {
     /// Compute capability (major, minor).
     pub arch: (i32, i32),
     pub sm_count: usize,
-    /// Small-batch projections through our GEMV kernel (NANOINFER_CUDA_GEMV=0: cuBLAS only).
+    /// Small-batch projections through our GEMV kernels (NANOINFER_CUDA_GEMV=0: cuBLAS only).
     use_gemv: bool,
+    /// Programmatic dependent launch (sm_90+; NANOINFER_CUDA_PDL=0 turns it
+    /// off): each kernel may start while the previous one drains.
+    use_pdl: bool,
+    profiler: Option<Mutex<Profiler>>,
     /// Held for the whole of one forward: sessions sharing the model take
     /// turns on the stream and the cuBLAS handle.
     pub step_lock: Mutex<()>,
@@ -172,6 +182,10 @@ impl CudaDevice {
             .map_err(|e| cuda_error("SM count", e))? as usize;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let kernels = Kernels::load(&ctx, arch, act, &KernelCache::from_env())?;
+        let profiler = Profiler::from_env(&ctx);
+        let use_pdl = arch.0 >= 9
+            && profiler.is_none()
+            && std::env::var("NANOINFER_CUDA_PDL").map_or(true, |v| v != "0");
         Ok(Arc::new(CudaDevice {
             ctx,
             stream,
@@ -183,37 +197,114 @@ impl CudaDevice {
             arch,
             sm_count,
             use_gemv: std::env::var("NANOINFER_CUDA_GEMV").map_or(true, |v| v != "0"),
+            use_pdl,
+            profiler: profiler.map(Mutex::new),
             step_lock: Mutex::new(()),
         }))
+    }
+
+    /// Whether `NANOINFER_CUDA_PROFILE` is timing every launch (the decoder
+    /// then runs without CUDA graphs).
+    pub fn profiling(&self) -> bool {
+        self.profiler.is_some()
+    }
+
+    /// Runs `op` (which enqueues work), timed under `label` when profiling.
+    fn timed(
+        &self,
+        label: impl FnOnce() -> String,
+        bytes: usize,
+        op: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        match &self.profiler {
+            None => op(),
+            Some(p) => {
+                p.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .time(&self.stream, label, bytes, op)
+            }
+        }
     }
 
     /// Launches `f` on the compute stream with 1-D blocks of `block` threads.
     pub fn launch(
         &self,
-        f: &CudaFunction,
+        f: &Kernel,
         grid: (u32, u32, u32),
         block: u32,
         args: &[KArg],
     ) -> Result<()> {
-        let mut b = self.stream.launch_builder(f);
-        for a in args {
-            match a {
-                KArg::Ptr(v) => b.arg(v),
-                KArg::I32(v) => b.arg(v),
-                KArg::F32(v) => b.arg(v),
+        self.timed(
+            || f.name.to_string(),
+            0,
+            || self.launch_raw(f, grid, block, args),
+        )
+    }
+
+    fn launch_raw(
+        &self,
+        f: &Kernel,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[KArg],
+    ) -> Result<()> {
+        const MAX_ARGS: usize = 16;
+        if args.len() > MAX_ARGS {
+            return Err(Error::new(
+                ErrorKind::Internal,
+                format!("kernel {} takes more than {MAX_ARGS} arguments", f.name),
+            ));
+        }
+        let mut values = [0u64; MAX_ARGS];
+        for (slot, a) in values.iter_mut().zip(args) {
+            *slot = match *a {
+                KArg::Ptr(p) => p,
+                KArg::I32(v) => v as u32 as u64,
+                KArg::F32(v) => v.to_bits() as u64,
             };
         }
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: 0,
+        let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); MAX_ARGS];
+        for (p, v) in params.iter_mut().zip(values.iter_mut()) {
+            *p = (v as *mut u64).cast();
+        }
+        // SAFETY: an all-zero launch attribute value is a valid (empty) union.
+        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+        value.programmaticStreamSerializationAllowed = 1;
+        let mut pdl = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value,
         };
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut pdl,
+            numAttrs: self.use_pdl as u32,
+        };
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_error("binding the context", e))?;
         // SAFETY: the arguments match the kernel's parameter list (each call
-        // site mirrors the signature in kernels/decoder.cu) and every pointer
-        // is a live allocation sized for the grid by the caller.
-        unsafe { b.launch(cfg) }
-            .map(|_| ())
-            .map_err(|e| cuda_error("kernel launch", e))
+        // site mirrors the signature in kernels/decoder.cu; 4-byte parameters
+        // read the low half of their little-endian slot), every pointer is a
+        // live allocation sized for the grid by the caller, and `values`,
+        // `params` and `pdl` outlive the call, which copies them.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                f.func.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(|e| cuda_error(&format!("launching kernel {}", f.name), e))
     }
 
     /// (free, total) device memory in bytes, after the stream-ordered pool
@@ -326,7 +417,40 @@ impl CudaDevice {
     pub fn synchronize(&self) -> Result<()> {
         self.stream
             .synchronize()
-            .map_err(|e| cuda_error("stream synchronize", e))
+            .map_err(|e| cuda_error("stream synchronize", e))?;
+        match &self.profiler {
+            Some(p) => p.lock().unwrap_or_else(|e| e.into_inner()).collect(),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether a projection of `rows` activation rows over `k` inputs runs
+    /// through the GEMV kernels (decode-sized batches) rather than cuBLAS.
+    pub fn gemv_fits(&self, rows: usize, k: usize) -> bool {
+        rows <= GEMV_MAX_ROWS && k.is_multiple_of(8) && self.use_gemv
+    }
+
+    /// Launches a GEMV-family kernel over `warps` warp work units (one or
+    /// two weight rows each) of a `rows`×`k` by `n`×`k` product.
+    pub fn launch_gemv(
+        &self,
+        f: &Kernel,
+        warps: usize,
+        (rows, n, k): (usize, usize, usize),
+        args: &[KArg],
+    ) -> Result<()> {
+        self.timed(
+            || format!("{} {rows}x{n}x{k}", f.name),
+            n * k * 2,
+            || {
+                self.launch_raw(
+                    f,
+                    (warps.div_ceil(GEMV_WARPS) as u32, 1, 1),
+                    32 * GEMV_WARPS as u32,
+                    args,
+                )
+            },
+        )
     }
 
     /// `y[rows, n] = x[rows, k] · w[n, k]ᵀ` (w row-major, the HF layout),
@@ -342,13 +466,13 @@ impl CudaDevice {
         k: usize,
         out: GemmDType,
     ) -> Result<()> {
-        if rows <= GEMV_MAX_ROWS && k.is_multiple_of(8) && self.use_gemv {
+        if self.gemv_fits(rows, k) {
             // Decode-sized batches are bandwidth-bound: our GEMV streams the
             // weights closer to the copy bandwidth than cuBLAS does.
-            return self.launch(
+            return self.launch_gemv(
                 &self.kernels.gemv,
-                (n.div_ceil(GEMV_WARPS) as u32, 1, 1),
-                32 * GEMV_WARPS as u32,
+                n,
+                (rows, n, k),
                 &[
                     KArg::Ptr(x),
                     KArg::Ptr(w),
@@ -360,7 +484,22 @@ impl CudaDevice {
                 ],
             );
         }
-        gemm::gemm_xwt(&self.blas, self.act, x, w, y, rows, n, k, out)
+        self.timed(
+            || format!("cublas {rows}x{n}x{k}"),
+            n * k * 2,
+            || gemm::gemm_xwt(&self.blas, self.act, x, w, y, rows, n, k, out),
+        )
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        if let Some(p) = &self.profiler {
+            let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+            if p.collect().is_ok() {
+                eprint!("{}", p.report());
+            }
+        }
     }
 }
 
