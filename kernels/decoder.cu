@@ -718,6 +718,216 @@ extern "C" __global__ void attention_tiles(const raw16* qkv, int stride, const r
     }
 }
 
+// ---- Prefill attention on tensor cores (sm_80+) ----
+#define FA_ROWS 64  // query rows per block, 16 per warp
+#define FA_KEYS 64  // keys per shared-memory tile
+#define FA_WARPS 4
+#define FA_PAD 8  // row padding (elements): fragment loads hit 32 distinct banks
+
+// d += a · b on tensor cores: a 16x16 (row-major fragment), b 16x8
+// (column-major fragment), f32 accumulators.
+__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+#if NI_F16
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+#endif
+}
+
+// Two values as one 32-bit fragment register, `lo` in the low half.
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    return (unsigned)from_f(lo) | ((unsigned)from_f(hi) << 16);
+}
+__device__ __forceinline__ unsigned pack_raw(raw16 lo, raw16 hi) {
+    return (unsigned)lo | ((unsigned)hi << 16);
+}
+
+// Causal attention for prefill, flash-attention style on tensor cores: one
+// block per (head, tile), a tile being up to FA_ROWS consecutive rows of one
+// sequence (rows tile_row[t] .. + tile_n[t]); warp w owns rows 16w .. 16w+15.
+// Key/value tiles of FA_KEYS cached positions are gathered through the slot
+// list into shared memory; S = Q Kᵀ and O += P V run as m16n8k16 MMAs with
+// an online softmax in between (P rounded to the activation dtype, as
+// flash-attention does). Lane layout: g = lane / 4 picks fragment rows g and
+// g + 8, t = lane % 4 the column pairs 2t, 2t + 1.
+template <int HD>
+__device__ void flash_tile(const raw16* qkv, int stride, const raw16* k_cache,
+                           const raw16* v_cache, const unsigned* slot_list,
+                           const unsigned* table_off, const int* positions,
+                           const unsigned* tile_row, const unsigned* tile_n, int heads,
+                           int kv_heads, float scale, raw16* out, raw16 (*ks)[HD + FA_PAD],
+                           raw16 (*vs)[HD + FA_PAD]) {
+    const int head = blockIdx.x, t = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, tq = lane & 3;
+    const int kv_head = head / (heads / kv_heads);
+    const int kv_width = kv_heads * HD;
+    const int row0 = tile_row[t], n = tile_n[t];
+    const unsigned* slots = slot_list + table_off[row0];
+    const int last = positions[row0 + n - 1];
+    const int ra = warp * 16 + g, rb = ra + 8;
+    const int pa = ra < n ? positions[row0 + ra] : -1;
+    const int pb = rb < n ? positions[row0 + rb] : -1;
+    int warp_last = max(pa, pb);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) warp_last = max(warp_last, __shfl_xor_sync(0xffffffffu, warp_last, o));
+
+    unsigned qf[HD / 16][4];
+    {
+        const raw16* qa = qkv + (size_t)(row0 + ra) * stride + head * HD;
+        const raw16* qb = qkv + (size_t)(row0 + rb) * stride + head * HD;
+#pragma unroll
+        for (int s = 0; s < HD / 16; s++) {
+            const int c = s * 16 + 2 * tq;
+            qf[s][0] = pa >= 0 ? *(const unsigned*)(qa + c) : 0u;
+            qf[s][1] = pb >= 0 ? *(const unsigned*)(qb + c) : 0u;
+            qf[s][2] = pa >= 0 ? *(const unsigned*)(qa + c + 8) : 0u;
+            qf[s][3] = pb >= 0 ? *(const unsigned*)(qb + c + 8) : 0u;
+        }
+    }
+    const float scale_log2 = scale * 1.4426950408889634f;
+    float o[HD / 8][4];
+#pragma unroll
+    for (int d = 0; d < HD / 8; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+    float m_a = -NI_INF, m_b = -NI_INF, l_a = 0.f, l_b = 0.f;
+
+    for (int kb = 0; kb <= last; kb += FA_KEYS) {
+        __syncthreads();  // the previous tile is no longer read
+        for (int i = threadIdx.x; i < FA_KEYS * HD / 8; i += blockDim.x) {
+            const int j = i / (HD / 8), c = (i % (HD / 8)) * 8, p = kb + j;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+            if (p <= last) {
+                const size_t base = (size_t)slots[p] * kv_width + kv_head * HD + c;
+                kv = *(const uint4*)(k_cache + base);
+                vv = *(const uint4*)(v_cache + base);
+            }
+            *(uint4*)&ks[j][c] = kv;
+            *(uint4*)&vs[j][c] = vv;
+        }
+        __syncthreads();
+        if (kb > warp_last) continue;  // past every row of this warp (warp-uniform)
+
+        float s[FA_KEYS / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < FA_KEYS / 8; nt++) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+            for (int ks_ = 0; ks_ < HD / 16; ks_++) {
+                const raw16* kr = &ks[nt * 8 + g][ks_ * 16 + 2 * tq];
+                mma16816(s[nt], qf[ks_], *(const unsigned*)kr, *(const unsigned*)(kr + 8));
+            }
+        }
+        // Causal mask, scale (base 2) and the running maxima of rows a, b.
+        float mx_a = m_a, mx_b = m_b;
+#pragma unroll
+        for (int nt = 0; nt < FA_KEYS / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int key = kb + nt * 8 + 2 * tq + (e & 1);
+                const int pos = e < 2 ? pa : pb;
+                const float v = key <= pos ? s[nt][e] * scale_log2 : -NI_INF;
+                s[nt][e] = v;
+                if (e < 2)
+                    mx_a = fmaxf(mx_a, v);
+                else
+                    mx_b = fmaxf(mx_b, v);
+            }
+#pragma unroll
+        for (int o_ = 1; o_ < 4; o_ <<= 1) {
+            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, o_));
+            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, o_));
+        }
+        // Rows with nothing unmasked yet keep max -inf: no correction, p = 0.
+        const float corr_a = mx_a == -NI_INF ? 1.f : exp2f(m_a - mx_a);
+        const float corr_b = mx_b == -NI_INF ? 1.f : exp2f(m_b - mx_b);
+        m_a = mx_a;
+        m_b = mx_b;
+        float sum_a = 0.f, sum_b = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < FA_KEYS / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float mx = e < 2 ? mx_a : mx_b;
+                const float p = s[nt][e] == -NI_INF ? 0.f : exp2f(s[nt][e] - mx);
+                s[nt][e] = p;
+                if (e < 2)
+                    sum_a += p;
+                else
+                    sum_b += p;
+            }
+        l_a = l_a * corr_a + sum_a;
+        l_b = l_b * corr_b + sum_b;
+#pragma unroll
+        for (int d = 0; d < HD / 8; d++) {
+            o[d][0] *= corr_a;
+            o[d][1] *= corr_a;
+            o[d][2] *= corr_b;
+            o[d][3] *= corr_b;
+        }
+        // O += P V: the S accumulators of key tiles 2k, 2k+1 are the A
+        // fragment of k-step k.
+#pragma unroll
+        for (int k16 = 0; k16 < FA_KEYS / 16; k16++) {
+            const unsigned a[4] = {pack2(s[2 * k16][0], s[2 * k16][1]),
+                                   pack2(s[2 * k16][2], s[2 * k16][3]),
+                                   pack2(s[2 * k16 + 1][0], s[2 * k16 + 1][1]),
+                                   pack2(s[2 * k16 + 1][2], s[2 * k16 + 1][3])};
+            const int kr = k16 * 16 + 2 * tq;
+#pragma unroll
+            for (int d = 0; d < HD / 8; d++) {
+                const int col = d * 8 + g;
+                mma16816(o[d], a, pack_raw(vs[kr][col], vs[kr + 1][col]),
+                         pack_raw(vs[kr + 8][col], vs[kr + 9][col]));
+            }
+        }
+    }
+    // Each lane summed a quarter of its rows' columns.
+#pragma unroll
+    for (int o_ = 1; o_ < 4; o_ <<= 1) {
+        l_a += __shfl_xor_sync(0xffffffffu, l_a, o_);
+        l_b += __shfl_xor_sync(0xffffffffu, l_b, o_);
+    }
+    const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
+    raw16* oa = out + (size_t)(row0 + ra) * heads * HD + head * HD;
+    raw16* ob = out + (size_t)(row0 + rb) * heads * HD + head * HD;
+#pragma unroll
+    for (int d = 0; d < HD / 8; d++) {
+        const int c = d * 8 + 2 * tq;
+        if (pa >= 0) *(unsigned*)(oa + c) = pack2(o[d][0] * inv_a, o[d][1] * inv_a);
+        if (pb >= 0) *(unsigned*)(ob + c) = pack2(o[d][2] * inv_b, o[d][3] * inv_b);
+    }
+}
+
+// head_dim 64 or 128 (the host checks); grid = (heads, tiles), block = 32 * FA_WARPS.
+extern "C" __global__ void __launch_bounds__(32 * FA_WARPS)
+    attention_flash(const raw16* qkv, int stride, const raw16* k_cache, const raw16* v_cache,
+                    const unsigned* slot_list, const unsigned* table_off, const int* positions,
+                    const unsigned* tile_row, const unsigned* tile_n, int heads, int kv_heads,
+                    int hd, float scale, raw16* out) {
+    __shared__ __align__(16) raw16 ks[FA_KEYS * (128 + FA_PAD)];
+    __shared__ __align__(16) raw16 vs[FA_KEYS * (128 + FA_PAD)];
+    GRID_DEP_ENTER();
+    if (hd == 128)
+        flash_tile<128>(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, tile_row,
+                        tile_n, heads, kv_heads, scale, out, (raw16(*)[128 + FA_PAD])ks,
+                        (raw16(*)[128 + FA_PAD])vs);
+    else
+        flash_tile<64>(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, tile_row,
+                       tile_n, heads, kv_heads, scale, out, (raw16(*)[64 + FA_PAD])ks,
+                       (raw16(*)[64 + FA_PAD])vs);
+}
+
 // ids[r] = index of the first largest logit of row r (greedy decoding on the
 // GPU: only the ids travel to the host). grid = rows, block = 1024.
 extern "C" __global__ void argmax_rows(const float* logits, int vocab, unsigned* ids) {

@@ -17,7 +17,7 @@ export LD_LIBRARY_PATH NANOINFER_KERNEL_CACHE="$WORK/kernels"
 for step in "$@"; do
     case $step in
     fixtures)
-        python3 scripts/cuda_fixtures.py "$WORK/fx" ;;
+        [ -f "$WORK/fx/qwen3/golden.json" ] || python3 scripts/cuda_fixtures.py "$WORK/fx" ;;
     tests)
         NANOINFER_CUDA_FIXTURES="$WORK/fx" "$BIN/cuda" --test-threads 1 --nocapture 2>&1 | tail -40 ;;
     make8b)
@@ -30,11 +30,11 @@ for step in "$@"; do
         # Per-kernel GPU time (NANOINFER_CUDA_PROFILE: events around every launch, graphs off).
         for args in "-p 0 -n 64" "-p 512 -n 0"; do
             echo "== profile: bench $args"
-            NANOINFER_CUDA_PROFILE=1 "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda $args -r 1 2>&1 \
+            NANOINFER_CUDA_PROFILE=20 "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda $args -r 1 2>&1 \
                 | grep -A16 NANOINFER_CUDA_PROFILE
         done
         echo "== profile: engine, 256 concurrent decodes"
-        NANOINFER_CUDA_PROFILE=1 "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --concurrency 256 \
+        NANOINFER_CUDA_PROFILE=5 "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --concurrency 256 \
             --decode-tokens 32 --prompt-len 512 --skip-prefix 2>&1 | grep -A16 NANOINFER_CUDA_PROFILE ;;
     bench)
         "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 512 -n 128 -r 3 --json | tee "$WORK/ours.json"

@@ -42,9 +42,42 @@ pub struct CudaDecoder {
     /// Bytes of weights on the device.
     resident_bytes: usize,
     load_seconds: f64,
-    /// Prefill attention over shared-memory tiles (head_dim <= 128;
-    /// NANOINFER_CUDA_TILES=0 turns it off).
-    use_tiles: bool,
+    prefill: PrefillKernel,
+}
+
+/// How rows of a prompt chunk attend (decode rows always use `attention`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PrefillKernel {
+    /// Tensor-core flash attention over tiles of 64 rows (sm_80+, head_dim
+    /// 64 or 128; NANOINFER_CUDA_FLASH=0 turns it off).
+    Flash,
+    /// Tiles of 16 rows sharing key blocks in shared memory, CUDA cores
+    /// (head_dim <= 128; NANOINFER_CUDA_TILES=0 turns tiles off).
+    Tiles,
+    /// Row by row through the decode kernel.
+    Rows,
+}
+
+impl PrefillKernel {
+    fn choose(arch: (i32, i32), head_dim: usize) -> Self {
+        let on = |var: &str| std::env::var(var).map_or(true, |v| v != "0");
+        if !on("NANOINFER_CUDA_TILES") || head_dim > TILE_HD_MAX {
+            PrefillKernel::Rows
+        } else if on("NANOINFER_CUDA_FLASH") && arch.0 >= 8 && matches!(head_dim, 64 | 128) {
+            PrefillKernel::Flash
+        } else {
+            PrefillKernel::Tiles
+        }
+    }
+
+    /// Rows per tile (must match FA_ROWS / TILE_ROWS of kernels/decoder.cu).
+    fn tile_rows(self) -> usize {
+        match self {
+            PrefillKernel::Flash => 64,
+            PrefillKernel::Tiles => 16,
+            PrefillKernel::Rows => 0,
+        }
+    }
 }
 
 /// Uploads weights tensor by tensor, converting to the activation dtype on
@@ -232,8 +265,7 @@ pub fn load(
         inv_freq,
         resident_bytes,
         load_seconds: start.elapsed().as_secs_f64(),
-        use_tiles: config.head_dim <= TILE_HD_MAX
-            && std::env::var("NANOINFER_CUDA_TILES").map_or(true, |v| v != "0"),
+        prefill: PrefillKernel::choose(dev.arch, config.head_dim),
         config,
     }))
 }
@@ -275,8 +307,7 @@ const MAX_SPLITS: usize = 64;
 /// 32 * ATTN_WARPS and ATTN_GROUP of kernels/decoder.cu.
 const ATTN_THREADS: u32 = 256;
 const ATTN_GROUP: usize = 4;
-/// TILE_ROWS, 32 * TILE_WARPS and TILE_HD_MAX of kernels/decoder.cu.
-const TILE_ROWS: usize = 16;
+/// 32 * TILE_WARPS (= 32 * FA_WARPS) and TILE_HD_MAX of kernels/decoder.cu.
 const TILE_THREADS: u32 = 128;
 const TILE_HD_MAX: usize = 128;
 
@@ -485,7 +516,8 @@ impl CudaForward {
     /// many rows: dummy rows read token 0 at position 0 and write reserved
     /// slot 0, which no sequence ever maps.
     fn upload_inputs(&mut self, batch: &ForwardBatch<'_>, pad_to: Option<usize>) -> Result<Inputs> {
-        let tiled = self.model.use_tiles && batch.seqs.iter().any(|s| s.len > 1);
+        let tile_rows = self.model.prefill.tile_rows();
+        let tiled = tile_rows > 0 && batch.seqs.iter().any(|s| s.len > 1);
         let rows = batch.tokens.len();
         let padded = pad_to.unwrap_or(rows);
         let pad = padded - rows;
@@ -518,18 +550,18 @@ impl CudaForward {
         } else {
             h.extend(batch.logits_rows.iter().map(|&r| r as u32));
         }
-        // Prefill tiles: runs of up to TILE_ROWS rows of one sequence, as
+        // Prefill tiles: runs of up to `tile_rows` rows of one sequence, as
         // (first row) list then (row count) list.
         let tiles_at = h.len();
         if tiled {
             for s in batch.seqs {
-                h.extend((0..s.len).step_by(TILE_ROWS).map(|i| (s.start + i) as u32));
+                h.extend((0..s.len).step_by(tile_rows).map(|i| (s.start + i) as u32));
             }
             for s in batch.seqs {
                 h.extend(
                     (0..s.len)
-                        .step_by(TILE_ROWS)
-                        .map(|i| TILE_ROWS.min(s.len - i) as u32),
+                        .step_by(tile_rows)
+                        .map(|i| tile_rows.min(s.len - i) as u32),
                 );
             }
         }
@@ -885,8 +917,12 @@ impl CudaForward {
             let (kc, vc) = self.layer_kv(li);
             self.qkv_rope_kv_write(layer, inputs, (kc, vc))?;
             if inputs.n_tiles > 0 {
+                let kernel = match m.prefill {
+                    PrefillKernel::Flash => &k.attention_flash,
+                    _ => &k.attention_tiles,
+                };
                 dev.launch(
-                    &k.attention_tiles,
+                    kernel,
                     (c.num_heads as u32, inputs.n_tiles as u32, 1),
                     TILE_THREADS,
                     &[

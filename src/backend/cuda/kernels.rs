@@ -137,6 +137,7 @@ kernel_set!(
     gemv_swiglu,
     gemv_qkv_rope,
     attention_tiles,
+    attention_flash,
     argmax_rows,
 );
 

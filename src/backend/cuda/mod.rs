@@ -214,7 +214,7 @@ impl CudaDevice {
         &self,
         label: impl FnOnce() -> String,
         bytes: usize,
-        op: impl FnOnce() -> Result<()>,
+        op: impl Fn() -> Result<()>,
     ) -> Result<()> {
         match &self.profiler {
             None => op(),

@@ -1,9 +1,12 @@
-//! Per-kernel GPU time (`NANOINFER_CUDA_PROFILE=1`), for finding where a
+//! Per-kernel GPU time (`NANOINFER_CUDA_PROFILE=N`), for finding where a
 //! step's time goes on machines without Nsight: every launch is bracketed by
 //! two events, resolved at the next stream synchronization, and the totals
-//! are printed to stderr when the device closes. While profiling, the decoder
-//! runs without CUDA graphs and programmatic launch, so kernels do not
-//! overlap and each one's time is its own.
+//! are printed to stderr when the device closes. With N > 1 each launch runs
+//! N times between its events (the results are then garbage: kernels that
+//! update in place run repeatedly), which amortizes the event overhead of
+//! small kernels. The first call of each op (lazy module loading, cuBLAS
+//! heuristics) is left out. While profiling, the decoder runs without CUDA
+//! graphs and programmatic launch, so kernels do not overlap.
 
 use super::cuda_error;
 use crate::Result;
@@ -13,6 +16,8 @@ use std::sync::Arc;
 
 #[derive(Default)]
 struct Total {
+    /// Calls, the first (left out of the figures) included.
+    seen: u64,
     count: u64,
     ms: f64,
     /// Bytes of weights the op streams (GEMMs), for a bandwidth column.
@@ -21,15 +26,20 @@ struct Total {
 
 pub struct Profiler {
     ctx: Arc<CudaContext>,
+    repeats: usize,
     pending: Vec<(String, usize, CudaEvent, CudaEvent)>,
     totals: HashMap<String, Total>,
 }
 
 impl Profiler {
     pub fn from_env(ctx: &Arc<CudaContext>) -> Option<Profiler> {
-        let on = std::env::var("NANOINFER_CUDA_PROFILE").is_ok_and(|v| v != "0");
-        on.then(|| Profiler {
+        let repeats = std::env::var("NANOINFER_CUDA_PROFILE")
+            .ok()?
+            .parse::<usize>()
+            .unwrap_or(1);
+        (repeats > 0).then(|| Profiler {
             ctx: ctx.clone(),
+            repeats,
             pending: Vec::new(),
             totals: HashMap::new(),
         })
@@ -52,10 +62,12 @@ impl Profiler {
         stream: &CudaStream,
         label: impl FnOnce() -> String,
         bytes: usize,
-        op: impl FnOnce() -> Result<()>,
+        op: impl Fn() -> Result<()>,
     ) -> Result<()> {
         let start = self.event(stream)?;
-        op()?;
+        for _ in 0..self.repeats {
+            op()?;
+        }
         let end = self.event(stream)?;
         self.pending.push((label(), bytes, start, end));
         Ok(())
@@ -66,8 +78,13 @@ impl Profiler {
         for (label, bytes, start, end) in self.pending.drain(..) {
             let ms = start
                 .elapsed_ms(&end)
-                .map_err(|e| cuda_error("cuEventElapsedTime", e))?;
+                .map_err(|e| cuda_error("cuEventElapsedTime", e))?
+                / self.repeats as f32;
             let t = self.totals.entry(label).or_default();
+            t.seen += 1;
+            if t.seen == 1 {
+                continue;
+            }
             t.count += 1;
             t.ms += ms as f64;
             t.bytes += bytes as f64;
@@ -77,12 +94,17 @@ impl Profiler {
 
     /// One line per label, the most expensive first.
     pub fn report(&self) -> String {
-        let mut rows: Vec<_> = self.totals.iter().collect();
+        let mut rows: Vec<_> = self.totals.iter().filter(|r| r.1.count > 0).collect();
         rows.sort_by(|a, b| b.1.ms.total_cmp(&a.1.ms));
         let all: f64 = rows.iter().map(|r| r.1.ms).sum();
         let mut out = format!(
-            "NANOINFER_CUDA_PROFILE: {all:.1} ms of kernels\n{:>10} {:>6} {:>8} {:>10} {:>8}  op\n",
-            "total ms", "%", "count", "avg us", "GB/s"
+            "NANOINFER_CUDA_PROFILE: {all:.1} ms of kernels ({} runs per launch)\n{:>10} {:>6} {:>8} {:>10} {:>8}  op\n",
+            self.repeats,
+            "total ms",
+            "%",
+            "count",
+            "avg us",
+            "GB/s"
         );
         for (label, t) in rows {
             let gbs = if t.bytes > 0.0 {
