@@ -90,6 +90,24 @@ __device__ __forceinline__ float silu_mul_f(float gate, float up) {
     return rnd(gate / (1.f + __expf(-gate))) * up;
 }
 
+// Eight 16-bit values of a 16-byte load, as floats.
+__device__ __forceinline__ void unpack8(uint4 v, float* f) {
+    const unsigned u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = to_f((raw16)(u[i] & 0xffffu));
+        f[2 * i + 1] = to_f((raw16)(u[i] >> 16));
+    }
+}
+
+// Two values as one 32-bit 32-bit register, `lo` in the low half.
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    return (unsigned)from_f(lo) | ((unsigned)from_f(hi) << 16);
+}
+__device__ __forceinline__ unsigned pack_raw(raw16 lo, raw16 hi) {
+    return (unsigned)lo | ((unsigned)hi << 16);
+}
+
 // out[r] = table[tokens[r]]; grid = rows.
 extern "C" __global__ void embed(const raw16* table, const unsigned* tokens, raw16* out, int d) {
     GRID_DEP_ENTER();
@@ -98,9 +116,13 @@ extern "C" __global__ void embed(const raw16* table, const unsigned* tokens, raw
     for (int i = threadIdx.x; i < d; i += blockDim.x) dst[i] = src[i];
 }
 
+#define NORM_PER_THREAD 16  // d <= NORM_PER_THREAD * blockDim.x (the host checks)
+
 // Output row j reads input row r = rows ? rows[j] : j. With `delta`, the
 // residual row becomes residual + delta (written back when `rows` is null).
-// out[j] = rmsnorm(residual[r]) * w. grid = output rows.
+// out[j] = rmsnorm(residual[r]) * w. One pass: each thread keeps its
+// elements in registers between the sum of squares and the output.
+// grid = output rows.
 extern "C" __global__ void add_rms_norm(raw16* residual, const raw16* delta, const unsigned* rows,
                                         const raw16* w, raw16* out, int d, float eps) {
     GRID_DEP_ENTER();
@@ -108,21 +130,28 @@ extern "C" __global__ void add_rms_norm(raw16* residual, const raw16* delta, con
     raw16* x = residual + r * d;
     const raw16* dx = delta ? delta + r * d : 0;
     const bool write_back = delta && !rows;
+    float v[NORM_PER_THREAD];
     float ss = 0.f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        float v = to_f(x[i]);
-        if (dx) {
-            v = rnd(v + to_f(dx[i]));
-            if (write_back) x[i] = from_f(v);
+#pragma unroll
+    for (int j = 0; j < NORM_PER_THREAD; j++) {
+        const int i = threadIdx.x + j * blockDim.x;
+        v[j] = 0.f;
+        if (i < d) {
+            float a = to_f(x[i]);
+            if (dx) a = rnd(a + to_f(dx[i]));
+            v[j] = a;
+            ss += a * a;
         }
-        ss += v * v;
     }
     const float rstd = rsqrtf(block_sum(ss) / d + eps);
     raw16* y = out + (size_t)blockIdx.x * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        float v = to_f(x[i]);
-        if (dx && !write_back) v = rnd(v + to_f(dx[i]));
-        y[i] = from_f(to_f(w[i]) * rnd(v * rstd));
+#pragma unroll
+    for (int j = 0; j < NORM_PER_THREAD; j++) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < d) {
+            if (write_back) x[i] = from_f(v[j]);
+            y[i] = from_f(to_f(w[i]) * rnd(v[j] * rstd));
+        }
     }
 }
 
@@ -148,35 +177,58 @@ extern "C" __global__ void add_bias(raw16* x, const raw16* b, int width) {
     for (int i = threadIdx.x; i < width; i += blockDim.x) row[i] = from_f(to_f(row[i]) + to_f(b[i]));
 }
 
+// cs[r][i] = (cos, sin) of positions[r] * inv_freq[i], rounded to the
+// activation dtype as transformers does: computed once per step for every
+// layer's RoPE. grid = rows.
+extern "C" __global__ void rope_table(const int* positions, const float* inv_freq, int half,
+                                      float2* cs) {
+    GRID_DEP_ENTER();
+    const float pos = (float)positions[blockIdx.x];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float s, c;
+        sincosf(pos * inv_freq[i], &s, &c);
+        cs[(size_t)blockIdx.x * half + i] = make_float2(rnd(c), rnd(s));
+    }
+}
+
 // Rotary embedding (rotate-half form) in place on the q and k heads of the
-// fused QKV rows; angle = position * inv_freq[i]. grid = rows.
-extern "C" __global__ void rope(raw16* qkv, const int* positions, const float* inv_freq, int stride,
-                                int heads, int hd) {
+// fused QKV rows, angles from rope_table. grid = rows.
+extern "C" __global__ void rope(raw16* qkv, const float2* cs, int stride, int heads, int hd) {
     GRID_DEP_ENTER();
     const int half = hd / 2;
-    const float pos = (float)positions[blockIdx.x];
+    const float2* row_cs = cs + (size_t)blockIdx.x * half;
     raw16* row = qkv + (size_t)blockIdx.x * stride;
     for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {
         const int h = t / half, i = t % half;
-        float s, c;
-        sincosf(pos * inv_freq[i], &s, &c);
-        c = rnd(c);
-        s = rnd(s);
         raw16* p = row + h * hd;
         float x1 = to_f(p[i]), x2 = to_f(p[i + half]);
-        rope_rotate(x1, x2, c, s);
+        rope_rotate(x1, x2, row_cs[i].x, row_cs[i].y);
         p[i] = from_f(x1);
         p[i + half] = from_f(x2);
     }
 }
 
-// out[r, i] = silu(gate[r, i]) * up[r, i] over rows of [gate | up]. grid = rows.
+// out[r, i] = silu(gate[r, i]) * up[r, i] over rows of [gate | up], eight
+// columns per thread (16-byte loads when inter is a multiple of 8).
+// grid = (ceil(inter / (8 * blockDim.x)), rows).
 extern "C" __global__ void silu_mul(const raw16* gate_up, raw16* out, int inter) {
     GRID_DEP_ENTER();
-    const raw16* g = gate_up + (size_t)blockIdx.x * 2 * inter;
-    raw16* y = out + (size_t)blockIdx.x * inter;
-    for (int i = threadIdx.x; i < inter; i += blockDim.x) {
-        y[i] = from_f(silu_mul_f(to_f(g[i]), to_f(g[inter + i])));
+    const raw16* g = gate_up + (size_t)blockIdx.y * 2 * inter;
+    raw16* y = out + (size_t)blockIdx.y * inter;
+    const int i = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    if (i >= inter) return;
+    if ((inter & 7) == 0) {
+        float a[8], b[8];
+        unpack8(*(const uint4*)(g + i), a);
+        unpack8(*(const uint4*)(g + inter + i), b);
+        unsigned o[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            o[k] = pack2(silu_mul_f(a[2 * k], b[2 * k]), silu_mul_f(a[2 * k + 1], b[2 * k + 1]));
+        *(uint4*)(y + i) = make_uint4(o[0], o[1], o[2], o[3]);
+    } else {
+        for (int e = i; e < min(inter, i + 8); e++)
+            y[e] = from_f(silu_mul_f(to_f(g[e]), to_f(g[inter + e])));
     }
 }
 
@@ -191,16 +243,6 @@ extern "C" __global__ void kv_write(const raw16* qkv, int stride, int k_off, int
     for (int i = threadIdx.x; i < kv_width; i += blockDim.x) {
         k_cache[dst + i] = row[k_off + i];
         v_cache[dst + i] = row[v_off + i];
-    }
-}
-
-// Eight 16-bit values of a 16-byte load, as floats.
-__device__ __forceinline__ void unpack8(uint4 v, float* f) {
-    const unsigned u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        f[2 * i] = to_f((raw16)(u[i] & 0xffffu));
-        f[2 * i + 1] = to_f((raw16)(u[i] >> 16));
     }
 }
 
@@ -245,21 +287,24 @@ struct AttnShared {
 // context length); the warps then merge. Lane l owns dims [l * VEC, l * VEC +
 // VEC) of a head (hd = 32 * VEC). With one split the result goes to `out`
 // ([rows, heads * hd]); otherwise the unnormalized partial sum and its (max,
-// sum) go to part_o / part_ml for attn_merge.
+// sum) go to part_o / part_ml for attn_merge. Block row y serves batch row
+// row_list[y] (every row when row_list is null: a pure decode step).
 // grid = (kv_heads * ceil(group / ATTN_GROUP), rows, splits), block = 32 * ATTN_WARPS.
 template <int VEC>
 __device__ void attention_group(const raw16* qkv, int stride, const raw16* k_cache,
                                 const raw16* v_cache, const unsigned* slot_list,
                                 const unsigned* table_off, const int* positions, int heads,
                                 int kv_heads, float scale, raw16* out, float* part_o,
-                                float* part_ml, AttnShared& sm) {
+                                float* part_ml, const unsigned* row_list, AttnShared& sm) {
     const int hd = 32 * VEC;
     const int group = heads / kv_heads;
     const int subs = (group + ATTN_GROUP - 1) / ATTN_GROUP;
     const int kv_head = blockIdx.x / subs;
     const int h0 = kv_head * group + (blockIdx.x % subs) * ATTN_GROUP;
     const int g_n = min(ATTN_GROUP, kv_head * group + group - h0);
-    const int row = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    // Partials are indexed by the block row, outputs by the batch row.
+    const int prow = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int row = row_list ? row_list[prow] : prow;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int kv_width = kv_heads * hd;
     const int n = positions[row] + 1;
@@ -346,18 +391,18 @@ __device__ void attention_group(const raw16* qkv, int stride, const raw16* k_cac
             f[w] = sm_l[g][w] > 0.f ? __expf(sm_m[g][w] - big) : 0.f;
             total += sm_l[g][w] * f[w];
         }
-        const size_t rh = (size_t)row * heads + h0 + g;
+        const size_t rh = (size_t)row * heads + h0 + g, ph = (size_t)prow * heads + h0 + g;
         for (int i = threadIdx.x; i < hd; i += blockDim.x) {
             float o = 0.f;
             for (int w = 0; w < ATTN_WARPS; w++) o += sm_acc[w][i] * f[w];
             if (splits == 1)
                 out[rh * hd + i] = from_f(total > 0.f ? o / total : 0.f);
             else
-                part_o[(rh * splits + split) * hd + i] = o;
+                part_o[(ph * splits + split) * hd + i] = o;
         }
         if (splits > 1 && threadIdx.x == 0) {
-            part_ml[(rh * splits + split) * 2] = total > 0.f ? big : -NI_INF;
-            part_ml[(rh * splits + split) * 2 + 1] = total;
+            part_ml[(ph * splits + split) * 2] = total > 0.f ? big : -NI_INF;
+            part_ml[(ph * splits + split) * 2 + 1] = total;
         }
     }
 }
@@ -369,7 +414,7 @@ __device__ void attention_group(const raw16* qkv, int stride, const raw16* k_cac
                                     const raw16* v_cache, const unsigned* slot_list,              \
                                     const unsigned* table_off, const int* positions, int heads,   \
                                     int kv_heads, int hd, float scale, raw16* out, float* part_o, \
-                                    float* part_ml) {                                             \
+                                    float* part_ml, const unsigned* row_list) {                   \
         __shared__ AttnShared sm;                                                                 \
         GRID_DEP_ENTER();                                                                         \
         switch (hd >> 5) { CASES }                                                                \
@@ -377,7 +422,7 @@ __device__ void attention_group(const raw16* qkv, int stride, const raw16* k_cac
 #define ATTN_CASE(V)                                                                              \
     case V:                                                                                       \
         attention_group<V>(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, heads, \
-                           kv_heads, scale, out, part_o, part_ml, sm);                            \
+                           kv_heads, scale, out, part_o, part_ml, row_list, sm);                  \
         break;
 
 // head_dim = 32 * VEC: VEC 1..4 here, 5..8 in attention_wide (the host checks).
@@ -386,12 +431,14 @@ ATTN_KERNEL(attention_wide, 1, ATTN_CASE(5) ATTN_CASE(6) ATTN_CASE(7) ATTN_CASE(
 #undef ATTN_CASE
 #undef ATTN_KERNEL
 
-// Merges the splits of attention: grid = (heads, rows), block >= hd threads.
+// Merges the splits of attention: grid = (heads, rows), block >= hd threads;
+// block row y is batch row row_list[y] (y when null), as in `attention`.
 extern "C" __global__ void attn_merge(const float* part_o, const float* part_ml, int heads, int hd,
-                                      int splits, raw16* out) {
+                                      int splits, raw16* out, const unsigned* row_list) {
     GRID_DEP_ENTER();
-    const size_t rh = (size_t)blockIdx.y * heads + blockIdx.x;
-    const float* ml = part_ml + rh * splits * 2;
+    const size_t ph = (size_t)blockIdx.y * heads + blockIdx.x;
+    const size_t rh = (size_t)(row_list ? row_list[blockIdx.y] : blockIdx.y) * heads + blockIdx.x;
+    const float* ml = part_ml + ph * splits * 2;
     float big = -NI_INF;
     for (int s = 0; s < splits; s++) big = fmaxf(big, ml[2 * s]);
     float total = 0.f;
@@ -400,7 +447,7 @@ extern "C" __global__ void attn_merge(const float* part_o, const float* part_ml,
     for (int i = threadIdx.x; i < hd; i += blockDim.x) {
         float o = 0.f;
         for (int s = 0; s < splits; s++)
-            if (ml[2 * s + 1] > 0.f) o += part_o[(rh * splits + s) * hd + i] * __expf(ml[2 * s] - big);
+            if (ml[2 * s + 1] > 0.f) o += part_o[(ph * splits + s) * hd + i] * __expf(ml[2 * s] - big);
         out[rh * hd + i] = from_f(total > 0.f ? o / total : 0.f);
     }
 }
@@ -547,8 +594,7 @@ extern "C" __global__ void gemv_swiglu(const raw16* x, const raw16* w, raw16* ou
 
 template <int R>
 __device__ void gemv_qkv_rope_rows(const raw16* x, const raw16* w, const raw16* bias, raw16* qkv,
-                                   const int* positions, const float* inv_freq,
-                                   const unsigned* slots, raw16* k_cache, raw16* v_cache, int nq,
+                                   const float2* cs, const unsigned* slots, raw16* k_cache, raw16* v_cache, int nq,
                                    int nkv, int hd, int k) {
     const int u = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const int half = hd / 2, width = nq + 2 * nkv, rope_units = (nq + nkv) / 2;
@@ -578,9 +624,8 @@ __device__ void gemv_qkv_rope_rows(const raw16* x, const raw16* w, const raw16* 
             yb = rnd(yb + to_f(bias[b]));
         }
         if (freq >= 0) {
-            float s, c;
-            sincosf((float)positions[r] * inv_freq[freq], &s, &c);
-            rope_rotate(ya, yb, rnd(c), rnd(s));
+            const float2 a_cs = cs[(size_t)r * half + freq];
+            rope_rotate(ya, yb, a_cs.x, a_cs.y);
         }
         if (a < nq) {
             raw16* row = qkv + (size_t)r * width;
@@ -602,12 +647,11 @@ __device__ void gemv_qkv_rope_rows(const raw16* x, const raw16* w, const raw16* 
 // warp streams the two weight rows of one rope pair or two v columns.
 // grid = ceil((nq + 2 * nkv) / 2 / GEMV_WARPS), block = 32 * GEMV_WARPS.
 extern "C" __global__ void gemv_qkv_rope(const raw16* x, const raw16* w, const raw16* bias,
-                                         raw16* qkv, const int* positions, const float* inv_freq,
-                                         const unsigned* slots, raw16* k_cache, raw16* v_cache,
+                                         raw16* qkv, const float2* cs, const unsigned* slots, raw16* k_cache, raw16* v_cache,
                                          int nq, int nkv, int hd, int k, int rows) {
     grid_dep_launch();
 #define GEMV_CALL(R) \
-    gemv_qkv_rope_rows<R>(x, w, bias, qkv, positions, inv_freq, slots, k_cache, v_cache, nq, nkv, hd, k)
+    gemv_qkv_rope_rows<R>(x, w, bias, qkv, cs, slots, k_cache, v_cache, nq, nkv, hd, k)
     GEMV_ROWS_SWITCH(rows, GEMV_CALL)
 #undef GEMV_CALL
 }
@@ -743,14 +787,6 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
 #endif
-}
-
-// Two values as one 32-bit fragment register, `lo` in the low half.
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    return (unsigned)from_f(lo) | ((unsigned)from_f(hi) << 16);
-}
-__device__ __forceinline__ unsigned pack_raw(raw16 lo, raw16 hi) {
-    return (unsigned)lo | ((unsigned)hi << 16);
 }
 
 // Causal attention for prefill, flash-attention style on tensor cores: one
@@ -928,50 +964,57 @@ extern "C" __global__ void __launch_bounds__(32 * FA_WARPS)
                        (raw16(*)[64 + FA_PAD])vs);
 }
 
-// ids[r] = index of the first largest logit of row r (greedy decoding on the
-// GPU: only the ids travel to the host). grid = rows, block = 1024.
-extern "C" __global__ void argmax_rows(const float* logits, int vocab, unsigned* ids) {
-    GRID_DEP_ENTER();
-    __shared__ float best_v[32];
-    __shared__ int best_i[32];
-    const float* row = logits + (size_t)blockIdx.x * vocab;
-    float v = -NI_INF;
-    int idx = 0x7fffffff;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float x = row[i];
-        if (x > v) {  // strided ascending scan: the first max of this thread
-            v = x;
-            idx = i;
-        }
-    }
+#define ARGMAX_SPLITS 32  // blocks per row in argmax_partial; one warp merges them
+
+// Orders (value, index) pairs by value, then by the smaller index, as one
+// unsigned 64-bit key; 0 is below every key of a real value.
+__device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
+    unsigned u = __float_as_uint(v);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((unsigned long long)u << 32) | (0xffffffffu - (unsigned)i);
+}
+
+__device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (ov > v || (ov == v && oi < idx)) {
-            v = ov;
-            idx = oi;
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, v, o);
+        v = other > v ? other : v;
+    }
+    return v;
+}
+
+// Greedy decoding on the GPU, step 1: the best (logit, index) key of slice
+// blockIdx.y of row blockIdx.x (NaN logits are skipped).
+// grid = (rows, ARGMAX_SPLITS), block = 256.
+extern "C" __global__ void argmax_partial(const float* logits, int vocab, unsigned long long* part) {
+    GRID_DEP_ENTER();
+    __shared__ unsigned long long best_w[32];
+    const int chunk = (vocab + ARGMAX_SPLITS - 1) / ARGMAX_SPLITS;
+    const int begin = blockIdx.y * chunk, end = min(vocab, begin + chunk);
+    const float* row = logits + (size_t)blockIdx.x * vocab;
+    unsigned long long best = 0;
+    for (int i = begin + threadIdx.x; i < end; i += blockDim.x) {
+        const float x = row[i];
+        if (x == x) {
+            const unsigned long long key = argmax_key(x, i);
+            best = key > best ? key : best;
         }
     }
+    best = warp_max_u64(best);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0) {
-        best_v[warp] = v;
-        best_i[warp] = idx;
-    }
+    if (lane == 0) best_w[warp] = best;
     __syncthreads();
     if (warp == 0) {
-        const int nw = blockDim.x >> 5;
-        v = lane < nw ? best_v[lane] : -NI_INF;
-        idx = lane < nw ? best_i[lane] : 0x7fffffff;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-            if (ov > v || (ov == v && oi < idx)) {
-                v = ov;
-                idx = oi;
-            }
-        }
-        if (lane == 0) ids[blockIdx.x] = idx == 0x7fffffff ? 0 : idx;
+        best = warp_max_u64(lane < (int)(blockDim.x >> 5) ? best_w[lane] : 0ull);
+        if (lane == 0) part[(size_t)blockIdx.x * ARGMAX_SPLITS + blockIdx.y] = best;
     }
+}
+
+// Step 2: ids[r] = index of the first largest logit of row r (0 when every
+// logit is NaN). grid = rows, block = 32.
+extern "C" __global__ void argmax_merge(const unsigned long long* part, unsigned* ids) {
+    GRID_DEP_ENTER();
+    const unsigned long long best =
+        warp_max_u64(part[(size_t)blockIdx.x * ARGMAX_SPLITS + threadIdx.x]);
+    if (threadIdx.x == 0) ids[blockIdx.x] = best ? 0xffffffffu - (unsigned)(best & 0xffffffffu) : 0u;
 }

@@ -178,6 +178,15 @@ pub fn load(
 ) -> Result<Arc<dyn DeviceDecoder>> {
     let act = act_dtype(dtype)?;
     let c = &config;
+    if c.hidden_size > MAX_HIDDEN {
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            format!(
+                "hidden_size {} is not supported on CUDA (at most {MAX_HIDDEN})",
+                c.hidden_size
+            ),
+        ));
+    }
     if !c.head_dim.is_multiple_of(32) || c.head_dim > 256 {
         return Err(Error::new(
             ErrorKind::Unsupported,
@@ -284,16 +293,20 @@ struct Workspace {
     logits: DeviceBuffer<f32>,
     part_o: DeviceBuffer<f32>,
     part_ml: DeviceBuffer<f32>,
+    /// (cos, sin) per row and rotary frequency of this step (rope_table).
+    rope_cs: DeviceBuffer<f32>,
     /// Step inputs (tokens, slots, positions, tables), uploaded once per step.
     inputs: DeviceBuffer<u32>,
     /// Greedy token ids of the logits rows.
     argmax: DeviceBuffer<u32>,
+    /// Per-slice (logit, index) keys of argmax_partial.
+    argmax_part: DeviceBuffer<u64>,
 }
 
 /// Sizes of the workspace buffers in elements, in field order.
 struct WorkspaceSizes {
     act16: [usize; 8],
-    f32s: [usize; 3],
+    f32s: [usize; 4],
     inputs: usize,
 }
 
@@ -309,6 +322,17 @@ const ATTN_THREADS: u32 = 256;
 const ATTN_GROUP: usize = 4;
 /// 32 * TILE_WARPS (= 32 * FA_WARPS) and TILE_HD_MAX of kernels/decoder.cu.
 const TILE_THREADS: u32 = 128;
+/// ARGMAX_SPLITS of kernels/decoder.cu.
+const ARGMAX_SPLITS: usize = 32;
+/// NORM_PER_THREAD of kernels/decoder.cu: add_rms_norm keeps a row in
+/// registers, at most this many values per thread of a 1024-thread block.
+const NORM_PER_THREAD: usize = 16;
+const MAX_HIDDEN: usize = NORM_PER_THREAD * 1024;
+
+/// Threads of an add_rms_norm block: about eight values each.
+fn norm_threads(hidden: usize) -> u32 {
+    (hidden.div_ceil(8).next_multiple_of(32)).clamp(256, 1024) as u32
+}
 const TILE_HD_MAX: usize = 128;
 
 impl CudaDecoder {
@@ -336,6 +360,7 @@ impl CudaDecoder {
                 l * c.vocab_size,
                 self.attn_partials() * hd,
                 self.attn_partials() * 2,
+                r * hd,
             ],
             // Tokens, write slots, positions, table offsets, logits rows and
             // the slot lists: one entry per cached position, plus room for
@@ -365,8 +390,10 @@ impl CudaDecoder {
             logits: dev.alloc::<f32>(s.f32s[0])?,
             part_o: dev.alloc::<f32>(s.f32s[1])?,
             part_ml: dev.alloc::<f32>(s.f32s[2])?,
+            rope_cs: dev.alloc::<f32>(s.f32s[3])?,
             inputs: dev.alloc::<u32>(s.inputs)?,
             argmax: dev.alloc::<u32>(shape.max_logits_rows.max(1))?,
+            argmax_part: dev.alloc::<u64>(shape.max_logits_rows.max(1) * ARGMAX_SPLITS)?,
         })
     }
 }
@@ -496,6 +523,10 @@ struct Inputs {
     /// `n_tiles` first rows then `n_tiles` row counts of prefill tiles.
     tiles: usize,
     n_tiles: usize,
+    /// Rows that attend through the decode kernel: a list of rows (offset)
+    /// when prefill tiles take the others, else all `rows`.
+    decode_rows: Option<usize>,
+    n_decode: usize,
     slot_list: usize,
 }
 
@@ -550,14 +581,17 @@ impl CudaForward {
         } else {
             h.extend(batch.logits_rows.iter().map(|&r| r as u32));
         }
-        // Prefill tiles: runs of up to `tile_rows` rows of one sequence, as
-        // (first row) list then (row count) list.
+        // Prefill tiles: runs of up to `tile_rows` rows of one sequence with
+        // more than one row, as (first row) list then (row count) list; the
+        // one-row sequences (decodes) are listed for the decode kernel.
         let tiles_at = h.len();
+        let (mut decode_rows, mut n_decode) = (None, padded);
         if tiled {
-            for s in batch.seqs {
+            let chunks = || batch.seqs.iter().filter(|s| s.len > 1);
+            for s in chunks() {
                 h.extend((0..s.len).step_by(tile_rows).map(|i| (s.start + i) as u32));
             }
-            for s in batch.seqs {
+            for s in chunks() {
                 h.extend(
                     (0..s.len)
                         .step_by(tile_rows)
@@ -566,6 +600,17 @@ impl CudaForward {
             }
         }
         let n_tiles = (h.len() - tiles_at) / 2;
+        if tiled {
+            decode_rows = Some(h.len());
+            h.extend(
+                batch
+                    .seqs
+                    .iter()
+                    .filter(|s| s.len == 1)
+                    .map(|s| s.start as u32),
+            );
+            n_decode = h.len() - decode_rows.unwrap_or(0);
+        }
         let slot_list = h.len();
         for s in batch.seqs {
             h.extend((0..s.context_len + s.len).map(|p| s.kv.slot(p) as u32));
@@ -588,6 +633,8 @@ impl CudaForward {
             logits_rows: 4 * padded,
             tiles: tiles_at,
             n_tiles,
+            decode_rows,
+            n_decode,
             slot_list,
         })
     }
@@ -650,7 +697,7 @@ impl CudaForward {
             .map(|s| s.context_len + s.len)
             .max()
             .unwrap_or(1);
-        let splits = self.attention_splits(inputs.rows, longest);
+        let splits = self.attention_splits(inputs.n_decode.max(1), longest);
         let _turn = dev.step_lock.lock().unwrap_or_else(|p| p.into_inner());
         self.enqueue(&inputs, splits)?;
         self.read_output(batch.logits_rows.len(), out)
@@ -679,12 +726,21 @@ impl CudaForward {
             Output::Logits(logits) => dev.download(&self.ws.logits, &mut logits[..n_out * vocab]),
             Output::Argmax(ids) => {
                 dev.launch(
-                    &dev.kernels.argmax_rows,
-                    (n_out as u32, 1, 1),
-                    1024,
+                    &dev.kernels.argmax_partial,
+                    (n_out as u32, ARGMAX_SPLITS as u32, 1),
+                    256,
                     &[
                         KArg::Ptr(self.ws.logits.ptr()),
                         KArg::I32(vocab as i32),
+                        KArg::Ptr(self.ws.argmax_part.ptr()),
+                    ],
+                )?;
+                dev.launch(
+                    &dev.kernels.argmax_merge,
+                    (n_out as u32, 1, 1),
+                    ARGMAX_SPLITS as u32,
+                    &[
+                        KArg::Ptr(self.ws.argmax_part.ptr()),
                         KArg::Ptr(self.ws.argmax.ptr()),
                     ],
                 )?;
@@ -700,7 +756,7 @@ impl CudaForward {
         self.model.dev.launch(
             &self.model.dev.kernels.add_rms_norm,
             (n, 1, 1),
-            256,
+            norm_threads(c.hidden_size),
             &[
                 KArg::Ptr(self.ws.hidden.ptr()),
                 KArg::Ptr(delta),
@@ -765,8 +821,7 @@ impl CudaForward {
                     KArg::Ptr(layer.qkv.ptr()),
                     KArg::Ptr(layer.qkv_bias.as_ref().map_or(0, |b| b.ptr())),
                     KArg::Ptr(ws.qkv.ptr()),
-                    inp(inputs.positions),
-                    KArg::Ptr(m.inv_freq.ptr()),
+                    KArg::Ptr(ws.rope_cs.ptr()),
                     inp(inputs.write_slots),
                     KArg::Ptr(kc),
                     KArg::Ptr(vc),
@@ -811,8 +866,7 @@ impl CudaForward {
             256,
             &[
                 KArg::Ptr(ws.qkv.ptr()),
-                inp(inputs.positions),
-                KArg::Ptr(m.inv_freq.ptr()),
+                KArg::Ptr(ws.rope_cs.ptr()),
                 KArg::I32(qkv_w as i32),
                 KArg::I32((c.num_heads + c.num_kv_heads) as i32),
                 KArg::I32(hd as i32),
@@ -831,6 +885,94 @@ impl CudaForward {
                 KArg::Ptr(kc),
                 KArg::Ptr(vc),
                 KArg::I32(nkv as i32),
+            ],
+        )
+    }
+
+    /// Attention of every row into `attn`: prompt chunks through the
+    /// prefill kernel by tiles, the decode rows through the split decode
+    /// kernel (and the merge of its splits).
+    fn attend(&self, inputs: &Inputs, (kc, vc): (u64, u64), splits: usize) -> Result<()> {
+        let m = &*self.model;
+        let (dev, c, ws) = (&*m.dev, &m.config, &self.ws);
+        let k = &dev.kernels;
+        let hd = c.head_dim;
+        let qkv_w = (c.num_heads + 2 * c.num_kv_heads) * hd;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let inp = |o: usize| KArg::Ptr(ws.inputs.at(o));
+        if inputs.n_tiles > 0 {
+            let kernel = match m.prefill {
+                PrefillKernel::Flash => &k.attention_flash,
+                _ => &k.attention_tiles,
+            };
+            dev.launch(
+                kernel,
+                (c.num_heads as u32, inputs.n_tiles as u32, 1),
+                TILE_THREADS,
+                &[
+                    KArg::Ptr(ws.qkv.ptr()),
+                    KArg::I32(qkv_w as i32),
+                    KArg::Ptr(kc),
+                    KArg::Ptr(vc),
+                    inp(inputs.slot_list),
+                    inp(inputs.table_off),
+                    inp(inputs.positions),
+                    inp(inputs.tiles),
+                    inp(inputs.tiles + inputs.n_tiles),
+                    KArg::I32(c.num_heads as i32),
+                    KArg::I32(c.num_kv_heads as i32),
+                    KArg::I32(hd as i32),
+                    KArg::F32(scale),
+                    KArg::Ptr(ws.attn.ptr()),
+                ],
+            )?;
+        }
+        if inputs.n_decode == 0 {
+            return Ok(());
+        }
+        let row_list = inputs.decode_rows.map_or(KArg::Ptr(0), inp);
+        let n_decode = inputs.n_decode as u32;
+        dev.launch(
+            if hd <= 128 {
+                &k.attention
+            } else {
+                &k.attention_wide
+            },
+            (self.attention_blocks() as u32, n_decode, splits as u32),
+            ATTN_THREADS,
+            &[
+                KArg::Ptr(ws.qkv.ptr()),
+                KArg::I32(qkv_w as i32),
+                KArg::Ptr(kc),
+                KArg::Ptr(vc),
+                inp(inputs.slot_list),
+                inp(inputs.table_off),
+                inp(inputs.positions),
+                KArg::I32(c.num_heads as i32),
+                KArg::I32(c.num_kv_heads as i32),
+                KArg::I32(hd as i32),
+                KArg::F32(scale),
+                KArg::Ptr(ws.attn.ptr()),
+                KArg::Ptr(ws.part_o.ptr()),
+                KArg::Ptr(ws.part_ml.ptr()),
+                row_list,
+            ],
+        )?;
+        if splits == 1 {
+            return Ok(());
+        }
+        dev.launch(
+            &k.attn_merge,
+            (c.num_heads as u32, n_decode, 1),
+            hd as u32,
+            &[
+                KArg::Ptr(ws.part_o.ptr()),
+                KArg::Ptr(ws.part_ml.ptr()),
+                KArg::I32(c.num_heads as i32),
+                KArg::I32(hd as i32),
+                KArg::I32(splits as i32),
+                KArg::Ptr(ws.attn.ptr()),
+                row_list,
             ],
         )
     }
@@ -867,7 +1009,7 @@ impl CudaForward {
         )?;
         dev.launch(
             &dev.kernels.silu_mul,
-            (rows as u32, 1, 1),
+            (inter.div_ceil(8 * 256) as u32, rows as u32, 1),
             256,
             &[
                 KArg::Ptr(ws.gate_up.ptr()),
@@ -889,10 +1031,20 @@ impl CudaForward {
         let r32 = rows as u32;
         let n_out = inputs.n_out;
         let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
-        let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
-        let qkv_w = nq + 2 * nkv;
+        let nq = c.num_heads * hd;
         let inp = |o: usize| KArg::Ptr(ws.inputs.at(o));
 
+        dev.launch(
+            &k.rope_table,
+            (r32, 1, 1),
+            64,
+            &[
+                inp(inputs.positions),
+                KArg::Ptr(m.inv_freq.ptr()),
+                KArg::I32((hd / 2) as i32),
+                KArg::Ptr(ws.rope_cs.ptr()),
+            ],
+        )?;
         dev.launch(
             &k.embed,
             (r32, 1, 1),
@@ -916,75 +1068,7 @@ impl CudaForward {
             )?;
             let (kc, vc) = self.layer_kv(li);
             self.qkv_rope_kv_write(layer, inputs, (kc, vc))?;
-            if inputs.n_tiles > 0 {
-                let kernel = match m.prefill {
-                    PrefillKernel::Flash => &k.attention_flash,
-                    _ => &k.attention_tiles,
-                };
-                dev.launch(
-                    kernel,
-                    (c.num_heads as u32, inputs.n_tiles as u32, 1),
-                    TILE_THREADS,
-                    &[
-                        KArg::Ptr(ws.qkv.ptr()),
-                        KArg::I32(qkv_w as i32),
-                        KArg::Ptr(kc),
-                        KArg::Ptr(vc),
-                        inp(inputs.slot_list),
-                        inp(inputs.table_off),
-                        inp(inputs.positions),
-                        inp(inputs.tiles),
-                        inp(inputs.tiles + inputs.n_tiles),
-                        KArg::I32(c.num_heads as i32),
-                        KArg::I32(c.num_kv_heads as i32),
-                        KArg::I32(hd as i32),
-                        KArg::F32(1.0 / (hd as f32).sqrt()),
-                        KArg::Ptr(ws.attn.ptr()),
-                    ],
-                )?;
-            } else {
-                let kernel = if hd <= 128 {
-                    &k.attention
-                } else {
-                    &k.attention_wide
-                };
-                dev.launch(
-                    kernel,
-                    (self.attention_blocks() as u32, r32, splits as u32),
-                    ATTN_THREADS,
-                    &[
-                        KArg::Ptr(ws.qkv.ptr()),
-                        KArg::I32(qkv_w as i32),
-                        KArg::Ptr(kc),
-                        KArg::Ptr(vc),
-                        inp(inputs.slot_list),
-                        inp(inputs.table_off),
-                        inp(inputs.positions),
-                        KArg::I32(c.num_heads as i32),
-                        KArg::I32(c.num_kv_heads as i32),
-                        KArg::I32(hd as i32),
-                        KArg::F32(1.0 / (hd as f32).sqrt()),
-                        KArg::Ptr(ws.attn.ptr()),
-                        KArg::Ptr(ws.part_o.ptr()),
-                        KArg::Ptr(ws.part_ml.ptr()),
-                    ],
-                )?;
-            }
-            if splits > 1 && inputs.n_tiles == 0 {
-                dev.launch(
-                    &k.attn_merge,
-                    (c.num_heads as u32, r32, 1),
-                    hd as u32,
-                    &[
-                        KArg::Ptr(ws.part_o.ptr()),
-                        KArg::Ptr(ws.part_ml.ptr()),
-                        KArg::I32(c.num_heads as i32),
-                        KArg::I32(hd as i32),
-                        KArg::I32(splits as i32),
-                        KArg::Ptr(ws.attn.ptr()),
-                    ],
-                )?;
-            }
+            self.attend(inputs, (kc, vc), splits)?;
             self.linear(
                 ws.attn.ptr(),
                 layer.o.ptr(),

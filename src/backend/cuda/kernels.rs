@@ -126,6 +126,7 @@ kernel_set!(
     add_rms_norm,
     head_rms_norm,
     add_bias,
+    rope_table,
     rope,
     silu_mul,
     kv_write,
@@ -138,7 +139,8 @@ kernel_set!(
     gemv_qkv_rope,
     attention_tiles,
     attention_flash,
-    argmax_rows,
+    argmax_partial,
+    argmax_merge,
 );
 
 impl Kernels {
