@@ -488,25 +488,46 @@ __device__ __forceinline__ void prefetch_row(const raw16* w, int k) {
 // acc[i][r] = dot(weight row wr[i], activation row r of x) for W weight rows
 // and R activation rows, every lane of the warp getting the full sums. Each
 // lane streams 16-byte chunks of the weight rows once; the few activation
-// rows come from cache. k must be a multiple of 8.
-template <int R, int W>
+// rows come from cache. k must be a multiple of 8. With NORM, x holds
+// residual rows and the dot products take rmsnorm(x) * nw instead, rounded
+// as add_rms_norm rounds (each warp first sums the squares of its rows:
+// cheaper than a separate norm kernel for a decode batch).
+template <int R, int W, bool NORM>
 __device__ __forceinline__ void warp_dots(const raw16* x, const raw16* const (&wr)[W], int k,
-                                          float (&acc)[W][R]) {
+                                          float (&acc)[W][R], const raw16* nw, float eps) {
     const int lane = threadIdx.x & 31;
     const int chunks = k >> 3;
 #pragma unroll
     for (int i = 0; i < W; i++)
 #pragma unroll
         for (int r = 0; r < R; r++) acc[i][r] = 0.f;
+    float rstd[R];
+    if (NORM) {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            float ss = 0.f;
+            for (int c = lane; c < chunks; c += 32) {
+                float xf[8];
+                unpack8(__ldg((const uint4*)(x + (size_t)r * k) + c), xf);
+#pragma unroll
+                for (int e = 0; e < 8; e++) ss += xf[e] * xf[e];
+            }
+            rstd[r] = rsqrtf(warp_sum(ss) / k + eps);
+        }
+    }
 #pragma unroll 4
     for (int c = lane; c < chunks; c += 32) {
-        float wf[W][8];
+        float wf[W][8], nf[8];
 #pragma unroll
         for (int i = 0; i < W; i++) unpack8(__ldg((const uint4*)wr[i] + c), wf[i]);
+        if (NORM) unpack8(__ldg((const uint4*)nw + c), nf);
 #pragma unroll
         for (int r = 0; r < R; r++) {
             float xf[8];
             unpack8(__ldg((const uint4*)(x + (size_t)r * k) + c), xf);
+            if (NORM)
+#pragma unroll
+                for (int e = 0; e < 8; e++) xf[e] = rnd(nf[e] * rnd(xf[e] * rstd[r]));
 #pragma unroll
             for (int i = 0; i < W; i++)
 #pragma unroll
@@ -519,10 +540,9 @@ __device__ __forceinline__ void warp_dots(const raw16* x, const raw16* const (&w
         for (int r = 0; r < R; r++) acc[i][r] = warp_sum(acc[i][r]);
 }
 
-// Instantiates CALL(R) for the runtime row count 1..GEMV_MAX_ROWS.
+// Instantiates CALL(R) for the runtime row count 2..GEMV_MAX_ROWS.
 #define GEMV_ROWS_SWITCH(rows, CALL) \
     switch (rows) {                  \
-    case 1: CALL(1); break;          \
     case 2: CALL(2); break;          \
     case 3: CALL(3); break;          \
     case 4: CALL(4); break;          \
@@ -532,39 +552,67 @@ __device__ __forceinline__ void warp_dots(const raw16* x, const raw16* const (&w
     case 8: CALL(8); break;          \
     }
 
-template <int R>
-__device__ void gemv_rows(const raw16* x, const raw16* w, void* y, int n, int k, int f32_out) {
+// One-row variants of the GEMV kernels: registers are allocated per kernel,
+// so batch-1 decode gets kernels sized for one row (more warps per SM).
+#define GEMV_ONE_ROW(rows, CALL) CALL(1);
+
+// The body of a GEMV entry point: CALL##_NORM(R) when nw is given, else
+// CALL##_PLAIN(R), for the row counts that SWITCH instantiates.
+#define GEMV_DISPATCH(SWITCH, rows, nw, CALL) \
+    grid_dep_launch();                        \
+    if (nw) {                                 \
+        SWITCH(rows, CALL##_NORM)             \
+    } else {                                  \
+        SWITCH(rows, CALL##_PLAIN)            \
+    }
+
+#define GEMV_OUT_ACT 0       // y in the activation dtype
+#define GEMV_OUT_F32 1       // y in f32 (logits)
+#define GEMV_OUT_RESIDUAL 2  // y (activation dtype) += the product: a residual add
+
+template <int R, bool NORM>
+__device__ void gemv_rows(const raw16* x, const raw16* w, void* y, int n, int k, int mode,
+                          const raw16* nw, float eps) {
     const int j = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     if (j >= n) return;
     const raw16* wr[1] = {w + (size_t)j * k};
     prefetch_row(wr[0], k);
     grid_dep_wait();
     float acc[1][R];
-    warp_dots<R, 1>(x, wr, k, acc);
+    warp_dots<R, 1, NORM>(x, wr, k, acc, nw, eps);
     if ((threadIdx.x & 31) == 0) {
 #pragma unroll
         for (int r = 0; r < R; r++) {
-            if (f32_out)
-                ((float*)y)[(size_t)r * n + j] = acc[0][r];
+            const size_t o = (size_t)r * n + j;
+            if (mode == GEMV_OUT_F32)
+                ((float*)y)[o] = acc[0][r];
+            else if (mode == GEMV_OUT_RESIDUAL)
+                ((raw16*)y)[o] = from_f(to_f(((raw16*)y)[o]) + rnd(acc[0][r]));
             else
-                ((raw16*)y)[(size_t)r * n + j] = from_f(acc[0][r]);
+                ((raw16*)y)[o] = from_f(acc[0][r]);
         }
     }
 }
 
 // y[r, j] = sum_k x[r, k] * w[j, k] for rows r < R <= GEMV_MAX_ROWS (decode
-// batches), one weight row per warp. grid = ceil(n / GEMV_WARPS), block =
-// 32 * GEMV_WARPS.
-extern "C" __global__ void gemv(const raw16* x, const raw16* w, void* y, int n, int k, int rows,
-                                int f32_out) {
-    grid_dep_launch();
-#define GEMV_CALL(R) gemv_rows<R>(x, w, y, n, k, f32_out)
-    GEMV_ROWS_SWITCH(rows, GEMV_CALL)
-#undef GEMV_CALL
-}
-
-template <int R>
-__device__ void gemv_swiglu_rows(const raw16* x, const raw16* w, raw16* out, int inter, int k) {
+// batches), one weight row per warp; `mode` is a GEMV_OUT_*; with nw, x is
+// residual rows normed on the fly (see warp_dots).
+// grid = ceil(n / GEMV_WARPS), block = 32 * GEMV_WARPS.
+#define GEMV_CALL_PLAIN(R) gemv_rows<R, false>(x, w, y, n, k, mode, nw, eps)
+#define GEMV_CALL_NORM(R) gemv_rows<R, true>(x, w, y, n, k, mode, nw, eps)
+#define GEMV_KERNEL(NAME, SWITCH)                                                                 \
+    extern "C" __global__ void NAME(const raw16* x, const raw16* w, void* y, int n, int k,        \
+                                    int rows, int mode, const raw16* nw, float eps) {             \
+        GEMV_DISPATCH(SWITCH, rows, nw, GEMV_CALL)                                               \
+    }
+GEMV_KERNEL(gemv, GEMV_ROWS_SWITCH)
+GEMV_KERNEL(gemv_r1, GEMV_ONE_ROW)
+#undef GEMV_KERNEL
+#undef GEMV_CALL_PLAIN
+#undef GEMV_CALL_NORM
+template <int R, bool NORM>
+__device__ void gemv_swiglu_rows(const raw16* x, const raw16* w, raw16* out, int inter, int k,
+                                 const raw16* nw, float eps) {
     const int j = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     if (j >= inter) return;
     const raw16* wr[2] = {w + (size_t)j * k, w + (size_t)(inter + j) * k};
@@ -572,7 +620,7 @@ __device__ void gemv_swiglu_rows(const raw16* x, const raw16* w, raw16* out, int
     prefetch_row(wr[1], k);
     grid_dep_wait();
     float acc[2][R];
-    warp_dots<R, 2>(x, wr, k, acc);
+    warp_dots<R, 2, NORM>(x, wr, k, acc, nw, eps);
     if ((threadIdx.x & 31) == 0) {
 #pragma unroll
         for (int r = 0; r < R; r++)
@@ -582,20 +630,26 @@ __device__ void gemv_swiglu_rows(const raw16* x, const raw16* w, raw16* out, int
 
 // The MLP's gate/up projection fused with SwiGLU for decode batches:
 // out[r, j] = silu(x[r] · gate[j]) * (x[r] · up[j]), w = [gate; up] stacked
-// ([2 * inter, k]). Each warp streams gate row j and up row j.
-// grid = ceil(inter / GEMV_WARPS), block = 32 * GEMV_WARPS.
-extern "C" __global__ void gemv_swiglu(const raw16* x, const raw16* w, raw16* out, int inter, int k,
-                                       int rows) {
-    grid_dep_launch();
-#define GEMV_CALL(R) gemv_swiglu_rows<R>(x, w, out, inter, k)
-    GEMV_ROWS_SWITCH(rows, GEMV_CALL)
-#undef GEMV_CALL
-}
-
-template <int R>
+// ([2 * inter, k]). Each warp streams gate row j and up row j. With nw, x is
+// residual rows normed on the fly. grid = ceil(inter / GEMV_WARPS), block =
+// 32 * GEMV_WARPS.
+#define GEMV_CALL_PLAIN(R) gemv_swiglu_rows<R, false>(x, w, out, inter, k, nw, eps)
+#define GEMV_CALL_NORM(R) gemv_swiglu_rows<R, true>(x, w, out, inter, k, nw, eps)
+#define GEMV_KERNEL(NAME, SWITCH)                                                                 \
+    extern "C" __global__ void NAME(const raw16* x, const raw16* w, raw16* out, int inter, int k, \
+                                    int rows, const raw16* nw, float eps) {                       \
+        GEMV_DISPATCH(SWITCH, rows, nw, GEMV_CALL)                                               \
+    }
+GEMV_KERNEL(gemv_swiglu, GEMV_ROWS_SWITCH)
+GEMV_KERNEL(gemv_swiglu_r1, GEMV_ONE_ROW)
+#undef GEMV_KERNEL
+#undef GEMV_CALL_PLAIN
+#undef GEMV_CALL_NORM
+template <int R, bool NORM>
 __device__ void gemv_qkv_rope_rows(const raw16* x, const raw16* w, const raw16* bias, raw16* qkv,
-                                   const float2* cs, const unsigned* slots, raw16* k_cache, raw16* v_cache, int nq,
-                                   int nkv, int hd, int k) {
+                                   const float2* cs, const unsigned* slots, raw16* k_cache,
+                                   raw16* v_cache, int nq, int nkv, int hd, int k,
+                                   const raw16* nw, float eps) {
     const int u = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const int half = hd / 2, width = nq + 2 * nkv, rope_units = (nq + nkv) / 2;
     if (u >= width / 2) return;
@@ -614,7 +668,7 @@ __device__ void gemv_qkv_rope_rows(const raw16* x, const raw16* w, const raw16* 
     prefetch_row(wr[1], k);
     grid_dep_wait();
     float acc[2][R];
-    warp_dots<R, 2>(x, wr, k, acc);
+    warp_dots<R, 2, NORM>(x, wr, k, acc, nw, eps);
     if ((threadIdx.x & 31) != 0) return;
 #pragma unroll
     for (int r = 0; r < R; r++) {
@@ -646,16 +700,22 @@ __device__ void gemv_qkv_rope_rows(const raw16* x, const raw16* w, const raw16* 
 // 2 * nkv), k and v straight to slot slots[r] of the layer's caches. Each
 // warp streams the two weight rows of one rope pair or two v columns.
 // grid = ceil((nq + 2 * nkv) / 2 / GEMV_WARPS), block = 32 * GEMV_WARPS.
-extern "C" __global__ void gemv_qkv_rope(const raw16* x, const raw16* w, const raw16* bias,
-                                         raw16* qkv, const float2* cs, const unsigned* slots, raw16* k_cache, raw16* v_cache,
-                                         int nq, int nkv, int hd, int k, int rows) {
-    grid_dep_launch();
-#define GEMV_CALL(R) \
-    gemv_qkv_rope_rows<R>(x, w, bias, qkv, cs, slots, k_cache, v_cache, nq, nkv, hd, k)
-    GEMV_ROWS_SWITCH(rows, GEMV_CALL)
-#undef GEMV_CALL
-}
-
+#define GEMV_CALL_PLAIN(R) \
+    gemv_qkv_rope_rows<R, false>(x, w, bias, qkv, cs, slots, k_cache, v_cache, nq, nkv, hd, k, nw, eps)
+#define GEMV_CALL_NORM(R) \
+    gemv_qkv_rope_rows<R, true>(x, w, bias, qkv, cs, slots, k_cache, v_cache, nq, nkv, hd, k, nw, eps)
+#define GEMV_KERNEL(NAME, SWITCH)                                                                 \
+    extern "C" __global__ void NAME(const raw16* x, const raw16* w, const raw16* bias, raw16* qkv, \
+                                    const float2* cs, const unsigned* slots, raw16* k_cache,       \
+                                    raw16* v_cache, int nq, int nkv, int hd, int k, int rows,      \
+                                    const raw16* nw, float eps) {                                  \
+        GEMV_DISPATCH(SWITCH, rows, nw, GEMV_CALL)                                                \
+    }
+GEMV_KERNEL(gemv_qkv_rope, GEMV_ROWS_SWITCH)
+GEMV_KERNEL(gemv_qkv_rope_r1, GEMV_ONE_ROW)
+#undef GEMV_KERNEL
+#undef GEMV_CALL_PLAIN
+#undef GEMV_CALL_NORM
 #define TILE_ROWS 16
 #define TILE_KEYS 32
 #define TILE_WARPS 4

@@ -7,7 +7,9 @@
 use super::runner::{validate_batch, ContextShape, DeviceDecoder, ForwardContext};
 use super::{ForwardBatch, ModelConfig, WeightDType, WeightSource};
 use crate::backend::cpu::MatrixData;
-use crate::backend::cuda::{ActDType, CudaDevice, DeviceBuffer, GemmDType, Graph, KArg};
+use crate::backend::cuda::{
+    ActDType, CudaDevice, DeviceBuffer, GemmDType, GemvFamily, GemvOut, Graph, KArg,
+};
 use crate::backend::Device;
 use crate::{bail_arg, Error, ErrorKind, Result};
 use std::collections::HashMap;
@@ -502,6 +504,15 @@ struct CudaForward {
     use_graphs: bool,
 }
 
+/// Where a projection's input rows come from.
+#[derive(Debug, Clone, Copy)]
+enum ProjInput {
+    /// `normed`, already normalized.
+    Normed,
+    /// The residual stream `hidden`, to normalize with this norm weight.
+    Residual(u64),
+}
+
 /// Where a forward's result goes.
 enum Output<'a> {
     Logits(&'a mut [f32]),
@@ -794,7 +805,40 @@ impl CudaForward {
         }
     }
 
-    /// q, k, v of the normed rows: q (with RoPE) into the QKV rows, k (with
+    /// Whether a step of `rows` rows runs the residual stream through the
+    /// GEMV epilogues (every projection a GEMV, no o_proj bias to add).
+    fn residual_in_gemvs(&self, rows: usize) -> bool {
+        let c = &self.model.config;
+        let dev = &self.model.dev;
+        !c.o_bias
+            && [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
+                .iter()
+                .all(|&k| dev.gemv_fits(rows, k))
+    }
+
+    /// The rows a projection reads (x) and the norm it applies on the fly:
+    /// only the GEMV kernels can norm on the fly, so otherwise the residual
+    /// is normed into `normed` first.
+    fn projection_input(
+        &self,
+        input: ProjInput,
+        rows: usize,
+        fused: bool,
+    ) -> Result<(u64, Option<(u64, f32)>)> {
+        let ws = &self.ws;
+        match input {
+            ProjInput::Normed => Ok((ws.normed.ptr(), None)),
+            ProjInput::Residual(nw) if fused => {
+                Ok((ws.hidden.ptr(), Some((nw, self.model.config.rms_norm_eps))))
+            }
+            ProjInput::Residual(nw) => {
+                self.add_rms_norm(rows as u32, 0, KArg::Ptr(0), nw, ws.normed.ptr())?;
+                Ok((ws.normed.ptr(), None))
+            }
+        }
+    }
+
+    /// q, k, v of the input rows: q (with RoPE) into the QKV rows, k (with
     /// RoPE) and v into the layer's cache slots. Decode batches of models
     /// without q/k norms take one fused GEMV for all of it.
     fn qkv_rope_kv_write(
@@ -802,6 +846,7 @@ impl CudaForward {
         layer: &Layer,
         inputs: &Inputs,
         (kc, vc): (u64, u64),
+        input: ProjInput,
     ) -> Result<()> {
         let m = &*self.model;
         let (dev, c, ws) = (&*m.dev, &m.config, &self.ws);
@@ -811,13 +856,16 @@ impl CudaForward {
         let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
         let qkv_w = nq + 2 * nkv;
         let inp = |o: usize| KArg::Ptr(ws.inputs.at(o));
-        if dev.gemv_fits(rows, d) && layer.q_norm.is_none() {
+        let fused = dev.gemv_fits(rows, d) && layer.q_norm.is_none();
+        let (x, norm) = self.projection_input(input, rows, fused)?;
+        let (nw, eps) = norm.unwrap_or((0, 0.0));
+        if fused {
             return dev.launch_gemv(
-                &k.gemv_qkv_rope,
+                GemvFamily::QkvRope,
                 qkv_w / 2,
                 (rows, qkv_w, d),
                 &[
-                    KArg::Ptr(ws.normed.ptr()),
+                    KArg::Ptr(x),
                     KArg::Ptr(layer.qkv.ptr()),
                     KArg::Ptr(layer.qkv_bias.as_ref().map_or(0, |b| b.ptr())),
                     KArg::Ptr(ws.qkv.ptr()),
@@ -830,11 +878,13 @@ impl CudaForward {
                     KArg::I32(hd as i32),
                     KArg::I32(d as i32),
                     KArg::I32(rows as i32),
+                    KArg::Ptr(nw),
+                    KArg::F32(eps),
                 ],
             );
         }
         self.linear(
-            ws.normed.ptr(),
+            x,
             layer.qkv.ptr(),
             layer.qkv_bias.as_ref(),
             ws.qkv.ptr(),
@@ -977,29 +1027,34 @@ impl CudaForward {
         )
     }
 
-    /// `act = silu(normed · gateᵀ) * (normed · upᵀ)`: one fused GEMV for
-    /// decode batches, else a GEMM into `gate_up` and the SwiGLU kernel.
-    fn gate_up_swiglu(&self, layer: &Layer, rows: usize) -> Result<()> {
+    /// `act = silu(x · gateᵀ) * (x · upᵀ)`: one fused GEMV for decode
+    /// batches, else a GEMM into `gate_up` and the SwiGLU kernel.
+    fn gate_up_swiglu(&self, layer: &Layer, rows: usize, input: ProjInput) -> Result<()> {
         let m = &*self.model;
         let (dev, c, ws) = (&*m.dev, &m.config, &self.ws);
         let (d, inter) = (c.hidden_size, c.intermediate_size);
-        if dev.gemv_fits(rows, d) {
+        let fused = dev.gemv_fits(rows, d);
+        let (x, norm) = self.projection_input(input, rows, fused)?;
+        if fused {
+            let (nw, eps) = norm.unwrap_or((0, 0.0));
             return dev.launch_gemv(
-                &dev.kernels.gemv_swiglu,
+                GemvFamily::SwiGlu,
                 inter,
                 (rows, 2 * inter, d),
                 &[
-                    KArg::Ptr(ws.normed.ptr()),
+                    KArg::Ptr(x),
                     KArg::Ptr(layer.gate_up.ptr()),
                     KArg::Ptr(ws.act.ptr()),
                     KArg::I32(inter as i32),
                     KArg::I32(d as i32),
                     KArg::I32(rows as i32),
+                    KArg::Ptr(nw),
+                    KArg::F32(eps),
                 ],
             );
         }
         dev.gemm(
-            ws.normed.ptr(),
+            x,
             layer.gate_up.ptr(),
             ws.gate_up.ptr(),
             rows,
@@ -1056,7 +1111,37 @@ impl CudaForward {
                 KArg::I32(d as i32),
             ],
         )?;
+        // Decode batches keep the residual stream in the GEMVs: each norm is
+        // applied by the projection that reads it, and the o / down GEMVs add
+        // their output into the residual. Other batches run norm kernels with
+        // the residual add fused in, and cuBLAS.
+        let in_gemv = self.residual_in_gemvs(rows);
         for (li, layer) in m.layers.iter().enumerate() {
+            let (kc, vc) = self.layer_kv(li);
+            if in_gemv {
+                let hidden = ws.hidden.ptr();
+                let input = ProjInput::Residual(layer.input_norm.ptr());
+                self.qkv_rope_kv_write(layer, inputs, (kc, vc), input)?;
+                self.attend(inputs, (kc, vc), splits)?;
+                dev.gemv(
+                    ws.attn.ptr(),
+                    layer.o.ptr(),
+                    hidden,
+                    (rows, d, nq),
+                    GemvOut::ResidualAdd,
+                    None,
+                )?;
+                self.gate_up_swiglu(layer, rows, ProjInput::Residual(layer.post_norm.ptr()))?;
+                dev.gemv(
+                    ws.act.ptr(),
+                    layer.down.ptr(),
+                    hidden,
+                    (rows, d, inter),
+                    GemvOut::ResidualAdd,
+                    None,
+                )?;
+                continue;
+            }
             // Residual add of the previous layer's MLP output, fused with this norm.
             let delta = if li == 0 { 0 } else { ws.delta.ptr() };
             self.add_rms_norm(
@@ -1066,8 +1151,7 @@ impl CudaForward {
                 layer.input_norm.ptr(),
                 ws.normed.ptr(),
             )?;
-            let (kc, vc) = self.layer_kv(li);
-            self.qkv_rope_kv_write(layer, inputs, (kc, vc))?;
+            self.qkv_rope_kv_write(layer, inputs, (kc, vc), ProjInput::Normed)?;
             self.attend(inputs, (kc, vc), splits)?;
             self.linear(
                 ws.attn.ptr(),
@@ -1085,7 +1169,7 @@ impl CudaForward {
                 layer.post_norm.ptr(),
                 ws.normed.ptr(),
             )?;
-            self.gate_up_swiglu(layer, rows)?;
+            self.gate_up_swiglu(layer, rows, ProjInput::Normed)?;
             dev.gemm(
                 ws.act.ptr(),
                 layer.down.ptr(),
@@ -1099,10 +1183,11 @@ impl CudaForward {
         if n_out == 0 {
             return Ok(());
         }
-        // Last residual add and the final norm, for the rows that want logits only.
+        // Last residual add (unless the GEMVs did it) and the final norm, for
+        // the rows that want logits only.
         self.add_rms_norm(
             n_out as u32,
-            ws.delta.ptr(),
+            if in_gemv { 0 } else { ws.delta.ptr() },
             inp(inputs.logits_rows),
             m.final_norm.ptr(),
             ws.head_in.ptr(),

@@ -431,14 +431,24 @@ impl CudaDevice {
     }
 
     /// Launches a GEMV-family kernel over `warps` warp work units (one or
-    /// two weight rows each) of a `rows`×`k` by `n`×`k` product.
+    /// two weight rows each) of a `rows`×`k` by `n`×`k` product; batch-1
+    /// steps take the family's one-row kernel.
     pub fn launch_gemv(
         &self,
-        f: &Kernel,
+        family: GemvFamily,
         warps: usize,
         (rows, n, k): (usize, usize, usize),
         args: &[KArg],
     ) -> Result<()> {
+        let kn = &self.kernels;
+        let f = match (family, rows == 1) {
+            (GemvFamily::Plain, true) => &kn.gemv_r1,
+            (GemvFamily::Plain, false) => &kn.gemv,
+            (GemvFamily::SwiGlu, true) => &kn.gemv_swiglu_r1,
+            (GemvFamily::SwiGlu, false) => &kn.gemv_swiglu,
+            (GemvFamily::QkvRope, true) => &kn.gemv_qkv_rope_r1,
+            (GemvFamily::QkvRope, false) => &kn.gemv_qkv_rope,
+        };
         self.timed(
             || format!("{} {rows}x{n}x{k}", f.name),
             n * k * 2,
@@ -450,6 +460,38 @@ impl CudaDevice {
                     args,
                 )
             },
+        )
+    }
+
+    /// `y[rows, n] (op)= x[rows, k] · w[n, k]ᵀ` through the GEMV kernel
+    /// (`gemv_fits` must hold). With `norm = (weight, eps)`, x holds residual
+    /// rows and the product takes `rmsnorm(x) * weight` instead.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv(
+        &self,
+        x: u64,
+        w: u64,
+        y: u64,
+        (rows, n, k): (usize, usize, usize),
+        out: GemvOut,
+        norm: Option<(u64, f32)>,
+    ) -> Result<()> {
+        let (nw, eps) = norm.unwrap_or((0, 0.0));
+        self.launch_gemv(
+            GemvFamily::Plain,
+            n,
+            (rows, n, k),
+            &[
+                KArg::Ptr(x),
+                KArg::Ptr(w),
+                KArg::Ptr(y),
+                KArg::I32(n as i32),
+                KArg::I32(k as i32),
+                KArg::I32(rows as i32),
+                KArg::I32(out as i32),
+                KArg::Ptr(nw),
+                KArg::F32(eps),
+            ],
         )
     }
 
@@ -469,20 +511,11 @@ impl CudaDevice {
         if self.gemv_fits(rows, k) {
             // Decode-sized batches are bandwidth-bound: our GEMV streams the
             // weights closer to the copy bandwidth than cuBLAS does.
-            return self.launch_gemv(
-                &self.kernels.gemv,
-                n,
-                (rows, n, k),
-                &[
-                    KArg::Ptr(x),
-                    KArg::Ptr(w),
-                    KArg::Ptr(y),
-                    KArg::I32(n as i32),
-                    KArg::I32(k as i32),
-                    KArg::I32(rows as i32),
-                    KArg::I32((out == GemmDType::F32) as i32),
-                ],
-            );
+            let out = match out {
+                GemmDType::Act => GemvOut::Act,
+                GemmDType::F32 => GemvOut::F32,
+            };
+            return self.gemv(x, w, y, (rows, n, k), out, None);
         }
         self.timed(
             || format!("cublas {rows}x{n}x{k}"),
@@ -490,6 +523,28 @@ impl CudaDevice {
             || gemm::gemm_xwt(&self.blas, self.act, x, w, y, rows, n, k, out),
         )
     }
+}
+
+/// The GEMV kernels of kernels/decoder.cu, each in a one-row and a
+/// multi-row build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemvFamily {
+    Plain,
+    /// Gate and up rows fused with SwiGLU.
+    SwiGlu,
+    /// QKV fused with bias, RoPE and the KV-cache write.
+    QkvRope,
+}
+
+/// What the plain GEMV does with its result (GEMV_OUT_* of kernels/decoder.cu).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemvOut {
+    /// Written in the activation dtype.
+    Act = 0,
+    /// Written as f32 (logits).
+    F32 = 1,
+    /// Added to y in place (a residual add), rounded as transformers does.
+    ResidualAdd = 2,
 }
 
 impl Drop for CudaDevice {
