@@ -4,6 +4,7 @@
 use super::model::Model;
 use crate::backend::cpu::attention::AttnSeq;
 use crate::kv::KvMapping;
+use crate::memory::MemoryPoolKind;
 use crate::model::{ContextShape, ForwardBatch, ForwardContext};
 use crate::{bail_arg, Result};
 
@@ -20,11 +21,27 @@ pub struct SingleSequence {
 impl SingleSequence {
     /// Room for `capacity` positions, forwards of up to `max_rows` tokens.
     pub fn new(model: &Model, capacity: usize, max_rows: usize) -> Result<Self> {
-        let shape = ContextShape::new(capacity + 1, max_rows, max_rows);
+        Self::with_pool(model, capacity, max_rows, MemoryPoolKind::default())
+    }
+
+    /// Like `new`, taking the step temporaries from a pool of `pool`.
+    pub fn with_pool(
+        model: &Model,
+        capacity: usize,
+        max_rows: usize,
+        pool: MemoryPoolKind,
+    ) -> Result<Self> {
+        let mut shape = ContextShape::new(capacity + 1, max_rows, max_rows);
+        shape.memory_pool = pool;
         Ok(SingleSequence {
             ctx: model.decoder.clone().new_context(&shape)?,
             slots: (1..=capacity as u32).collect(),
         })
+    }
+
+    /// The step workspace's figures (CPU).
+    pub fn workspace_stats(&self) -> Option<crate::model::WorkspaceStats> {
+        self.ctx.workspace_stats()
     }
 
     /// Runs `tokens` at positions `context_len..`, writing logits of every

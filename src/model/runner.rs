@@ -217,7 +217,9 @@ impl DeviceDecoder for CpuDecoder {
             total_bytes: crate::sysinfo::total_memory_bytes().unwrap_or(0),
             available_bytes: crate::sysinfo::available_memory_bytes().unwrap_or(0),
             weights_bytes: self.decoder.resident_bytes(),
-            workspace_bytes: self.workspace_plan(shape).peak_bytes(),
+            // The plan's peak plus the host logits rows the engine keeps.
+            workspace_bytes: self.workspace_plan(shape).peak_bytes()
+                + shape.max_logits_rows * self.decoder.config.vocab_size * 4,
         }
     }
     fn summary(&self) -> String {
