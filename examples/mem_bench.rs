@@ -199,6 +199,15 @@ fn load(o: &Opts) -> Res<()> {
         hot_mmap.push(load_model()?.0);
         hot_read.push(read_heap()?);
     }
+    // Where the time goes, stage by stage (median of the reps).
+    let (mut cold_stages, mut hot_stages): (Vec<[f64; 5]>, Vec<[f64; 5]>) = (vec![], vec![]);
+    for _ in 0..reps {
+        drop_cache(&files);
+        cold_stages.push(load_stages(&o.dir, &params)?);
+        hot_stages.push(load_stages(&o.dir, &params)?);
+    }
+    let stage = |v: &[[f64; 5]], i: usize| median(v.iter().map(|s| s[i]).collect());
+    let weights_only = |v: &[[f64; 5]]| stage(v, 0) + stage(v, 1) + stage(v, 2);
     println!(
         "page cache after POSIX_FADV_DONTNEED: {:.0}% resident (100% = the drop was refused or the pages are mapped elsewhere)",
         median(cached_after_drop) * 100.0
@@ -211,11 +220,45 @@ fn load(o: &Opts) -> Res<()> {
         median(hot_mmap)
     );
     println!(
+        "| weights only: config + open/mmap + Decoder::load | {:.1} | {:.1} |",
+        weights_only(&cold_stages),
+        weights_only(&hot_stages)
+    );
+    println!(
+        "| tokenizer.json (part of Model::load) | {:.1} | {:.1} |",
+        stage(&cold_stages, 4),
+        stage(&hot_stages, 4)
+    );
+    println!(
         "| read the files into the heap (fs::read only, no model built) | {:.1} | {:.1} |",
         median(cold_read),
         median(hot_read)
     );
     Ok(())
+}
+
+/// Hot-load stages of `Model::load` on the CPU, timed one by one (ms).
+fn load_stages(dir: &Path, params: &ModelParams) -> Res<[f64; 5]> {
+    let e = |e: nanoinfer::Error| e.to_string();
+    let t = Instant::now();
+    let config = nanoinfer::model::ModelConfig::from_dir(dir).map_err(e)?;
+    let config_ms = ms(t.elapsed());
+    let t = Instant::now();
+    let weights = nanoinfer::model::loader::open_weights(dir).map_err(e)?;
+    let open_ms = ms(t.elapsed());
+    let t = Instant::now();
+    let decoder =
+        nanoinfer::model::Decoder::load(config, &weights, params.dtype, params.quant).map_err(e)?;
+    weights.finish_loading();
+    let weights_ms = ms(t.elapsed());
+    let t = Instant::now();
+    let pool = nanoinfer::backend::cpu::ThreadPool::new(2);
+    let pool_ms = ms(t.elapsed());
+    let t = Instant::now();
+    let tokenizer = nanoinfer::tokenizer::Tokenizer::from_dir(dir).map_err(e)?;
+    let tokenizer_ms = ms(t.elapsed());
+    drop((decoder, pool, tokenizer, weights));
+    Ok([config_ms, open_ms, weights_ms, pool_ms, tokenizer_ms])
 }
 
 /// T3.
@@ -370,43 +413,65 @@ fn run_pool(
     Ok(m)
 }
 
-/// T6: RSS of this process once the model is loaded, split by kind.
+/// T6: RSS of this process once the model is loaded (and, with
+/// `--forward N`, has run one N-token forward, so every weight page is
+/// touched), split by kind; printed again after `--hold SECS`.
 fn rss(o: &Opts) -> Res<()> {
     let hold: f64 = o.get("hold", 0.0)?;
+    let forward: usize = o.get("forward", 0)?;
     let start = Instant::now();
     let model = Model::load(&o.dir, &o.model_params()?, None).map_err(|e| e.to_string())?;
     let load_ms = ms(start.elapsed());
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let rollup = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap_or_default();
-    let field = |text: &str, key: &str| -> f64 {
-        text.lines()
-            .find(|l| l.starts_with(key))
-            .and_then(|l| {
-                l[key.len()..]
-                    .trim()
-                    .trim_end_matches("kB")
-                    .trim()
-                    .parse::<f64>()
-                    .ok()
-            })
-            .map_or(f64::NAN, |kib| kib / 1024.0)
+    if forward > 0 {
+        let mut seq = nanoinfer::engine::eval::SingleSequence::new(&model, forward, forward)
+            .map_err(|e| e.to_string())?;
+        let tokens: Vec<u32> = (0..forward as u32).map(|t| t * 7 % 1000).collect();
+        let mut logits = Vec::new();
+        seq.forward(&model, &tokens, 0, false, &mut logits)
+            .map_err(|e| e.to_string())?;
+    }
+    let report = |when: &str| {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let rollup = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap_or_default();
+        let field = |text: &str, key: &str| -> f64 {
+            text.lines()
+                .find(|l| l.starts_with(key))
+                .and_then(|l| {
+                    l[key.len()..]
+                        .trim()
+                        .trim_end_matches("kB")
+                        .trim()
+                        .parse::<f64>()
+                        .ok()
+                })
+                .map_or(f64::NAN, |kib| kib / 1024.0)
+        };
+        println!(
+            "pid {} {when}: RSS {:.1} MiB (anon {:.1}, file {:.1}); shared with other processes \
+             {:.1} MiB, private {:.1} MiB; peak RSS {:.1} MiB",
+            std::process::id(),
+            field(&status, "VmRSS:"),
+            field(&status, "RssAnon:"),
+            field(&status, "RssFile:"),
+            field(&rollup, "Shared_Clean:") + field(&rollup, "Shared_Dirty:"),
+            field(&rollup, "Private_Clean:") + field(&rollup, "Private_Dirty:"),
+            field(&status, "VmHWM:"),
+        );
     };
-    println!(
-        "pid {} loaded {} ({}, {:.1} MB of weights) in {load_ms:.1} ms: RSS {:.1} MiB \
-         (anon {:.1}, file {:.1}); shared with other processes {:.1} MiB, private {:.1} MiB; peak RSS {:.1} MiB",
-        std::process::id(),
+    report(&format!(
+        "loaded {} ({}, {:.1} MB of weights) in {load_ms:.1} ms{}",
         o.dir.display(),
         model.decoder.weight_dtype_name(),
         model.decoder.weight_bytes() as f64 / 1e6,
-        field(&status, "VmRSS:"),
-        field(&status, "RssAnon:"),
-        field(&status, "RssFile:"),
-        field(&rollup, "Shared_Clean:") + field(&rollup, "Shared_Dirty:"),
-        field(&rollup, "Private_Clean:") + field(&rollup, "Private_Dirty:"),
-        field(&status, "VmHWM:"),
-    );
+        if forward > 0 {
+            format!(", ran a {forward}-token forward")
+        } else {
+            String::new()
+        }
+    ));
     if hold > 0.0 {
         std::thread::sleep(Duration::from_secs_f64(hold));
+        report("after the hold");
     }
     drop(model);
     Ok(())

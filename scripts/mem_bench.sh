@@ -48,10 +48,10 @@ for dir in "$f32" "$bf16"; do
   grep -E "memory budget|peak RSS|max RSS" /tmp/mem_bench_generate.$$ | sed 's/^/  /'
   rm -f /tmp/mem_bench_generate.$$
   echo "two processes loading $(basename "$dir") at once:"
-  "$bench" rss "$dir" --hold 6 | sed 's/^/  first:  /' &
+  "$bench" rss "$dir" --forward 8 --hold 8 | sed 's/^/  first:  /' &
   first=$!
-  sleep 3
-  "$bench" rss "$dir" | sed 's/^/  second: /'
+  sleep 4
+  "$bench" rss "$dir" --forward 8 | sed 's/^/  second: /'
   wait "$first"
   echo
 done
