@@ -566,7 +566,7 @@ fn c_stats(st: &crate::engine::SessionStats) -> ni_session_stats {
         memory_limited_by_available: m.limited_by_available,
         workspace_capacity_bytes: pool_stats.capacity_bytes as u64,
         workspace_peak_bytes: pool_stats.peak_bytes as u64,
-        workspace_system_allocations: pool_stats.system_allocations as u64,
+        workspace_system_allocations: pool_stats.system_allocations,
         workspace_resizes: ws.map_or(0, |w| w.resizes),
     }
 }

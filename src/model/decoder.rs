@@ -278,7 +278,7 @@ impl Decoder {
                 &mut ws.normed[..rows * d],
             );
             let qkv = &mut ws.qkv[..rows * qkv_width];
-            matmul(pool, &ws.normed, rows, &[&layer.q, &layer.k, &layer.v], qkv);
+            matmul(pool, ws.normed, rows, &[&layer.q, &layer.k, &layer.v], qkv);
             for row in 0..rows {
                 let r = &mut qkv[row * qkv_width..(row + 1) * qkv_width];
                 if let Some(b) = &layer.qkv_bias {
@@ -317,7 +317,7 @@ impl Decoder {
                 values,
                 &mut ws.attn[..rows * nq],
             );
-            matmul(pool, &ws.attn, rows, &[&layer.o], &mut ws.proj[..rows * d]);
+            matmul(pool, ws.attn, rows, &[&layer.o], &mut ws.proj[..rows * d]);
             if let Some(b) = &layer.o_bias {
                 ws.proj[..rows * d]
                     .chunks_exact_mut(d)
@@ -333,7 +333,7 @@ impl Decoder {
             );
             matmul(
                 pool,
-                &ws.normed,
+                ws.normed,
                 rows,
                 &[&layer.gate, &layer.up],
                 &mut ws.gate_up[..rows * 2 * inter],
@@ -346,7 +346,7 @@ impl Decoder {
             );
             matmul(
                 pool,
-                &ws.act,
+                ws.act,
                 rows,
                 &[&layer.down],
                 &mut ws.proj[..rows * d],
@@ -368,7 +368,7 @@ impl Decoder {
             let head = self.lm_head.as_ref().unwrap_or(&self.embed);
             matmul(
                 pool,
-                &ws.normed,
+                ws.normed,
                 n_out,
                 &[head],
                 &mut logits[..n_out * c.vocab_size],
