@@ -16,6 +16,8 @@ const CHUNK: usize = 128;
 pub struct SingleSequence {
     ctx: Box<dyn ForwardContext>,
     slots: Vec<u32>,
+    /// Logits rows of the current forward, reused.
+    rows: Vec<usize>,
 }
 
 impl SingleSequence {
@@ -36,6 +38,7 @@ impl SingleSequence {
         Ok(SingleSequence {
             ctx: model.decoder.clone().new_context(&shape)?,
             slots: (1..=capacity as u32).collect(),
+            rows: Vec::new(),
         })
     }
 
@@ -55,11 +58,13 @@ impl SingleSequence {
         logits: &mut Vec<f32>,
     ) -> Result<()> {
         let vocab = model.config().vocab_size;
-        let rows: Vec<usize> = if all_logits {
-            (0..tokens.len()).collect()
+        let rows = &mut self.rows;
+        rows.clear();
+        if all_logits {
+            rows.extend(0..tokens.len());
         } else {
-            vec![tokens.len() - 1]
-        };
+            rows.extend(tokens.len().checked_sub(1));
+        }
         logits.resize(rows.len() * vocab, 0.0);
         let seqs = [AttnSeq {
             start: 0,
@@ -70,7 +75,7 @@ impl SingleSequence {
         let batch = ForwardBatch {
             tokens,
             seqs: &seqs,
-            logits_rows: &rows,
+            logits_rows: rows,
         };
         self.ctx.forward(&batch, logits)
     }

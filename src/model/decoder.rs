@@ -344,13 +344,7 @@ impl Decoder {
                 inter,
                 &mut ws.act[..rows * inter],
             );
-            matmul(
-                pool,
-                ws.act,
-                rows,
-                &[&layer.down],
-                &mut ws.proj[..rows * d],
-            );
+            matmul(pool, ws.act, rows, &[&layer.down], &mut ws.proj[..rows * d]);
             add_in_place(&mut ws.hidden[..rows * d], &ws.proj[..rows * d]);
         }
 

@@ -202,3 +202,78 @@ impl ForwardWorkspace {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> ModelConfig {
+        ModelConfig::from_json(
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":160,
+            "num_attention_heads":4,"num_key_value_heads":2,"num_hidden_layers":2,
+            "vocab_size":100,"max_position_embeddings":256,"rms_norm_eps":1e-5}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn the_arena_is_sized_to_the_plan_and_a_step_fills_it_exactly() {
+        let plan = WorkspacePlan::new(&config(), 16, 4);
+        let mut ws = ForwardWorkspace::new(MemoryPoolKind::Arena, plan).unwrap();
+        assert_eq!(ws.stats().pool_stats.capacity_bytes, plan.peak_bytes());
+        for (rows, out, logits) in [(16, 4, 400), (1, 1, 100), (7, 3, 0), (16, 4, 400)] {
+            let b = ws.step(rows, out, logits).unwrap();
+            assert_eq!(b.hidden.len(), rows * 64);
+            assert_eq!(b.qkv.len(), rows * (64 + 2 * 32));
+            assert_eq!(b.gate_up.len(), rows * 320);
+            assert_eq!(b.selected.len(), out * 64);
+            assert_eq!(b.logits.len(), logits);
+            assert!(b.normed.iter().chain(b.logits.iter()).all(|&x| x == 0.0));
+            b.hidden.fill(1.0); // dirty it: the next step must hand out zeros again
+            let used = ws.stats().pool_stats.used_bytes;
+            assert_eq!(used, plan.step_bytes(rows, out, logits));
+        }
+        let st = ws.stats();
+        assert_eq!((st.resizes, st.steps), (0, 4));
+        assert_eq!(
+            st.pool_stats.system_allocations, 1,
+            "one region, never grown"
+        );
+    }
+
+    #[test]
+    fn a_step_beyond_the_plan_resizes_the_arena_once() {
+        let plan = WorkspacePlan::new(&config(), 4, 1);
+        let mut ws = ForwardWorkspace::new(MemoryPoolKind::Arena, plan).unwrap();
+        let need = plan.step_bytes(64, 8, 800);
+        assert!(need > plan.peak_bytes());
+        for _ in 0..3 {
+            let b = ws.step(64, 8, 800).unwrap();
+            assert_eq!(b.gate_up.len(), 64 * 320);
+        }
+        let st = ws.stats();
+        assert_eq!(st.resizes, 1);
+        assert_eq!(st.pool_stats.capacity_bytes, need);
+        assert_eq!(st.pool_stats.system_allocations, 2);
+        // Smaller steps fit the grown region.
+        ws.step(4, 1, 100).unwrap();
+        assert_eq!(ws.stats().resizes, 1);
+    }
+
+    #[test]
+    fn slab_and_system_pools_serve_the_same_steps() {
+        let plan = WorkspacePlan::new(&config(), 16, 4);
+        for kind in [MemoryPoolKind::Slab, MemoryPoolKind::System] {
+            let mut ws = ForwardWorkspace::new(kind, plan).unwrap();
+            for rows in [16, 1, 32] {
+                let b = ws.step(rows, 2, 200).unwrap();
+                assert_eq!(b.act.len(), rows * 160);
+                assert!(b.act.iter().all(|&x| x == 0.0));
+                b.act.fill(2.0);
+            }
+            let st = ws.stats();
+            assert_eq!((st.pool, st.resizes, st.steps), (kind, 0, 3));
+            assert_eq!(st.planned_bytes, plan.peak_bytes());
+        }
+    }
+}
