@@ -208,7 +208,8 @@ typedef struct ni_chat_message {
 typedef uint32_t ni_kv_backend;
 
 /**
- * Where per-step scratch memory comes from.
+ * Where the forward pass takes its per-step temporaries from (CPU; a GPU
+ * session plans its own device workspace and ignores it).
  */
 typedef uint32_t ni_memory_pool;
 
@@ -226,9 +227,14 @@ typedef uint32_t ni_preemption_mode;
  * Shape of a session. Fill with `ni_session_params_init`, then change fields.
  *
  * KV capacity is taken from the first non-zero of `kv_capacity_tokens`,
- * `kv_memory_bytes`, `kv_memory_fraction`; when all are 0 the engine picks
- * a budget (a quarter of available memory, at most 2 GiB). The KV cache is
- * allocated once, at creation.
+ * `kv_memory_bytes`, `kv_memory_fraction`, `memory_utilization`; when all
+ * are 0 the engine picks a budget (CPU: a quarter of available memory, at
+ * most 2 GiB; GPU: 90% of device memory minus weights and temporaries).
+ * The KV cache is allocated once, at creation; `ni_session_get_stats`
+ * reports the resulting budget.
+ *
+ * Fields are only ever appended: a caller built against an older header
+ * (a smaller `struct_size`) gets the defaults for the fields it lacks.
  */
 typedef struct ni_session_params {
     /**
@@ -291,6 +297,13 @@ typedef struct ni_session_params {
      * Seeds the random stream of requests without their own seed. Default 0.
      */
     uint64_t seed;
+    /**
+     * KV budget as a fraction (0, 1] of the device's total memory minus the
+     * weights minus the planned step workspace (vLLM's
+     * `gpu_memory_utilization`), on the CPU too, where it never exceeds the
+     * memory available now; 0 = automatic. Default 0. (Appended in a later version: see `struct_size`.)
+     */
+    float memory_utilization;
 } ni_session_params;
 
 /**
@@ -418,9 +431,17 @@ typedef struct ni_request_params {
 } ni_request_params;
 
 /**
+ * How a session's KV capacity was chosen.
+ */
+typedef uint32_t ni_budget_source;
+
+/**
  * Counters and occupancy of a session, filled by `ni_session_get_stats`.
  * KV figures are in tokens; `kv_block_size` is the allocation granularity
  * (block size for paged, 1 for the token pool), so blocks = tokens / it.
+ *
+ * Fields are only ever appended. A caller built against an older header
+ * sets the older `struct_size` and gets the fields it knows.
  */
 typedef struct ni_session_stats {
     /**
@@ -470,6 +491,63 @@ typedef struct ni_session_stats {
      */
     uint64_t preemptions;
     uint64_t swapped_out_tokens;
+    /**
+     * How the KV capacity was chosen: `NI_BUDGET_*`.
+     */
+    ni_budget_source memory_budget_source;
+    /**
+     * `NI_MEMORY_POOL_*` of the step workspace (`NI_MEMORY_POOL_DEFAULT` on a GPU).
+     */
+    ni_memory_pool memory_pool;
+    /**
+     * Device memory in total and available at creation (0 when unknown).
+     */
+    uint64_t memory_total_bytes;
+    uint64_t memory_available_bytes;
+    /**
+     * Bytes of the model's weights.
+     */
+    uint64_t memory_weights_bytes;
+    /**
+     * Planned peak of the step workspace plus the logits rows.
+     */
+    uint64_t memory_workspace_bytes;
+    /**
+     * Bytes of the KV cache, and of one token's KV across all layers.
+     */
+    uint64_t kv_memory_bytes;
+    uint64_t kv_bytes_per_token;
+    /**
+     * Usable KV blocks (`kv_capacity_tokens / kv_block_size`).
+     */
+    uint64_t kv_blocks;
+    /**
+     * The model's context length, and how many sequences of that length fit at once.
+     */
+    uint64_t context_tokens;
+    uint64_t max_full_context_seqs;
+    /**
+     * The utilization fraction applied (`NI_BUDGET_UTILIZATION`), else 0.
+     */
+    float memory_utilization;
+    /**
+     * True when a utilization budget was lowered to the memory available now.
+     */
+    bool memory_limited_by_available;
+    /**
+     * Bytes the step workspace's pool holds now, and its peak use.
+     */
+    uint64_t workspace_capacity_bytes;
+    uint64_t workspace_peak_bytes;
+    /**
+     * Times the pool asked the system allocator for memory (an arena: once,
+     * plus one per explicit resize).
+     */
+    uint64_t workspace_system_allocations;
+    /**
+     * Explicit arena resizes (steps larger than planned).
+     */
+    uint64_t workspace_resizes;
 } ni_session_stats;
 
 /**
@@ -650,22 +728,25 @@ typedef struct ni_event {
 #define NI_KV_BACKEND_TOKEN 1
 
 /**
- * The engine's choice (default).
+ * The engine's choice (default): today the CPU arena.
  */
 #define NI_MEMORY_POOL_DEFAULT 0
 
 /**
- * The system allocator (what the default is today).
+ * The system allocator: every temporary is a fresh allocation (the baseline).
  */
 #define NI_MEMORY_POOL_SYSTEM 1
 
 /**
- * Bump-pointer arena reset every step. Not yet selectable: `NI_ERR_UNSUPPORTED`.
+ * One region sized up front from the model and the session limits, bump
+ * allocation, reset every step: no allocator calls once the session exists.
+ * A step larger than planned resizes it explicitly (logged).
  */
 #define NI_MEMORY_POOL_CPU_ARENA 2
 
 /**
- * Power-of-two slab allocator. Not yet selectable: `NI_ERR_UNSUPPORTED`.
+ * Power-of-two size classes (16 B to 512 KiB) with free lists; larger
+ * blocks go to the system allocator.
  */
 #define NI_MEMORY_POOL_CPU_SLAB 3
 
@@ -688,6 +769,26 @@ typedef struct ni_event {
  * Copy its KV to host memory and back when resumed.
  */
 #define NI_PREEMPTION_SWAP 1
+
+/**
+ * The device's automatic budget.
+ */
+#define NI_BUDGET_AUTOMATIC 0
+
+/**
+ * `kv_capacity_tokens`.
+ */
+#define NI_BUDGET_TOKENS 1
+
+/**
+ * `kv_memory_bytes` (or `kv_memory_fraction` of the memory available then).
+ */
+#define NI_BUDGET_BYTES 2
+
+/**
+ * `memory_utilization`.
+ */
+#define NI_BUDGET_UTILIZATION 3
 
 /**
  * The request is still running; more events follow.
@@ -936,8 +1037,9 @@ ni_status ni_session_add_request(struct ni_session *session,
 ni_status ni_session_cancel(struct ni_session *session, uint64_t request_id);
 
 /**
- * Fills `*out_stats` (whose `struct_size` the caller has set to
- * `sizeof(ni_session_stats)`).
+ * Fills `*out_stats`, whose `struct_size` the caller has set to
+ * `sizeof(ni_session_stats)` (or the size of an older version of the
+ * struct: only those fields are written).
  *
  * Thread-safety: any thread; serialized with other calls on this session
  * (it waits for a running `ni_session_step`).

@@ -4,6 +4,7 @@
 use super::model::Model;
 use crate::backend::cpu::attention::AttnSeq;
 use crate::kv::KvMapping;
+use crate::memory::MemoryPoolKind;
 use crate::model::{ContextShape, ForwardBatch, ForwardContext};
 use crate::{bail_arg, Result};
 
@@ -15,16 +16,35 @@ const CHUNK: usize = 128;
 pub struct SingleSequence {
     ctx: Box<dyn ForwardContext>,
     slots: Vec<u32>,
+    /// Logits rows of the current forward, reused.
+    rows: Vec<usize>,
 }
 
 impl SingleSequence {
     /// Room for `capacity` positions, forwards of up to `max_rows` tokens.
     pub fn new(model: &Model, capacity: usize, max_rows: usize) -> Result<Self> {
-        let shape = ContextShape::new(capacity + 1, max_rows, max_rows);
+        Self::with_pool(model, capacity, max_rows, MemoryPoolKind::default())
+    }
+
+    /// Like `new`, taking the step temporaries from a pool of `pool`.
+    pub fn with_pool(
+        model: &Model,
+        capacity: usize,
+        max_rows: usize,
+        pool: MemoryPoolKind,
+    ) -> Result<Self> {
+        let mut shape = ContextShape::new(capacity + 1, max_rows, max_rows);
+        shape.memory_pool = pool;
         Ok(SingleSequence {
             ctx: model.decoder.clone().new_context(&shape)?,
             slots: (1..=capacity as u32).collect(),
+            rows: Vec::new(),
         })
+    }
+
+    /// The step workspace's figures (CPU).
+    pub fn workspace_stats(&self) -> Option<crate::model::WorkspaceStats> {
+        self.ctx.workspace_stats()
     }
 
     /// Runs `tokens` at positions `context_len..`, writing logits of every
@@ -38,11 +58,13 @@ impl SingleSequence {
         logits: &mut Vec<f32>,
     ) -> Result<()> {
         let vocab = model.config().vocab_size;
-        let rows: Vec<usize> = if all_logits {
-            (0..tokens.len()).collect()
+        let rows = &mut self.rows;
+        rows.clear();
+        if all_logits {
+            rows.extend(0..tokens.len());
         } else {
-            vec![tokens.len() - 1]
-        };
+            rows.extend(tokens.len().checked_sub(1));
+        }
         logits.resize(rows.len() * vocab, 0.0);
         let seqs = [AttnSeq {
             start: 0,
@@ -53,7 +75,7 @@ impl SingleSequence {
         let batch = ForwardBatch {
             tokens,
             seqs: &seqs,
-            logits_rows: &rows,
+            logits_rows: rows,
         };
         self.ctx.forward(&batch, logits)
     }

@@ -14,8 +14,12 @@ mod schedule;
 use super::model::Model;
 use super::policy::{create_policy, RankInput, SchedulePolicy, SchedulePolicyKind};
 use super::request::{Event, FinishReason, RequestId, RequestParams};
+use crate::backend::cpu::attention::AttnSeq;
 use crate::kv::{create_kv_backend, KvBackendKind, KvCacheBackend, KvStats};
-use crate::model::{ContextShape, ForwardContext};
+use crate::memory::{
+    utilization_kv_bytes, BudgetSource, DeviceMemory, MemoryBudget, MemoryPoolKind,
+};
+use crate::model::{ContextShape, ForwardContext, WorkspaceStats};
 use crate::sampling::{Rng, Sampler, StopMatcher};
 use crate::tokenizer::StreamDetokenizer;
 use crate::{bail_arg, Error, ErrorKind, Result};
@@ -53,6 +57,15 @@ pub struct SessionParams {
     /// With an automatic budget on a GPU: the fraction of device memory
     /// weights + temporaries + KV cache may use.
     pub gpu_memory_utilization: f32,
+    /// When neither `kv_capacity_tokens` nor `kv_memory_bytes` is set and
+    /// this is in (0, 1]: the KV cache gets this fraction of the device's
+    /// total memory minus the weights minus the planned workspace peak
+    /// (vLLM's `gpu_memory_utilization` rule), on the CPU too (never more
+    /// than is available now). 0 = the device's automatic budget (CPU: a
+    /// quarter of available memory, at most 2 GiB; GPU: `gpu_memory_utilization`).
+    pub memory_utilization: f32,
+    /// Where the forward pass takes its step temporaries from.
+    pub memory_pool: MemoryPoolKind,
     /// Token budget of one step (prefill chunks + decode tokens).
     pub max_batched_tokens: usize,
     /// Sequences in one step.
@@ -76,6 +89,8 @@ impl Default for SessionParams {
             kv_capacity_tokens: 0,
             kv_memory_bytes: 0,
             gpu_memory_utilization: ContextShape::DEFAULT_MEMORY_UTILIZATION,
+            memory_utilization: 0.0,
+            memory_pool: MemoryPoolKind::default(),
             max_batched_tokens: 512,
             max_seqs: 64,
             prefill_chunk_size: 512,
@@ -94,7 +109,14 @@ pub struct SessionStats {
     pub running: usize,
     pub waiting: usize,
     pub kv: KvStats,
+    /// Usable KV slots: the KV manager's figure (the requested capacity
+    /// rounded up to whole blocks). A single request is still limited to
+    /// the requested capacity.
     pub kv_capacity_tokens: usize,
+    /// How the KV capacity was decided and what memory holds (fixed at creation).
+    pub memory: MemoryBudget,
+    /// The step workspace's figures (CPU contexts).
+    pub workspace: Option<WorkspaceStats>,
     pub steps: u64,
     /// Rows computed as prefill: prompt chunks, and prompt + generated
     /// tokens recomputed after a recompute preemption.
@@ -137,6 +159,7 @@ pub struct Session {
     /// KV storage and workspace on the model's device.
     ctx: Box<dyn ForwardContext>,
     capacity_tokens: usize,
+    budget: MemoryBudget,
     /// `[max_seqs, vocab]`: one row per sequence that samples this step.
     logits: Vec<f32>,
     policy: Box<dyn SchedulePolicy>,
@@ -155,6 +178,12 @@ pub struct Session {
 
 #[derive(Default)]
 struct StepScratch {
+    /// The batch's sequences; empty between steps (see `run_forward`).
+    seqs: Vec<AttnSeq<'static>>,
+    /// Scheduling order of the running requests.
+    order: Vec<RequestId>,
+    /// Events handed back by `step_into`, recycled with their buffers.
+    spare_events: Vec<Event>,
     /// Every sampled row this step is plain greedy: the forward returned
     /// only `argmax` (token ids), no logits.
     greedy: bool,
@@ -183,28 +212,50 @@ impl Session {
                 params.gpu_memory_utilization
             );
         }
+        let mu = params.memory_utilization;
+        if !(mu == 0.0 || (mu > 0.0 && mu <= 1.0)) {
+            bail_arg!("memory_utilization must be in (0, 1] (0 = automatic), got {mu}");
+        }
         let mut shape = ContextShape::new(0, params.max_batched_tokens, params.max_seqs);
+        shape.memory_pool = params.memory_pool;
         shape.memory_utilization = params.gpu_memory_utilization;
-        let capacity_tokens = if params.kv_capacity_tokens > 0 {
-            params.kv_capacity_tokens
+        if mu > 0.0 {
+            shape.memory_utilization = mu;
+            shape.utilization_budget = true;
+        }
+        let mem = model.decoder.memory(&shape);
+        let context = c.max_position_embeddings.min(4096);
+        let (source, capacity_tokens) = if params.kv_capacity_tokens > 0 {
+            (BudgetSource::Tokens, params.kv_capacity_tokens)
         } else {
-            let budget = if params.kv_memory_bytes > 0 {
-                params.kv_memory_bytes
+            let (source, budget) = if params.kv_memory_bytes > 0 {
+                (BudgetSource::Bytes, params.kv_memory_bytes)
+            } else if shape.utilization_budget {
+                (
+                    BudgetSource::Utilization,
+                    model.decoder.default_kv_budget(&shape)?,
+                )
             } else {
-                model.decoder.default_kv_budget(&shape)?
+                (
+                    BudgetSource::Automatic,
+                    model.decoder.default_kv_budget(&shape)?,
+                )
             };
             let tokens = budget / per_token;
-            if tokens < c.max_position_embeddings.min(4096) {
+            if tokens < context {
                 return Err(Error::new(
                     ErrorKind::OutOfMemory,
                     format!(
-                        "KV budget of {budget} bytes holds {tokens} tokens ({per_token} bytes each), less than one \
-                         context of {} tokens; raise kv_memory_bytes or set kv_capacity_tokens",
-                        c.max_position_embeddings.min(4096)
+                        "KV budget ({}) of {budget} bytes holds {tokens} tokens ({per_token} bytes each), less than \
+                         one context of {context} tokens (weights {} bytes, step workspace {} bytes); raise \
+                         kv_memory_bytes or memory_utilization, or set kv_capacity_tokens",
+                        source.as_str(),
+                        mem.weights_bytes,
+                        mem.workspace_bytes
                     ),
                 ));
             }
-            tokens
+            (source, tokens)
         };
         let (kv, slots) = create_kv_backend(
             params.kv_backend,
@@ -215,21 +266,39 @@ impl Session {
         shape.kv_slots = slots;
         let ctx = model.decoder.clone().new_context(&shape)?;
         let logits = vec![0.0; params.max_seqs * c.vocab_size];
+        let budget = budget_report(
+            &mem,
+            &shape,
+            source,
+            kv.stats(),
+            per_token,
+            c.max_position_embeddings,
+        );
+        let mut scratch = StepScratch::default();
+        // Room for a full step: no growth on the hot path.
+        scratch.seqs.reserve(params.max_seqs);
+        scratch.order.reserve(params.max_seqs);
+        scratch.plan.reserve(params.max_seqs);
+        scratch.logits_rows.reserve(params.max_seqs);
+        scratch.argmax.reserve(params.max_seqs);
+        scratch.tokens.reserve(params.max_batched_tokens);
+        scratch.spare_events.reserve(params.max_seqs);
         Ok(Session {
             policy: create_policy(params.policy, params.aging_steps),
             rng: Rng::seed_from_u64(params.seed),
             kv,
             ctx,
             capacity_tokens,
+            budget,
             logits,
             requests: HashMap::new(),
             waiting: Vec::new(),
-            running: Vec::new(),
+            running: Vec::with_capacity(params.max_seqs),
             pending: Vec::new(),
             next_id: 1,
             next_arrival: 0,
             stats: SessionStats::default(),
-            scratch: StepScratch::default(),
+            scratch,
             model,
             params,
         })
@@ -287,7 +356,12 @@ impl Session {
             sampler: Sampler::new(&params.sampling, fallback_seed),
             stop: StopMatcher::new(&params.sampling.stop_strings),
             detok,
-            tokens: params.prompt.clone(),
+            tokens: {
+                // Room for every token the request may generate: no growth while decoding.
+                let mut tokens = Vec::with_capacity(need);
+                tokens.extend_from_slice(&params.prompt);
+                tokens
+            },
             prompt_len: params.prompt.len(),
             computed: 0,
             in_kv: false,
@@ -317,13 +391,9 @@ impl Session {
         if req.in_kv {
             self.kv.release(id);
         }
-        self.pending.push(Event {
-            request_id: id,
-            tokens: vec![],
-            text: String::new(),
-            logprobs: vec![],
-            finish: Some(FinishReason::Cancelled),
-        });
+        let mut event = self.new_event(id);
+        event.finish = Some(FinishReason::Cancelled);
+        self.pending.push(event);
         Ok(())
     }
 
@@ -342,7 +412,9 @@ impl Session {
         s.running = self.running.len();
         s.waiting = self.waiting.len();
         s.kv = self.kv.stats();
-        s.kv_capacity_tokens = self.capacity_tokens;
+        s.kv_capacity_tokens = s.kv.total_slots;
+        s.memory = self.budget.clone();
+        s.workspace = self.ctx.workspace_stats();
         s
     }
 
@@ -409,12 +481,25 @@ impl Session {
     /// Advances every scheduled request by one engine step and returns the
     /// events of this step (possibly none).
     pub fn step(&mut self) -> Result<Vec<Event>> {
-        let mut events = std::mem::take(&mut self.pending);
-        self.schedule(&mut events);
+        let mut events = Vec::new();
+        self.step_into(&mut events)?;
+        Ok(events)
+    }
+
+    /// Like [`step`](Session::step), writing this step's events into
+    /// `events`. The events already in `events` are taken back and reused
+    /// (their token, text and logprob buffers keep their capacity), so a
+    /// caller that passes the same vector every step lets a warm decode step
+    /// run without heap allocations (greedy sampling, no detokenizer, no
+    /// logprobs; see tests/engine_zero_alloc.rs).
+    pub fn step_into(&mut self, events: &mut Vec<Event>) -> Result<()> {
+        self.scratch.spare_events.append(events);
+        events.append(&mut self.pending);
+        self.schedule(events);
         if !self.scratch.plan.is_empty() {
             match self.run_forward() {
-                Ok(()) => self.finish_step(&mut events),
-                Err(e) => self.fail_scheduled(&e, &mut events),
+                Ok(()) => self.finish_step(events),
+                Err(e) => self.fail_scheduled(&e, events),
             }
         }
         self.stats.steps += 1;
@@ -423,6 +508,63 @@ impl Session {
                 panic!("session invariant violated: {e}");
             }
         }
-        Ok(events)
+        Ok(())
+    }
+
+    /// An empty event for `id`, recycled from an earlier step when one is spare.
+    fn new_event(&mut self, id: RequestId) -> Event {
+        match self.scratch.spare_events.pop() {
+            Some(mut e) => {
+                e.request_id = id;
+                e.tokens.clear();
+                e.text.clear();
+                e.logprobs.clear();
+                e.finish = None;
+                e
+            }
+            None => Event {
+                request_id: id,
+                tokens: Vec::new(),
+                text: String::new(),
+                logprobs: Vec::new(),
+                finish: None,
+            },
+        }
+    }
+}
+
+/// The budget report of a new session.
+fn budget_report(
+    mem: &DeviceMemory,
+    shape: &ContextShape,
+    source: BudgetSource,
+    kv: KvStats,
+    per_token: usize,
+    context: usize,
+) -> MemoryBudget {
+    let block = kv.granularity.max(1);
+    let utilization = source == BudgetSource::Utilization;
+    let kv_blocks = kv.total_slots / block;
+    MemoryBudget {
+        source,
+        utilization: if utilization {
+            shape.memory_utilization
+        } else {
+            0.0
+        },
+        total_bytes: mem.total_bytes,
+        available_bytes: mem.available_bytes,
+        weights_bytes: mem.weights_bytes,
+        workspace_bytes: mem.workspace_bytes,
+        kv_bytes: shape.kv_slots * per_token,
+        kv_bytes_per_token: per_token,
+        kv_block_size: block,
+        kv_blocks,
+        kv_tokens: kv.total_slots,
+        context_tokens: context,
+        max_full_context_seqs: kv_blocks / context.div_ceil(block).max(1),
+        limited_by_available: utilization
+            && mem.total_bytes > 0
+            && utilization_kv_bytes(mem, shape.memory_utilization).is_ok_and(|(_, l)| l),
     }
 }

@@ -8,6 +8,7 @@ use super::request::{self, ni_request_params};
 use super::status::ni_status;
 use crate::engine::{Model, PreemptionMode, SchedulePolicyKind, Session, SessionParams};
 use crate::kv::KvBackendKind;
+use crate::memory::{BudgetSource, MemoryPoolKind};
 use crate::{bail_arg, Error, Result};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -18,15 +19,19 @@ pub const NI_KV_BACKEND_PAGED: ni_kv_backend = 0;
 /// SGLang-style token pool with a radix-tree prefix cache.
 pub const NI_KV_BACKEND_TOKEN: ni_kv_backend = 1;
 
-/// Where per-step scratch memory comes from.
+/// Where the forward pass takes its per-step temporaries from (CPU; a GPU
+/// session plans its own device workspace and ignores it).
 pub type ni_memory_pool = u32;
-/// The engine's choice (default).
+/// The engine's choice (default): today the CPU arena.
 pub const NI_MEMORY_POOL_DEFAULT: ni_memory_pool = 0;
-/// The system allocator (what the default is today).
+/// The system allocator: every temporary is a fresh allocation (the baseline).
 pub const NI_MEMORY_POOL_SYSTEM: ni_memory_pool = 1;
-/// Bump-pointer arena reset every step. Not yet selectable: `NI_ERR_UNSUPPORTED`.
+/// One region sized up front from the model and the session limits, bump
+/// allocation, reset every step: no allocator calls once the session exists.
+/// A step larger than planned resizes it explicitly (logged).
 pub const NI_MEMORY_POOL_CPU_ARENA: ni_memory_pool = 2;
-/// Power-of-two slab allocator. Not yet selectable: `NI_ERR_UNSUPPORTED`.
+/// Power-of-two size classes (16 B to 512 KiB) with free lists; larger
+/// blocks go to the system allocator.
 pub const NI_MEMORY_POOL_CPU_SLAB: ni_memory_pool = 3;
 
 /// Scheduling policy.
@@ -46,9 +51,14 @@ pub const NI_PREEMPTION_SWAP: ni_preemption_mode = 1;
 /// Shape of a session. Fill with `ni_session_params_init`, then change fields.
 ///
 /// KV capacity is taken from the first non-zero of `kv_capacity_tokens`,
-/// `kv_memory_bytes`, `kv_memory_fraction`; when all are 0 the engine picks
-/// a budget (a quarter of available memory, at most 2 GiB). The KV cache is
-/// allocated once, at creation.
+/// `kv_memory_bytes`, `kv_memory_fraction`, `memory_utilization`; when all
+/// are 0 the engine picks a budget (CPU: a quarter of available memory, at
+/// most 2 GiB; GPU: 90% of device memory minus weights and temporaries).
+/// The KV cache is allocated once, at creation; `ni_session_get_stats`
+/// reports the resulting budget.
+///
+/// Fields are only ever appended: a caller built against an older header
+/// (a smaller `struct_size`) gets the defaults for the fields it lacks.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct ni_session_params {
@@ -82,7 +92,16 @@ pub struct ni_session_params {
     pub preemption: ni_preemption_mode,
     /// Seeds the random stream of requests without their own seed. Default 0.
     pub seed: u64,
+    /// KV budget as a fraction (0, 1] of the device's total memory minus the
+    /// weights minus the planned step workspace (vLLM's
+    /// `gpu_memory_utilization`), on the CPU too, where it never exceeds the
+    /// memory available now; 0 = automatic. Default 0. (Appended in a later version: see `struct_size`.)
+    pub memory_utilization: f32,
 }
+
+/// `struct_size` of `ni_session_params` before `memory_utilization`.
+pub(crate) const NI_SESSION_PARAMS_SIZE_V1: usize =
+    std::mem::offset_of!(ni_session_params, memory_utilization);
 
 impl Default for ni_session_params {
     fn default() -> Self {
@@ -112,6 +131,7 @@ impl Default for ni_session_params {
                 PreemptionMode::Swap => NI_PREEMPTION_SWAP,
             },
             seed: d.seed,
+            memory_utilization: d.memory_utilization,
         }
     }
 }
@@ -128,15 +148,16 @@ fn to_engine(p: &ni_session_params) -> Result<SessionParams> {
         NI_KV_BACKEND_TOKEN => KvBackendKind::Token,
         v => bail_arg!("session params: kv_backend {v} is not an NI_KV_BACKEND_* value"),
     };
-    match p.memory_pool {
-        NI_MEMORY_POOL_DEFAULT | NI_MEMORY_POOL_SYSTEM => {}
-        NI_MEMORY_POOL_CPU_ARENA | NI_MEMORY_POOL_CPU_SLAB => {
-            return Err(Error::unsupported(format!(
-                "session params: memory_pool {} is not selectable in this build yet (use NI_MEMORY_POOL_DEFAULT)",
-                p.memory_pool
-            )))
-        }
+    let memory_pool = match p.memory_pool {
+        NI_MEMORY_POOL_DEFAULT => MemoryPoolKind::default(),
+        NI_MEMORY_POOL_SYSTEM => MemoryPoolKind::System,
+        NI_MEMORY_POOL_CPU_ARENA => MemoryPoolKind::Arena,
+        NI_MEMORY_POOL_CPU_SLAB => MemoryPoolKind::Slab,
         v => bail_arg!("session params: memory_pool {v} is not an NI_MEMORY_POOL_* value"),
+    };
+    let mu = p.memory_utilization;
+    if !(mu == 0.0 || (mu > 0.0 && mu <= 1.0)) {
+        bail_arg!("session params: memory_utilization must be in (0, 1] (0 = automatic), got {mu}");
     }
     let policy = match p.policy {
         NI_SCHEDULE_FCFS => SchedulePolicyKind::Fcfs,
@@ -170,6 +191,8 @@ fn to_engine(p: &ni_session_params) -> Result<SessionParams> {
         kv_capacity_tokens: to_usize(p.kv_capacity_tokens, "kv_capacity_tokens")?,
         kv_memory_bytes,
         gpu_memory_utilization: crate::model::ContextShape::DEFAULT_MEMORY_UTILIZATION,
+        memory_utilization: mu,
+        memory_pool,
         max_batched_tokens: p.max_batched_tokens as usize,
         max_seqs: p.max_seqs as usize,
         prefill_chunk_size: p.prefill_chunk_size as usize,
@@ -256,7 +279,14 @@ pub unsafe extern "C" fn ni_session_create(
         // SAFETY: per this function's contract.
         let m = unsafe { args::handle(model, "model")? };
         // SAFETY: per this function's contract.
-        let p = unsafe { args::params(params, ni_session_params::default, "params")? };
+        let p = unsafe {
+            args::params_versioned(
+                params,
+                ni_session_params::default,
+                &[NI_SESSION_PARAMS_SIZE_V1],
+                "params",
+            )?
+        };
         let out = args::out_ptr(out_session, "out_session")?;
         let engine_params = to_engine(&p)?;
         let session = Session::new(m.model.clone(), engine_params)?;
@@ -264,10 +294,12 @@ pub unsafe extern "C" fn ni_session_create(
         emit(
             NI_LOG_INFO,
             &format!(
-                "session created: {} KV backend, {} tokens of KV capacity, {} tokens per block",
+                "session created: {} KV backend, {} tokens of KV capacity, {} tokens per block, {} memory pool; {}",
                 p_kv_name(p.kv_backend),
                 st.kv_capacity_tokens,
-                st.kv.granularity
+                st.kv.granularity,
+                engine_pool_name(&st),
+                st.memory
             ),
         );
         let handle = Box::new(ni_session {
@@ -281,6 +313,10 @@ pub unsafe extern "C" fn ni_session_create(
         unsafe { out.write(Box::into_raw(handle)) };
         Ok(())
     })
+}
+
+fn engine_pool_name(st: &crate::engine::SessionStats) -> &'static str {
+    st.workspace.map_or("device", |w| w.pool.as_str())
 }
 
 fn p_kv_name(k: ni_kv_backend) -> &'static str {
@@ -358,6 +394,9 @@ pub unsafe extern "C" fn ni_session_cancel(session: *mut ni_session, request_id:
 /// Counters and occupancy of a session, filled by `ni_session_get_stats`.
 /// KV figures are in tokens; `kv_block_size` is the allocation granularity
 /// (block size for paged, 1 for the token pool), so blocks = tokens / it.
+///
+/// Fields are only ever appended. A caller built against an older header
+/// sets the older `struct_size` and gets the fields it knows.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct ni_session_stats {
@@ -388,10 +427,59 @@ pub struct ni_session_stats {
     /// Running requests preempted for KV room, and tokens swapped to host memory.
     pub preemptions: u64,
     pub swapped_out_tokens: u64,
+    // --- memory budget, fixed at session creation (appended; see `struct_size`) ---
+    /// How the KV capacity was chosen: `NI_BUDGET_*`.
+    pub memory_budget_source: ni_budget_source,
+    /// `NI_MEMORY_POOL_*` of the step workspace (`NI_MEMORY_POOL_DEFAULT` on a GPU).
+    pub memory_pool: ni_memory_pool,
+    /// Device memory in total and available at creation (0 when unknown).
+    pub memory_total_bytes: u64,
+    pub memory_available_bytes: u64,
+    /// Bytes of the model's weights.
+    pub memory_weights_bytes: u64,
+    /// Planned peak of the step workspace plus the logits rows.
+    pub memory_workspace_bytes: u64,
+    /// Bytes of the KV cache, and of one token's KV across all layers.
+    pub kv_memory_bytes: u64,
+    pub kv_bytes_per_token: u64,
+    /// Usable KV blocks (`kv_capacity_tokens / kv_block_size`).
+    pub kv_blocks: u64,
+    /// The model's context length, and how many sequences of that length fit at once.
+    pub context_tokens: u64,
+    pub max_full_context_seqs: u64,
+    /// The utilization fraction applied (`NI_BUDGET_UTILIZATION`), else 0.
+    pub memory_utilization: f32,
+    /// True when a utilization budget was lowered to the memory available now.
+    pub memory_limited_by_available: bool,
+    // --- workspace figures, current (appended) ---
+    /// Bytes the step workspace's pool holds now, and its peak use.
+    pub workspace_capacity_bytes: u64,
+    pub workspace_peak_bytes: u64,
+    /// Times the pool asked the system allocator for memory (an arena: once,
+    /// plus one per explicit resize).
+    pub workspace_system_allocations: u64,
+    /// Explicit arena resizes (steps larger than planned).
+    pub workspace_resizes: u64,
 }
 
-/// Fills `*out_stats` (whose `struct_size` the caller has set to
-/// `sizeof(ni_session_stats)`).
+/// `struct_size` of `ni_session_stats` before the memory budget fields.
+pub(crate) const NI_SESSION_STATS_SIZE_V1: usize =
+    std::mem::offset_of!(ni_session_stats, memory_budget_source);
+
+/// How a session's KV capacity was chosen.
+pub type ni_budget_source = u32;
+/// The device's automatic budget.
+pub const NI_BUDGET_AUTOMATIC: ni_budget_source = 0;
+/// `kv_capacity_tokens`.
+pub const NI_BUDGET_TOKENS: ni_budget_source = 1;
+/// `kv_memory_bytes` (or `kv_memory_fraction` of the memory available then).
+pub const NI_BUDGET_BYTES: ni_budget_source = 2;
+/// `memory_utilization`.
+pub const NI_BUDGET_UTILIZATION: ni_budget_source = 3;
+
+/// Fills `*out_stats`, whose `struct_size` the caller has set to
+/// `sizeof(ni_session_stats)` (or the size of an older version of the
+/// struct: only those fields are written).
 ///
 /// Thread-safety: any thread; serialized with other calls on this session
 /// (it waits for a running `ni_session_step`).
@@ -403,32 +491,84 @@ pub unsafe extern "C" fn ni_session_get_stats(
     ffi_call("ni_session_get_stats", || {
         // SAFETY: per this function's contract.
         let s = unsafe { args::handle(session, "session")? };
-        let out = args::out_struct(out_stats, "out_stats")?;
+        let out = args::out_ptr(out_stats, "out_stats")?;
+        // SAFETY: non-NULL and aligned (checked); output structs start with a u32 the caller sets.
+        let size = unsafe { out.cast::<u32>().read() } as usize;
+        let full = size_of::<ni_session_stats>();
+        if size != full && size != NI_SESSION_STATS_SIZE_V1 {
+            bail_arg!(
+                "out_stats->struct_size is {size}; set it to sizeof(ni_session_stats) ({full}, or \
+                 {NI_SESSION_STATS_SIZE_V1} for an older header) before the call"
+            );
+        }
         let st = s.lock()?.session.stats();
-        let stats = ni_session_stats {
-            struct_size: size_of::<ni_session_stats>() as u32,
-            running: st.running as u64,
-            waiting: st.waiting as u64,
-            // The KV manager's slots, not the requested figure: a paged cache
-            // rounds the request up to whole blocks (found by the C ABI soak:
-            // used 224 > capacity 209 with 16-token blocks).
-            kv_capacity_tokens: st.kv.total_slots as u64,
-            kv_block_size: st.kv.granularity as u64,
-            kv_used_tokens: st.kv.used_slots as u64,
-            kv_free_tokens: st.kv.free_slots as u64,
-            kv_cached_tokens: st.kv.evictable_slots as u64,
-            steps: st.steps,
-            prefill_tokens: st.prefill_tokens,
-            decode_tokens: st.decode_tokens,
-            prefix_cache_hits: st.kv.prefix_hits,
-            prefix_cache_tokens_reused: st.kv.prefix_tokens_reused,
-            preemptions: st.preemptions,
-            swapped_out_tokens: st.swapped_out_tokens,
+        let mut stats = c_stats(&st);
+        stats.struct_size = size as u32;
+        // SAFETY: out is non-NULL, aligned and (per struct_size) has room for
+        // `size` bytes, a prefix of `ni_session_stats` ending on a field
+        // boundary; `stats` is a distinct local.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (&stats as *const ni_session_stats).cast::<u8>(),
+                out.cast::<u8>(),
+                size,
+            )
         };
-        // SAFETY: out was checked non-NULL, aligned and of the right size.
-        unsafe { out.write(stats) };
         Ok(())
     })
+}
+
+fn c_stats(st: &crate::engine::SessionStats) -> ni_session_stats {
+    let m = &st.memory;
+    let ws = st.workspace;
+    let pool_stats = ws.map(|w| w.pool_stats).unwrap_or_default();
+    ni_session_stats {
+        struct_size: size_of::<ni_session_stats>() as u32,
+        running: st.running as u64,
+        waiting: st.waiting as u64,
+        // The KV manager's slots, not the requested figure: a paged cache
+        // rounds the request up to whole blocks (found by the C ABI soak:
+        // used 224 > capacity 209 with 16-token blocks).
+        kv_capacity_tokens: st.kv_capacity_tokens as u64,
+        kv_block_size: st.kv.granularity as u64,
+        kv_used_tokens: st.kv.used_slots as u64,
+        kv_free_tokens: st.kv.free_slots as u64,
+        kv_cached_tokens: st.kv.evictable_slots as u64,
+        steps: st.steps,
+        prefill_tokens: st.prefill_tokens,
+        decode_tokens: st.decode_tokens,
+        prefix_cache_hits: st.kv.prefix_hits,
+        prefix_cache_tokens_reused: st.kv.prefix_tokens_reused,
+        preemptions: st.preemptions,
+        swapped_out_tokens: st.swapped_out_tokens,
+        memory_budget_source: match m.source {
+            BudgetSource::Automatic => NI_BUDGET_AUTOMATIC,
+            BudgetSource::Tokens => NI_BUDGET_TOKENS,
+            BudgetSource::Bytes => NI_BUDGET_BYTES,
+            BudgetSource::Utilization => NI_BUDGET_UTILIZATION,
+        },
+        memory_pool: match ws.map(|w| w.pool) {
+            None => NI_MEMORY_POOL_DEFAULT,
+            Some(MemoryPoolKind::Arena) => NI_MEMORY_POOL_CPU_ARENA,
+            Some(MemoryPoolKind::Slab) => NI_MEMORY_POOL_CPU_SLAB,
+            Some(MemoryPoolKind::System) => NI_MEMORY_POOL_SYSTEM,
+        },
+        memory_total_bytes: m.total_bytes as u64,
+        memory_available_bytes: m.available_bytes as u64,
+        memory_weights_bytes: m.weights_bytes as u64,
+        memory_workspace_bytes: m.workspace_bytes as u64,
+        kv_memory_bytes: m.kv_bytes as u64,
+        kv_bytes_per_token: m.kv_bytes_per_token as u64,
+        kv_blocks: m.kv_blocks as u64,
+        context_tokens: m.context_tokens as u64,
+        max_full_context_seqs: m.max_full_context_seqs as u64,
+        memory_utilization: m.utilization,
+        memory_limited_by_available: m.limited_by_available,
+        workspace_capacity_bytes: pool_stats.capacity_bytes as u64,
+        workspace_peak_bytes: pool_stats.peak_bytes as u64,
+        workspace_system_allocations: pool_stats.system_allocations,
+        workspace_resizes: ws.map_or(0, |w| w.resizes),
+    }
 }
 
 /// Whether the session has requests that still need `ni_session_step`

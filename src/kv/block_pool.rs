@@ -186,7 +186,10 @@ impl BlockPool {
         BlockPool {
             ref_cnt: vec![0; num_blocks],
             key: vec![None; num_blocks],
-            cached: HashMap::default(),
+            // At most one key per block; twice that keeps the table from
+            // growing (tombstones are rehashed in place at under half load),
+            // so caching blocks never allocates.
+            cached: HashMap::with_capacity_and_hasher(2 * num_blocks, KeyBuild),
             queue,
             num_evictable: 0,
             num_used: 0,

@@ -100,6 +100,13 @@ pub trait KvCacheBackend: Send {
     /// nothing) when there is not enough room.
     fn allocate(&mut self, seq: SeqId, total_tokens: usize) -> bool;
 
+    /// Hint after `begin`: `seq` will hold at most `max_tokens` positions.
+    /// A manager may size its per-sequence tables once, so that decoding
+    /// does not grow them (no heap allocation per step). Allocates no slots.
+    fn reserve(&mut self, seq: SeqId, max_tokens: usize) {
+        let _ = (seq, max_tokens);
+    }
+
     /// Tells the manager that KV for `tokens` (positions `0..tokens.len()` of
     /// `seq`) is now computed, so full blocks / token runs can enter the
     /// prefix cache.

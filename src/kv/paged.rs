@@ -113,6 +113,16 @@ impl KvCacheBackend for PagedKv {
             .allocate(needed - state.table.len(), &mut state.table)
     }
 
+    fn reserve(&mut self, seq: SeqId, max_tokens: usize) {
+        let blocks = self.blocks_for(max_tokens);
+        if let Some(state) = self.seqs.get_mut(&seq) {
+            state
+                .table
+                .reserve(blocks.saturating_sub(state.table.len()));
+            state.keys.reserve(blocks.saturating_sub(state.keys.len()));
+        }
+    }
+
     fn commit(&mut self, seq: SeqId, tokens: &[u32]) {
         if !self.prefix_caching {
             return;

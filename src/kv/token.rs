@@ -116,6 +116,14 @@ impl KvCacheBackend for TokenKv {
         true
     }
 
+    fn reserve(&mut self, seq: SeqId, max_tokens: usize) {
+        if let Some(state) = self.seqs.get_mut(&seq) {
+            state
+                .slots
+                .reserve(max_tokens.saturating_sub(state.slots.len()));
+        }
+    }
+
     fn commit(&mut self, seq: SeqId, tokens: &[u32]) {
         let Some(tree) = self.tree.as_mut() else {
             return;

@@ -192,6 +192,32 @@ impl CpuArena {
         self.growable
     }
 
+    /// Resets the arena and makes sure it is one region of at least
+    /// `capacity` bytes: the explicit resize a planned workspace uses when a
+    /// step needs more than it was sized for (fixed arenas included). Returns
+    /// whether it had to resize (logged). On `OutOfMemory` the arena keeps
+    /// its old region.
+    pub fn reserve(&mut self, capacity: usize) -> Result<bool> {
+        self.reset();
+        let inner = self.inner_mut();
+        let old = inner.capacity();
+        if inner.chunks.len() == 1 && old >= capacity {
+            return Ok(false);
+        }
+        let target = capacity.max(old).max(CHUNK_ALIGN);
+        let chunk = Chunk::allocate(target)
+            .ok_or_else(|| out_of_memory("arena", target, CHUNK_ALIGN, "explicit resize"))?;
+        inner.chunks.clear();
+        inner.chunks.push(chunk);
+        inner.system_allocations += 1;
+        inner.high_water_cap = target;
+        log(&format!(
+            "arena: resized from {old} to {target} bytes (a step needs more than planned)"
+        ));
+        self.sync_current();
+        Ok(true)
+    }
+
     #[inline]
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)

@@ -22,6 +22,7 @@
 //! [`ErrorKind::OutOfMemory`], a bad alignment [`ErrorKind::InvalidArgument`].
 
 mod arena;
+mod budget;
 pub mod counting_alloc;
 mod slab;
 mod system;
@@ -38,6 +39,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::{Error, ErrorKind, Result};
 
 pub use arena::CpuArena;
+pub use budget::{utilization_kv_bytes, BudgetSource, DeviceMemory, MemoryBudget};
 pub use slab::CpuSlab;
 pub use system::SystemPool;
 pub use workspace::{Workspace, Zeroable, WORKSPACE_ALIGN};
@@ -234,8 +236,12 @@ pub unsafe trait MemoryPool: Send + Sync {
 }
 
 /// The pool implementations a session can choose.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+///
+/// The default is the arena: a session's workspace is planned, so a bump
+/// region reset every step serves it without touching the system allocator.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum MemoryPoolKind {
+    #[default]
     Arena,
     Slab,
     System,

@@ -250,6 +250,18 @@ impl Workspace {
         result
     }
 
+    /// Resets the workspace and, when its pool is an arena holding less
+    /// than `bytes`, resizes the arena to `bytes` (an explicit, logged
+    /// resize; see [`CpuArena::reserve`]). Returns whether it resized. Other
+    /// pools take memory as it is asked for and only reset.
+    pub fn reserve(&mut self, bytes: usize) -> Result<bool> {
+        self.reset();
+        match self.pool.get_mut() {
+            Pool::Arena(arena) => arena.reserve(bytes),
+            _ => Ok(false),
+        }
+    }
+
     /// The pool's usage figures.
     pub fn stats(&self) -> PoolStats {
         self.pool.borrow().get().stats()

@@ -6,7 +6,7 @@ use super::config::ModelConfig;
 use super::quant::{QuantMethod, QuantMode};
 use super::runner::validate_batch;
 use super::weights::{WeightDType, WeightSource};
-use super::workspace::Workspace;
+use super::workspace::{ForwardWorkspace, StepBuffers};
 use crate::backend::cpu::attention::{attention, AttnSeq, AttnShape};
 use crate::backend::cpu::ops::{add_in_place, apply_rope, rms_norm, rms_norm_in_place, silu_mul};
 use crate::backend::cpu::{matmul, Matrix, MatrixData, ThreadPool};
@@ -159,6 +159,31 @@ impl Decoder {
         layer_bytes + self.lm_head.as_ref().unwrap_or(&self.embed).size_in_bytes()
     }
 
+    /// Bytes the weights occupy (every matrix and vector, the embedding
+    /// table and a tied LM head once): the budget report's weight figure.
+    pub fn resident_bytes(&self) -> usize {
+        let vec_bytes = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len() * 4);
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+                    .iter()
+                    .map(|m| m.size_in_bytes())
+                    .sum::<usize>()
+                    + (l.input_norm.len() + l.post_norm.len()) * 4
+                    + vec_bytes(&l.qkv_bias)
+                    + vec_bytes(&l.o_bias)
+                    + vec_bytes(&l.q_norm)
+                    + vec_bytes(&l.k_norm)
+            })
+            .sum();
+        layers
+            + self.embed.size_in_bytes()
+            + self.lm_head.as_ref().map_or(0, |m| m.size_in_bytes())
+            + (self.final_norm.len() + self.inv_freq.len()) * 4
+    }
+
     /// The linear layers' weight format ("f32", "bf16", "q8_0", ...).
     pub fn weight_dtype_name(&self) -> &'static str {
         self.layers
@@ -174,29 +199,64 @@ impl Decoder {
 
     /// Runs the batch, writes its keys/values into `kv` and the logits of
     /// `batch.logits_rows` into `logits` (`[logits_rows.len(), vocab]`).
+    /// Every temporary comes from `ws`.
     pub fn forward(
         &self,
         pool: &ThreadPool,
         batch: &ForwardBatch<'_>,
         kv: &mut KvStorage,
-        ws: &mut Workspace,
+        ws: &mut ForwardWorkspace,
         logits: &mut [f32],
     ) -> Result<()> {
+        self.validate(batch, kv, logits.len())?;
+        let mut b = ws.step(batch.tokens.len(), batch.logits_rows.len(), 0)?;
+        self.run(pool, batch, kv, &mut b, logits);
+        Ok(())
+    }
+
+    /// Like `forward`, for plain greedy decoding: writes `ids[i]` = the
+    /// first index of the largest logit of `batch.logits_rows[i]`. The
+    /// logits stay in the workspace.
+    pub fn forward_argmax(
+        &self,
+        pool: &ThreadPool,
+        batch: &ForwardBatch<'_>,
+        kv: &mut KvStorage,
+        ws: &mut ForwardWorkspace,
+        ids: &mut [u32],
+    ) -> Result<()> {
+        let vocab = self.config.vocab_size;
+        let n_out = batch.logits_rows.len();
+        if ids.len() < n_out {
+            bail_arg!(
+                "argmax output has {} entries for {n_out} logits rows",
+                ids.len()
+            );
+        }
+        self.validate(batch, kv, n_out * vocab)?;
+        let mut b = ws.step(batch.tokens.len(), n_out, n_out * vocab)?;
+        let logits = std::mem::take(&mut b.logits);
+        self.run(pool, batch, kv, &mut b, logits);
+        for (id, row) in ids.iter_mut().zip(logits.chunks_exact(vocab)) {
+            *id = first_argmax(row);
+        }
+        Ok(())
+    }
+
+    /// The forward itself, on a validated batch and buffers sized for it.
+    fn run(
+        &self,
+        pool: &ThreadPool,
+        batch: &ForwardBatch<'_>,
+        kv: &mut KvStorage,
+        ws: &mut StepBuffers<'_>,
+        logits: &mut [f32],
+    ) {
         let c = &self.config;
         let rows = batch.tokens.len();
         let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
         let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
         let qkv_width = nq + 2 * nkv;
-        self.validate(batch, kv, logits.len())?;
-        ws.prepare(
-            rows,
-            batch.logits_rows.len(),
-            d,
-            qkv_width,
-            nq,
-            inter,
-            hd / 2,
-        );
 
         for (row, &tok) in batch.tokens.iter().enumerate() {
             self.embed
@@ -218,7 +278,7 @@ impl Decoder {
                 &mut ws.normed[..rows * d],
             );
             let qkv = &mut ws.qkv[..rows * qkv_width];
-            matmul(pool, &ws.normed, rows, &[&layer.q, &layer.k, &layer.v], qkv);
+            matmul(pool, ws.normed, rows, &[&layer.q, &layer.k, &layer.v], qkv);
             for row in 0..rows {
                 let r = &mut qkv[row * qkv_width..(row + 1) * qkv_width];
                 if let Some(b) = &layer.qkv_bias {
@@ -257,7 +317,7 @@ impl Decoder {
                 values,
                 &mut ws.attn[..rows * nq],
             );
-            matmul(pool, &ws.attn, rows, &[&layer.o], &mut ws.proj[..rows * d]);
+            matmul(pool, ws.attn, rows, &[&layer.o], &mut ws.proj[..rows * d]);
             if let Some(b) = &layer.o_bias {
                 ws.proj[..rows * d]
                     .chunks_exact_mut(d)
@@ -273,7 +333,7 @@ impl Decoder {
             );
             matmul(
                 pool,
-                &ws.normed,
+                ws.normed,
                 rows,
                 &[&layer.gate, &layer.up],
                 &mut ws.gate_up[..rows * 2 * inter],
@@ -284,13 +344,7 @@ impl Decoder {
                 inter,
                 &mut ws.act[..rows * inter],
             );
-            matmul(
-                pool,
-                &ws.act,
-                rows,
-                &[&layer.down],
-                &mut ws.proj[..rows * d],
-            );
+            matmul(pool, ws.act, rows, &[&layer.down], &mut ws.proj[..rows * d]);
             add_in_place(&mut ws.hidden[..rows * d], &ws.proj[..rows * d]);
         }
 
@@ -308,13 +362,12 @@ impl Decoder {
             let head = self.lm_head.as_ref().unwrap_or(&self.embed);
             matmul(
                 pool,
-                &ws.normed,
+                ws.normed,
                 n_out,
                 &[head],
                 &mut logits[..n_out * c.vocab_size],
             );
         }
-        Ok(())
     }
 
     fn validate(&self, batch: &ForwardBatch<'_>, kv: &KvStorage, logits_len: usize) -> Result<()> {
@@ -329,7 +382,7 @@ impl Decoder {
     }
 
     /// cos/sin of every row's position, `[rows, head_dim/2]` each.
-    fn rope_tables(&self, batch: &ForwardBatch<'_>, ws: &mut Workspace) {
+    fn rope_tables(&self, batch: &ForwardBatch<'_>, ws: &mut StepBuffers<'_>) {
         let half = self.inv_freq.len();
         for s in batch.seqs {
             for i in 0..s.len {
@@ -401,4 +454,15 @@ impl ActPtr {
     fn get(self) -> *mut f32 {
         self.0
     }
+}
+
+/// Index of the first largest value (NaNs never win).
+pub(crate) fn first_argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best as u32
 }

@@ -22,4 +22,4 @@ pub use quant::{QuantMethod, QuantMode};
 pub use quant_checkpoint::{quantize_checkpoint, QuantizeReport};
 pub use runner::{ContextShape, CpuDecoder, DeviceDecoder, ForwardContext};
 pub use weights::{WeightDType, WeightSource};
-pub use workspace::Workspace;
+pub use workspace::{ForwardWorkspace, StepBuffers, WorkspacePlan, WorkspaceStats};

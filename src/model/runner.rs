@@ -5,11 +5,12 @@
 //! same scheduler runs on the CPU and on CUDA.
 
 use super::decoder::{Decoder, ForwardBatch};
-use super::workspace::Workspace;
+use super::workspace::{ForwardWorkspace, WorkspacePlan, WorkspaceStats};
 use super::ModelConfig;
 use crate::backend::cpu::ThreadPool;
 use crate::backend::Device;
 use crate::kv::KvStorage;
+use crate::memory::{utilization_kv_bytes, DeviceMemory, MemoryPoolKind};
 use crate::{bail_arg, Result};
 use std::sync::Arc;
 
@@ -23,8 +24,15 @@ pub struct ContextShape {
     /// Most rows wanting logits in one forward.
     pub max_logits_rows: usize,
     /// Fraction of device memory the automatic KV budget may bring the
-    /// device's use up to (vLLM's `gpu_memory_utilization`; CUDA only).
+    /// device's use up to (vLLM's `gpu_memory_utilization`). CUDA always
+    /// applies it; the CPU only when `utilization_budget` is set.
     pub memory_utilization: f32,
+    /// CPU: size the automatic KV budget by `memory_utilization` (vLLM
+    /// semantics) instead of the CPU default (a quarter of available memory,
+    /// at most 2 GiB).
+    pub utilization_budget: bool,
+    /// Where the step temporaries come from (CPU; a GPU plans its own).
+    pub memory_pool: MemoryPoolKind,
 }
 
 impl ContextShape {
@@ -36,6 +44,8 @@ impl ContextShape {
             max_rows,
             max_logits_rows,
             memory_utilization: Self::DEFAULT_MEMORY_UTILIZATION,
+            utilization_budget: false,
+            memory_pool: MemoryPoolKind::default(),
         }
     }
 }
@@ -60,6 +70,15 @@ pub trait DeviceDecoder: Send + Sync {
     /// spare after the weights and the temporaries of a context of `shape`
     /// (its `kv_slots` ignored).
     fn default_kv_budget(&self, shape: &ContextShape) -> Result<usize>;
+    /// The memory facts of a budget report for a context of `shape`. The
+    /// default knows only the weights.
+    fn memory(&self, shape: &ContextShape) -> DeviceMemory {
+        let _ = shape;
+        DeviceMemory {
+            weights_bytes: self.weight_bytes(),
+            ..DeviceMemory::default()
+        }
+    }
     /// One line for logs: device, dtype, weight size, load speed.
     fn summary(&self) -> String;
     /// Allocates a session's KV storage and workspace.
@@ -82,6 +101,10 @@ pub trait ForwardContext: Send {
     fn save_kv(&mut self, slots: &[u32], out: &mut Vec<f32>) -> Result<()>;
     /// Inverse of `save_kv`: swap-in.
     fn restore_kv(&mut self, slots: &[u32], data: &[f32]) -> Result<()>;
+    /// The step workspace's figures, where the context has a planned one.
+    fn workspace_stats(&self) -> Option<WorkspaceStats> {
+        None
+    }
 }
 
 /// Checks a batch against the model and the context's limits.
@@ -133,17 +156,6 @@ pub fn validate_batch(
     Ok(())
 }
 
-/// Index of the first largest value (NaNs never win).
-fn first_argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 /// The CPU decoder and the thread pool its kernels run on.
 pub struct CpuDecoder {
     pub decoder: Decoder,
@@ -154,6 +166,13 @@ pub struct CpuDecoder {
 fn default_cpu_kv_budget() -> usize {
     let available = crate::sysinfo::available_memory_bytes().unwrap_or(4 << 30);
     (available / 4).min(2 << 30)
+}
+
+impl CpuDecoder {
+    /// The workspace plan of a context of `shape`.
+    pub fn workspace_plan(&self, shape: &ContextShape) -> WorkspacePlan {
+        WorkspacePlan::new(&self.decoder.config, shape.max_rows, shape.max_logits_rows)
+    }
 }
 
 impl DeviceDecoder for CpuDecoder {
@@ -179,8 +198,29 @@ impl DeviceDecoder for CpuDecoder {
         let c = &self.decoder.config;
         KvStorage::bytes_per_slot(c.num_layers, c.num_kv_heads, c.head_dim)
     }
-    fn default_kv_budget(&self, _shape: &ContextShape) -> Result<usize> {
+    fn default_kv_budget(&self, shape: &ContextShape) -> Result<usize> {
+        if shape.utilization_budget {
+            let (bytes, limited) =
+                utilization_kv_bytes(&self.memory(shape), shape.memory_utilization)?;
+            if limited {
+                crate::memory::log(&format!(
+                    "KV budget lowered to the memory available now: {:.1} MiB",
+                    bytes as f64 / (1u64 << 20) as f64
+                ));
+            }
+            return Ok(bytes);
+        }
         Ok(default_cpu_kv_budget())
+    }
+    fn memory(&self, shape: &ContextShape) -> DeviceMemory {
+        DeviceMemory {
+            total_bytes: crate::sysinfo::total_memory_bytes().unwrap_or(0),
+            available_bytes: crate::sysinfo::available_memory_bytes().unwrap_or(0),
+            weights_bytes: self.decoder.resident_bytes(),
+            // The plan's peak plus the host logits rows the engine keeps.
+            workspace_bytes: self.workspace_plan(shape).peak_bytes()
+                + shape.max_logits_rows * self.decoder.config.vocab_size * 4,
+        }
     }
     fn summary(&self) -> String {
         format!(
@@ -193,11 +233,11 @@ impl DeviceDecoder for CpuDecoder {
     fn new_context(self: Arc<Self>, shape: &ContextShape) -> Result<Box<dyn ForwardContext>> {
         let c = &self.decoder.config;
         let storage = KvStorage::new(c.num_layers, shape.kv_slots, c.num_kv_heads, c.head_dim);
+        let ws = ForwardWorkspace::new(shape.memory_pool, self.workspace_plan(shape))?;
         Ok(Box::new(CpuContext {
             model: self,
             storage,
-            ws: Workspace::default(),
-            scratch_logits: Vec::new(),
+            ws,
         }))
     }
 }
@@ -205,9 +245,7 @@ impl DeviceDecoder for CpuDecoder {
 struct CpuContext {
     model: Arc<CpuDecoder>,
     storage: KvStorage,
-    ws: Workspace,
-    /// Logits of `forward_argmax`, reused.
-    scratch_logits: Vec<f32>,
+    ws: ForwardWorkspace,
 }
 
 impl ForwardContext for CpuContext {
@@ -217,17 +255,12 @@ impl ForwardContext for CpuContext {
             .forward(&m.pool, batch, &mut self.storage, &mut self.ws, logits)
     }
     fn forward_argmax(&mut self, batch: &ForwardBatch<'_>, ids: &mut [u32]) -> Result<()> {
-        let vocab = self.model.decoder.config.vocab_size;
-        let mut logits = std::mem::take(&mut self.scratch_logits);
-        logits.resize(batch.logits_rows.len() * vocab, 0.0);
-        let result = self.forward(batch, &mut logits);
-        if result.is_ok() {
-            for (id, row) in ids.iter_mut().zip(logits.chunks_exact(vocab)) {
-                *id = first_argmax(row);
-            }
-        }
-        self.scratch_logits = logits;
-        result
+        let m = &*self.model;
+        m.decoder
+            .forward_argmax(&m.pool, batch, &mut self.storage, &mut self.ws, ids)
+    }
+    fn workspace_stats(&self) -> Option<WorkspaceStats> {
+        Some(self.ws.stats())
     }
     fn kv_values_per_slot(&self) -> usize {
         self.storage.slot_width() * 2 * self.storage.num_layers

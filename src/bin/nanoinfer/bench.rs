@@ -12,15 +12,23 @@
 //! llama-bench's `avg_ts`/`stddev_ts` are).
 
 use crate::args::Args;
-use crate::session_opts::{load_model, quant_mode, MODEL_OPTS};
+use crate::session_opts::{load_model, memory_pool, quant_mode, MODEL_OPTS};
 use nanoinfer::engine::eval::SingleSequence;
 use nanoinfer::engine::Model;
+use nanoinfer::memory::MemoryPoolKind;
 use nanoinfer::model::ModelConfig;
 use serde_json::json;
 use std::time::Instant;
 
 pub const FLAGS: &[&str] = &["json"];
-const OPTS: &[&str] = &["n-prompt", "n-gen", "n-depth", "repetitions", "seed"];
+const OPTS: &[&str] = &[
+    "n-prompt",
+    "n-gen",
+    "n-depth",
+    "repetitions",
+    "seed",
+    "memory-pool",
+];
 
 /// llama-bench's short options, mapped to the long ones `Args` understands.
 const SHORT: &[(&str, &str)] = &[
@@ -57,6 +65,7 @@ struct Settings {
 fn settings(a: &Args) -> Result<Settings, String> {
     a.check_known(&[MODEL_OPTS, FLAGS, OPTS].concat())?;
     quant_mode(a)?;
+    memory_pool(a)?;
     let s = Settings {
         n_prompt: a.parse_or("n-prompt", 512)?,
         n_gen: a.parse_or("n-gen", 128)?,
@@ -81,7 +90,8 @@ pub fn run(a: &Args) -> Result<(), String> {
             c.max_position_embeddings
         ));
     }
-    let mut bench = Bench::new(&model, longest, s.n_prompt.max(FILL_CHUNK), s.seed)?;
+    let pool = memory_pool(a)?;
+    let mut bench = Bench::new(&model, longest, s.n_prompt.max(FILL_CHUNK), s.seed, pool)?;
     let pp = if s.n_prompt > 0 {
         Some(measure(s.repetitions, s.n_prompt, || {
             bench.prompt(s.n_prompt)
@@ -167,12 +177,18 @@ struct Bench<'m> {
 
 impl<'m> Bench<'m> {
     /// Room for `capacity` positions, forwards of up to `max_rows` tokens.
-    fn new(model: &'m Model, capacity: usize, max_rows: usize, seed: u64) -> Result<Self, String> {
+    fn new(
+        model: &'m Model,
+        capacity: usize,
+        max_rows: usize,
+        seed: u64,
+        pool: MemoryPoolKind,
+    ) -> Result<Self, String> {
         let c = model.config();
         let mut rng = SplitMix64(seed);
         Ok(Bench {
             model,
-            seq: SingleSequence::new(model, capacity, max_rows.min(capacity))
+            seq: SingleSequence::with_pool(model, capacity, max_rows.min(capacity), pool)
                 .map_err(|e| e.to_string())?,
             logits: vec![0.0; c.vocab_size],
             tokens: (0..capacity)

@@ -39,6 +39,9 @@ pub fn run(a: &Args) -> Result<(), String> {
     let prompts = prompt_ids(a, &model)?;
 
     let mut session = Session::new(model.clone(), session_params).map_err(|e| e.to_string())?;
+    if !json_out {
+        eprintln!("[{}]", session.stats().memory);
+    }
     let mut ids = Vec::new();
     for p in &prompts {
         let req = RequestParams {
@@ -91,11 +94,14 @@ pub fn run(a: &Args) -> Result<(), String> {
     if !json_out {
         let total_out: usize = outputs.iter().map(|o| o.output_ids.len()).sum();
         let secs = start.elapsed().as_secs_f64();
+        let mib = |b: Option<usize>| b.map_or(0.0, |b| b as f64 / (1u64 << 20) as f64);
         eprintln!(
-            "[{} prompt(s), {total_out} tokens in {:.2}s, load {:.0} ms]",
+            "[{} prompt(s), {total_out} tokens in {:.2}s, load {:.0} ms, peak RSS {:.1} MiB, RSS {:.1} MiB]",
             outputs.len(),
             secs,
-            load_ms
+            load_ms,
+            mib(nanoinfer::sysinfo::peak_rss_bytes()),
+            mib(nanoinfer::sysinfo::rss_bytes())
         );
     }
     Ok(())

@@ -18,13 +18,15 @@ const USAGE: &str = "usage:
                      [--device cpu|cuda[:N]] [--threads N] [--dtype auto|f32|f16|bf16]
                      [--quant none|q8_0|awq|gptq] [--json]
                      [--kv-backend paged|token] [--block-size N] [--kv-capacity TOKENS]
-                     [--gpu-memory-utilization F]
+                     [--gpu-memory-utilization F] [--memory-utilization F]
+                     [--memory-pool arena|slab|system]
                      [--max-batched-tokens N] [--max-seqs N] [--prefill-chunk N]
                      [--policy fcfs|priority] [--preemption recompute|swap] [--no-prefix-cache]
   nanoinfer perplexity --model DIR --file PATH [--max-tokens 1024] [--device ..] [--threads N] [--dtype ..]
                      [--quant ..] [--json]
   nanoinfer bench --model DIR [-p 512] [-n 128] [-r|--repetitions 3] [--device ..] [-t|--threads N]
-                  [--dtype auto|f32|f16|bf16] [--quant none|q8_0|awq|gptq] [--seed S] [--json]
+                  [--dtype auto|f32|f16|bf16] [--quant none|q8_0|awq|gptq] [--seed S]
+                  [--memory-pool arena|slab|system] [--json]
   nanoinfer quantize --model DIR --out DIR --method q8_0|awq|gptq [--group-size 32|64|128]
                      [--lm-head q8_0|dense] [--sym true|false] [--json]
   --device cuda runs on GPU 0 (bf16 unless --dtype f16); the CPU is the default.
@@ -33,7 +35,11 @@ const USAGE: &str = "usage:
   round-to-nearest at load (group 128 unless --quant-group-size; LM head dense;
   --quant-sym false: asymmetric GPTQ). AWQ/GPTQ checkpoints (quantization_config
   in config.json) load as int4 by themselves; --quant q8_0 with one quantizes
-  the dense LM head.";
+  the dense LM head.
+  --memory-pool picks where the CPU forward takes its step temporaries (default
+  arena: one region planned from the model and --max-batched-tokens/--max-seqs).
+  --memory-utilization F sizes the KV cache as F of total memory minus weights
+  minus the planned workspace (vLLM rule; never more than is available now).";
 
 fn main() {
     let argv: Vec<String> = std::env::args().skip(1).collect();

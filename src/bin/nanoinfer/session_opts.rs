@@ -3,6 +3,7 @@
 use crate::args::Args;
 use nanoinfer::engine::{Model, ModelParams, SessionParams};
 use nanoinfer::kv::KvBackendKind;
+use nanoinfer::memory::MemoryPoolKind;
 use nanoinfer::model::QuantMode;
 use nanoinfer::sampling::SamplingParams;
 use std::path::PathBuf;
@@ -23,6 +24,8 @@ pub const SESSION_OPTS: &[&str] = &[
     "block-size",
     "kv-capacity",
     "gpu-memory-utilization",
+    "memory-utilization",
+    "memory-pool",
     "max-batched-tokens",
     "max-seqs",
     "prefill-chunk",
@@ -134,6 +137,8 @@ pub fn session_params(a: &Args) -> Result<SessionParams, String> {
         block_size: a.parse_or("block-size", d.block_size)?,
         kv_capacity_tokens: a.parse_or("kv-capacity", d.kv_capacity_tokens)?,
         gpu_memory_utilization: a.parse_or("gpu-memory-utilization", d.gpu_memory_utilization)?,
+        memory_utilization: a.parse_or("memory-utilization", d.memory_utilization)?,
+        memory_pool: memory_pool(a)?,
         max_batched_tokens: a.parse_or("max-batched-tokens", d.max_batched_tokens)?,
         max_seqs: a.parse_or("max-seqs", d.max_seqs)?,
         prefill_chunk_size: a.parse_or("prefill-chunk", d.prefill_chunk_size)?,
@@ -143,6 +148,15 @@ pub fn session_params(a: &Args) -> Result<SessionParams, String> {
         seed: a.parse_or("seed", d.seed)?,
         ..d
     })
+}
+
+/// `--memory-pool arena|slab|system` (default arena).
+pub fn memory_pool(a: &Args) -> Result<MemoryPoolKind, String> {
+    a.get("memory-pool")
+        .map_or(Ok(MemoryPoolKind::default()), |v| {
+            v.parse()
+                .map_err(|e: nanoinfer::Error| format!("--memory-pool: {}", e.message))
+        })
 }
 
 pub fn sampling_params(a: &Args) -> Result<SamplingParams, String> {

@@ -22,7 +22,7 @@ impl Session {
         } = self;
         scratch.tokens.clear();
         scratch.logits_rows.clear();
-        let mut seqs = Vec::with_capacity(scratch.plan.len());
+        let mut seqs = relabel(std::mem::take(&mut scratch.seqs));
         let mut greedy = true;
         for &(id, n) in &scratch.plan {
             let req = &requests[&id];
@@ -49,25 +49,22 @@ impl Session {
             logits_rows: &scratch.logits_rows,
         };
         scratch.greedy = greedy && !scratch.logits_rows.is_empty();
-        if scratch.greedy {
+        let result = if scratch.greedy {
             scratch.argmax.resize(scratch.logits_rows.len(), 0);
             ctx.forward_argmax(&batch, &mut scratch.argmax)
         } else {
             ctx.forward(&batch, logits)
-        }
+        };
+        seqs.clear();
+        scratch.seqs = relabel(seqs);
+        result
     }
 
     pub(super) fn fail_scheduled(&mut self, err: &Error, events: &mut Vec<Event>) {
         let plan = std::mem::take(&mut self.scratch.plan);
         for &(id, _) in &plan {
-            self.finish(
-                id,
-                FinishReason::Error(err.message.clone()),
-                vec![],
-                String::new(),
-                vec![],
-                events,
-            );
+            let event = self.new_event(id);
+            self.finish(event, FinishReason::Error(err.message.clone()), events);
         }
         self.scratch.plan = plan;
     }
@@ -110,14 +107,10 @@ impl Session {
             logits_row += 1;
             match sampled {
                 Ok(sampled) => self.report(id, sampled, events),
-                Err(e) => self.finish(
-                    id,
-                    FinishReason::Error(e.message),
-                    vec![],
-                    String::new(),
-                    vec![],
-                    events,
-                ),
+                Err(e) => {
+                    let event = self.new_event(id);
+                    self.finish(event, FinishReason::Error(e.message), events)
+                }
             }
         }
         self.logits = logits;
@@ -143,26 +136,25 @@ impl Session {
     /// Appends the sampled token and reports it (finishing the request when
     /// it stops).
     fn report(&mut self, id: RequestId, sampled: SampledToken, events: &mut Vec<Event>) {
+        let mut event = self.new_event(id);
         let req = self
             .requests
             .get_mut(&id)
             .expect("scheduled request exists");
         req.tokens.push(sampled.token);
-        let logprobs = if req.params.sampling.logprobs > 0 {
-            vec![TokenLogprob {
+        event.tokens.push(sampled.token);
+        if req.params.sampling.logprobs > 0 {
+            event.logprobs.push(TokenLogprob {
                 token: sampled.token,
                 logprob: sampled.logprob,
                 top: sampled.top_logprobs,
-            }]
-        } else {
-            vec![]
-        };
-        let mut text = String::new();
+            });
+        }
         let mut stop_hit = None;
         if let (Some(detok), Some(tok)) = (req.detok.as_mut(), self.model.tokenizer.as_ref()) {
             let delta = detok.push(tok, sampled.token).unwrap_or_default();
             let out = req.stop.push(&delta);
-            text = out.text;
+            event.text.push_str(&out.text);
             stop_hit = out.stop;
         }
         let generated = req.tokens.len() - req.prompt_len;
@@ -181,28 +173,22 @@ impl Session {
             None
         };
         match reason {
-            Some(r) => self.finish(id, r, vec![sampled.token], text, logprobs, events),
-            None => events.push(Event {
-                request_id: id,
-                tokens: vec![sampled.token],
-                text,
-                logprobs,
-                finish: None,
-            }),
+            Some(r) => self.finish(event, r, events),
+            None => events.push(event),
         }
     }
 
-    /// Ends a request: frees its KV, flushes held text, emits its terminal event.
+    /// Ends the request of `event`: frees its KV, flushes held text into
+    /// the event and emits it as the terminal event.
     pub(super) fn finish(
         &mut self,
-        id: RequestId,
+        mut event: Event,
         reason: FinishReason,
-        tokens: Vec<u32>,
-        mut text: String,
-        logprobs: Vec<TokenLogprob>,
         events: &mut Vec<Event>,
     ) {
+        let id = event.request_id;
         let Some(mut req) = self.requests.remove(&id) else {
+            self.scratch.spare_events.push(event);
             return;
         };
         self.running.retain(|&r| r != id);
@@ -214,16 +200,24 @@ impl Session {
             if let (Some(detok), Some(_)) = (req.detok.as_mut(), self.model.tokenizer.as_ref()) {
                 let rest = detok.flush();
                 let out = req.stop.push(&rest);
-                text.push_str(&out.text);
+                event.text.push_str(&out.text);
             }
-            text.push_str(&req.stop.flush());
+            event.text.push_str(&req.stop.flush());
         }
-        events.push(Event {
-            request_id: id,
-            tokens,
-            text,
-            logprobs,
-            finish: Some(reason),
-        });
+        event.finish = Some(reason);
+        events.push(event);
     }
+}
+
+/// Reuses an empty vector of batch sequences under another lifetime, so the
+/// batch is built without allocating once the vector has grown.
+fn relabel<'a, 'b>(mut seqs: Vec<AttnSeq<'a>>) -> Vec<AttnSeq<'b>> {
+    seqs.clear();
+    let mut seqs = std::mem::ManuallyDrop::new(seqs);
+    let (ptr, capacity) = (seqs.as_mut_ptr(), seqs.capacity());
+    // SAFETY: `AttnSeq<'a>` and `AttnSeq<'b>` differ only in a lifetime, so
+    // they have one layout; the vector is empty, so no value of the old
+    // lifetime is reinterpreted; ownership of the buffer moves over (the
+    // original is never dropped).
+    unsafe { Vec::from_raw_parts(ptr.cast::<AttnSeq<'b>>(), 0, capacity) }
 }

@@ -37,9 +37,13 @@ impl Session {
         let chunk = self.params.prefill_chunk_size;
         let preemptions_before = self.stats.preemptions;
 
-        let mut order = self.running.clone();
-        order.sort_by_key(|&id| self.rank(id));
-        for id in order {
+        // Ranks are unique (they end with the arrival number), so an
+        // unstable sort orders like a stable one, without a merge buffer.
+        let mut order = std::mem::take(&mut self.scratch.order);
+        order.clear();
+        order.extend_from_slice(&self.running);
+        order.sort_unstable_by_key(|&id| self.rank(id));
+        for &id in &order {
             if budget == 0 || !self.running.contains(&id) {
                 continue;
             }
@@ -60,12 +64,14 @@ impl Session {
             }
         }
 
+        self.scratch.order = order;
+
         // A step that had to preempt admits nobody: the room it freed belongs
         // to the running requests, and a victim re-admitted at once would
         // only be preempted again.
         let preempted = self.stats.preemptions != preemptions_before;
         let mut waiting = std::mem::take(&mut self.waiting);
-        waiting.sort_by_key(|&id| self.rank(id));
+        waiting.sort_unstable_by_key(|&id| self.rank(id));
         self.waiting = waiting;
         let mut i = 0;
         while !preempted
@@ -95,14 +101,8 @@ impl Session {
                     "request needs {need} KV slots but an idle session with {} slots could not place it",
                     self.capacity_tokens
                 );
-                self.finish(
-                    id,
-                    FinishReason::Error(msg),
-                    vec![],
-                    String::new(),
-                    vec![],
-                    events,
-                );
+                let event = self.new_event(id);
+                self.finish(event, FinishReason::Error(msg), events);
             }
         }
         self.scratch.plan = plan;
@@ -114,6 +114,10 @@ impl Session {
     fn admit(&mut self, id: RequestId, budget: usize, chunk: usize) -> Admission {
         let req = self.requests.get_mut(&id).expect("waiting request exists");
         let cached = self.kv.begin(id, &req.tokens, req.params.cache_salt);
+        // Size the request's KV tables for its whole life: decoding then
+        // never grows them.
+        self.kv
+            .reserve(id, req.prompt_len + req.params.sampling.max_tokens as usize);
         let swapped = req.swapped.as_ref().map_or(0, |(n, _)| *n);
         let resume_to = swapped.max(cached);
         if self.params.prefix_caching && self.prefix_in_flight(id, resume_to) {

@@ -1,0 +1,215 @@
+//! The memory budget of a session: how its KV capacity was decided and what
+//! the rest of memory holds (weights, the planned step workspace).
+
+use std::fmt;
+
+use crate::{Error, ErrorKind, Result};
+
+/// Where a session's KV capacity came from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum BudgetSource {
+    /// An explicit token (slot) count.
+    Tokens,
+    /// An explicit byte budget.
+    Bytes,
+    /// A fraction of total memory minus weights minus the workspace peak
+    /// (vLLM's `gpu_memory_utilization` semantics).
+    Utilization,
+    /// The device's automatic default (CPU: a quarter of available memory,
+    /// at most 2 GiB; GPU: `gpu_memory_utilization`).
+    #[default]
+    Automatic,
+}
+
+impl BudgetSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BudgetSource::Tokens => "tokens",
+            BudgetSource::Bytes => "bytes",
+            BudgetSource::Utilization => "utilization",
+            BudgetSource::Automatic => "automatic",
+        }
+    }
+}
+
+/// The memory facts of a device that a budget needs, as the decoder reports
+/// them for one context shape.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Memory of the device in total (host: `MemTotal`); 0 when unknown.
+    pub total_bytes: usize,
+    /// Memory available now (host: `MemAvailable`); 0 when unknown.
+    pub available_bytes: usize,
+    /// Bytes the model's weights occupy.
+    pub weights_bytes: usize,
+    /// Planned peak of one step's temporaries.
+    pub workspace_bytes: usize,
+}
+
+/// A session's budget report: what memory holds and what the KV cache got.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MemoryBudget {
+    pub source: BudgetSource,
+    /// The utilization fraction applied (`Utilization`, or a GPU's automatic budget); 0 otherwise.
+    pub utilization: f32,
+    pub total_bytes: usize,
+    pub available_bytes: usize,
+    pub weights_bytes: usize,
+    /// Planned peak of the step workspace, plus the session's logits buffer.
+    pub workspace_bytes: usize,
+    /// Bytes the KV storage holds (slots × bytes per slot, null block included).
+    pub kv_bytes: usize,
+    pub kv_bytes_per_token: usize,
+    /// Tokens per block (1 for the token pool).
+    pub kv_block_size: usize,
+    /// Usable blocks (tokens / block size).
+    pub kv_blocks: usize,
+    /// Usable KV slots: the requested capacity rounded up to whole blocks.
+    pub kv_tokens: usize,
+    /// The model's context length.
+    pub context_tokens: usize,
+    /// Sequences that fit at once when each uses the full context.
+    pub max_full_context_seqs: usize,
+    /// True when a utilization budget was lowered to the memory available now.
+    pub limited_by_available: bool,
+}
+
+impl fmt::Display for MemoryBudget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+        write!(f, "memory budget ({}", self.source.as_str())?;
+        if self.utilization > 0.0 {
+            write!(f, " {:.2}", self.utilization)?;
+        }
+        write!(f, "): ")?;
+        if self.total_bytes > 0 {
+            write!(
+                f,
+                "total {:.0} MiB, available {:.0} MiB, ",
+                mib(self.total_bytes),
+                mib(self.available_bytes)
+            )?;
+        }
+        write!(
+            f,
+            "weights {:.1} MiB, workspace {:.1} MiB, KV {:.1} MiB = {} blocks × {} = {} tokens \
+             ({} bytes each); {} sequence(s) at the full {}-token context",
+            mib(self.weights_bytes),
+            mib(self.workspace_bytes),
+            mib(self.kv_bytes),
+            self.kv_blocks,
+            self.kv_block_size,
+            self.kv_tokens,
+            self.kv_bytes_per_token,
+            self.max_full_context_seqs,
+            self.context_tokens
+        )?;
+        if self.limited_by_available {
+            write!(f, " (lowered to the memory available now)")?;
+        }
+        Ok(())
+    }
+}
+
+/// vLLM's rule: the KV cache gets `utilization × total` minus the weights
+/// and the workspace peak, and never more than is available now minus the
+/// workspace. Returns the bytes and whether the available memory lowered them.
+/// Fails with `OutOfMemory` when nothing is left.
+pub fn utilization_kv_bytes(mem: &DeviceMemory, utilization: f32) -> Result<(usize, bool)> {
+    if !(utilization > 0.0 && utilization <= 1.0) {
+        return Err(Error::invalid_arg(format!(
+            "memory utilization must be in (0, 1], got {utilization}"
+        )));
+    }
+    if mem.total_bytes == 0 {
+        return Err(Error::unsupported(
+            "a memory utilization budget needs the device's total memory, which it does not \
+             report; set kv_memory_bytes or kv_capacity_tokens",
+        ));
+    }
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    let allowed = (mem.total_bytes as f64 * utilization as f64) as usize;
+    let by_total = allowed
+        .checked_sub(mem.weights_bytes + mem.workspace_bytes)
+        .filter(|&b| b > 0)
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::OutOfMemory,
+                format!(
+                    "no memory left for the KV cache: {:.2} GiB allowed ({:.0}% of {:.2} GiB) but \
+                     the weights take {:.2} GiB and the step workspace {:.2} GiB; raise the \
+                     memory utilization or set kv_memory_bytes",
+                    gib(allowed),
+                    utilization * 100.0,
+                    gib(mem.total_bytes),
+                    gib(mem.weights_bytes),
+                    gib(mem.workspace_bytes)
+                ),
+            )
+        })?;
+    if mem.available_bytes == 0 {
+        return Ok((by_total, false));
+    }
+    let by_available = mem.available_bytes.saturating_sub(mem.workspace_bytes);
+    Ok(if by_available < by_total {
+        (by_available, true)
+    } else {
+        (by_total, false)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: usize = 1 << 30;
+
+    fn mem(total: usize, available: usize, weights: usize, workspace: usize) -> DeviceMemory {
+        DeviceMemory {
+            total_bytes: total,
+            available_bytes: available,
+            weights_bytes: weights,
+            workspace_bytes: workspace,
+        }
+    }
+
+    #[test]
+    fn utilization_subtracts_weights_and_workspace() {
+        let m = mem(10 * GIB, 10 * GIB, 2 * GIB, GIB);
+        let (kv, limited) = utilization_kv_bytes(&m, 0.5).unwrap();
+        assert_eq!(kv, 2 * GIB);
+        assert!(!limited);
+    }
+
+    #[test]
+    fn utilization_is_capped_by_available_memory() {
+        let m = mem(10 * GIB, 3 * GIB, GIB, GIB);
+        let (kv, limited) = utilization_kv_bytes(&m, 0.9).unwrap();
+        assert_eq!(kv, 2 * GIB);
+        assert!(limited);
+    }
+
+    #[test]
+    fn nothing_left_is_out_of_memory() {
+        let m = mem(4 * GIB, 4 * GIB, 3 * GIB, GIB);
+        let e = utilization_kv_bytes(&m, 0.9).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::OutOfMemory);
+        assert!(e.message.contains("weights"), "{}", e.message);
+    }
+
+    #[test]
+    fn bad_fraction_and_unknown_total_are_refused() {
+        let m = mem(4 * GIB, 4 * GIB, 0, 0);
+        for f in [0.0, -0.1, 1.5, f32::NAN] {
+            assert_eq!(
+                utilization_kv_bytes(&m, f).unwrap_err().kind,
+                ErrorKind::InvalidArgument
+            );
+        }
+        let unknown = mem(0, 0, 0, 0);
+        assert_eq!(
+            utilization_kv_bytes(&unknown, 0.5).unwrap_err().kind,
+            ErrorKind::Unsupported
+        );
+    }
+}
