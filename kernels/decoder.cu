@@ -56,8 +56,9 @@ __device__ float block_sum(float v) {
 }
 
 // Programmatic dependent launch (sm_90+). Kernels are launched so that the
-// next one may start while this one drains: every kernel lets its
-// dependents launch at once (grid_dep_launch) and waits for the previous
+// next one may start while this one drains: small kernels let their
+// dependents launch at once, GEMVs once their weights are read
+// (grid_dep_launch), and every kernel waits for the previous
 // kernel to complete, memory included, before it reads or writes anything
 // that kernel touches (grid_dep_wait). Both are no-ops on older GPUs and in
 // plain launches.
@@ -246,30 +247,8 @@ extern "C" __global__ void kv_write(const raw16* qkv, int stride, int k_off, int
     }
 }
 
-// VEC consecutive 16-bit values as floats; one vector load when VEC is 2, 4
-// or 8 (p then aligned to VEC elements).
-template <int VEC>
-__device__ __forceinline__ void load_vec(const raw16* p, float* f) {
-    if (VEC == 8) {
-        unpack8(*(const uint4*)p, f);
-    } else if (VEC == 4) {
-        const uint2 v = *(const uint2*)p;
-        f[0] = to_f((raw16)(v.x & 0xffffu));
-        f[1] = to_f((raw16)(v.x >> 16));
-        f[2] = to_f((raw16)(v.y & 0xffffu));
-        f[3] = to_f((raw16)(v.y >> 16));
-    } else if (VEC == 2) {
-        const unsigned v = *(const unsigned*)p;
-        f[0] = to_f((raw16)(v & 0xffffu));
-        f[1] = to_f((raw16)(v >> 16));
-    } else {
-#pragma unroll
-        for (int i = 0; i < VEC; i++) f[i] = to_f(p[i]);
-    }
-}
-
 #define ATTN_WARPS 8
-#define ATTN_POS 4    // positions each warp loads per iteration (loads in flight)
+#define ATTN_STEPS 2  // position groups each warp loads per iteration (loads in flight)
 #define ATTN_GROUP 4  // query heads per block; they share one kv head (GQA)
 #define ATTN_HD_MAX 256
 
@@ -282,21 +261,23 @@ struct AttnShared {
 // head (GQA: each key and value is loaded once for all of them) for one row
 // and one split of its context: positions [split * chunk, min((split + 1) *
 // chunk, pos + 1)) of the row's sequence, whose slots are
-// slot_list[table_off[row] + p]. Each warp walks every ATTN_WARPS-th group
-// of ATTN_POS positions with an online softmax (no shared-memory bound on the
-// context length); the warps then merge. Lane l owns dims [l * VEC, l * VEC +
-// VEC) of a head (hd = 32 * VEC). With one split the result goes to `out`
-// ([rows, heads * hd]); otherwise the unnormalized partial sum and its (max,
-// sum) go to part_o / part_ml for attn_merge. Block row y serves batch row
-// row_list[y] (every row when row_list is null: a pure decode step).
+// slot_list[table_off[row] + p]. LPP = hd / 8 lanes share a position, each
+// holding 8 of its dims (one 16-byte load), so a warp covers 32 / LPP
+// positions per step and ATTN_STEPS steps per iteration; each lane group keeps
+// its own online softmax (no shared-memory bound on the context length),
+// merged across the warp and then across warps at the end. The next
+// iteration's slots are loaded while this one computes. With one split the
+// result goes to `out` ([rows, heads * hd]); otherwise the unnormalized
+// partial sum and its (max, sum) go to part_o / part_ml for attn_merge. Block
+// row y serves batch row row_list[y] (every row when row_list is null).
 // grid = (kv_heads * ceil(group / ATTN_GROUP), rows, splits), block = 32 * ATTN_WARPS.
-template <int VEC>
+template <int LPP>
 __device__ void attention_group(const raw16* qkv, int stride, const raw16* k_cache,
                                 const raw16* v_cache, const unsigned* slot_list,
                                 const unsigned* table_off, const int* positions, int heads,
                                 int kv_heads, float scale, raw16* out, float* part_o,
                                 float* part_ml, const unsigned* row_list, AttnShared& sm) {
-    const int hd = 32 * VEC;
+    const int hd = 8 * LPP, pps = 32 / LPP;
     const int group = heads / kv_heads;
     const int subs = (group + ATTN_GROUP - 1) / ATTN_GROUP;
     const int kv_head = blockIdx.x / subs;
@@ -306,95 +287,133 @@ __device__ void attention_group(const raw16* qkv, int stride, const raw16* k_cac
     const int prow = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int row = row_list ? row_list[prow] : prow;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int sub_pos = lane / LPP, d0 = (lane % LPP) * 8;
     const int kv_width = kv_heads * hd;
     const int n = positions[row] + 1;
     const int chunk = (n + splits - 1) / splits;
     const int begin = split * chunk;
     const int end = min(n, begin + chunk);
     const unsigned* slots = slot_list + table_off[row];
-    const int d0 = lane * VEC;
+    const size_t head_off = (size_t)kv_head * hd + d0;
 
-    float q[ATTN_GROUP][VEC], acc[ATTN_GROUP][VEC], m[ATTN_GROUP], l[ATTN_GROUP];
+    float q[ATTN_GROUP][8], acc[ATTN_GROUP][8], m[ATTN_GROUP], l[ATTN_GROUP];
 #pragma unroll
     for (int g = 0; g < ATTN_GROUP; g++) {
-        if (g < g_n) load_vec<VEC>(qkv + (size_t)row * stride + (h0 + g) * hd + d0, q[g]);
+        if (g < g_n) unpack8(*(const uint4*)(qkv + (size_t)row * stride + (h0 + g) * hd + d0), q[g]);
 #pragma unroll
-        for (int e = 0; e < VEC; e++) {
+        for (int e = 0; e < 8; e++) {
             q[g][e] = g < g_n ? q[g][e] * scale : 0.f;
             acc[g][e] = 0.f;
         }
         m[g] = -NI_INF;
         l[g] = 0.f;
     }
-    for (int p0 = begin + warp * ATTN_POS; p0 < end; p0 += ATTN_WARPS * ATTN_POS) {
-        float kf[ATTN_POS][VEC], vf[ATTN_POS][VEC];
+    const int per_iter = ATTN_STEPS * pps, stride_p = ATTN_WARPS * per_iter;
+    int p0 = begin + warp * per_iter;
+    unsigned sl[ATTN_STEPS];
 #pragma unroll
-        for (int i = 0; i < ATTN_POS; i++) {
-            const int p = p0 + i < end ? p0 + i : p0;
-            const size_t base = (size_t)slots[p] * kv_width + kv_head * hd + d0;
-            load_vec<VEC>(k_cache + base, kf[i]);
-            load_vec<VEC>(v_cache + base, vf[i]);
+    for (int s = 0; s < ATTN_STEPS; s++) {
+        const int p = p0 + s * pps + sub_pos;
+        sl[s] = p < end ? slots[p] : 0u;
+    }
+    for (; p0 < end; p0 += stride_p) {
+        uint4 kr[ATTN_STEPS], vr[ATTN_STEPS];
+#pragma unroll
+        for (int s = 0; s < ATTN_STEPS; s++) {
+            const size_t base = (size_t)sl[s] * kv_width + head_off;
+            kr[s] = *(const uint4*)(k_cache + base);
+            vr[s] = *(const uint4*)(v_cache + base);
         }
+        // The next iteration's slots, in flight while this one computes.
+#pragma unroll
+        for (int s = 0; s < ATTN_STEPS; s++) {
+            const int p = p0 + stride_p + s * pps + sub_pos;
+            sl[s] = p < end ? slots[p] : 0u;
+        }
+        bool ok[ATTN_STEPS];
+#pragma unroll
+        for (int s = 0; s < ATTN_STEPS; s++) ok[s] = p0 + s * pps + sub_pos < end;
 #pragma unroll
         for (int g = 0; g < ATTN_GROUP; g++) {
             if (g >= g_n) break;
-            float s[ATTN_POS], best = m[g];
+            float sc[ATTN_STEPS], best = m[g];
 #pragma unroll
-            for (int i = 0; i < ATTN_POS; i++) {
-                float dot = 0.f;
+            for (int s = 0; s < ATTN_STEPS; s++) {
+                float kf[8], dot = 0.f;
+                unpack8(kr[s], kf);  // again per head: registers are the tighter budget
 #pragma unroll
-                for (int e = 0; e < VEC; e++) dot += q[g][e] * kf[i][e];
-                s[i] = p0 + i < end ? warp_sum(dot) : -NI_INF;
-                best = fmaxf(best, s[i]);
+                for (int e = 0; e < 8; e++) dot += q[g][e] * kf[e];
+#pragma unroll
+                for (int o = LPP / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                sc[s] = ok[s] ? dot : -NI_INF;
+                best = fmaxf(best, sc[s]);
             }
+            if (best == -NI_INF) continue;  // nothing of this lane group's yet
             const float corr = __expf(m[g] - best);
-            float w[ATTN_POS], wsum = 0.f;
+            float w[ATTN_STEPS], wsum = 0.f;
 #pragma unroll
-            for (int i = 0; i < ATTN_POS; i++) {
-                w[i] = p0 + i < end ? __expf(s[i] - best) : 0.f;
-                wsum += w[i];
+            for (int s = 0; s < ATTN_STEPS; s++) {
+                w[s] = ok[s] ? __expf(sc[s] - best) : 0.f;
+                wsum += w[s];
             }
             l[g] = l[g] * corr + wsum;
 #pragma unroll
-            for (int e = 0; e < VEC; e++) {
-                float a = acc[g][e] * corr;
-#pragma unroll
-                for (int i = 0; i < ATTN_POS; i++) a += w[i] * vf[i][e];
-                acc[g][e] = a;
-            }
+            for (int e = 0; e < 8; e++) acc[g][e] *= corr;
             m[g] = best;
+#pragma unroll
+            for (int s = 0; s < ATTN_STEPS; s++) {
+                float vf[8];
+                unpack8(vr[s], vf);
+#pragma unroll
+                for (int e = 0; e < 8; e++) acc[g][e] += w[s] * vf[e];
+            }
+        }
+    }
+    // Merge the lane groups of the warp (lanes d0-aligned across groups).
+#pragma unroll
+    for (int g = 0; g < ATTN_GROUP; g++) {
+#pragma unroll
+        for (int o = LPP; o < 32; o <<= 1) {
+            const float m_o = __shfl_xor_sync(0xffffffffu, m[g], o);
+            const float l_o = __shfl_xor_sync(0xffffffffu, l[g], o);
+            const float big = fmaxf(m[g], m_o);
+            const float f = l[g] > 0.f ? __expf(m[g] - big) : 0.f;
+            const float f_o = l_o > 0.f ? __expf(m_o - big) : 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                acc[g][e] = acc[g][e] * f + __shfl_xor_sync(0xffffffffu, acc[g][e], o) * f_o;
+            l[g] = l[g] * f + l_o * f_o;
+            m[g] = big;
         }
     }
 
     // Merge the warps, one head at a time through shared memory.
-    float(&sm_m)[ATTN_GROUP][ATTN_WARPS] = sm.m;
-    float(&sm_l)[ATTN_GROUP][ATTN_WARPS] = sm.l;
-    float(&sm_acc)[ATTN_WARPS][ATTN_HD_MAX] = sm.acc;
     if (lane == 0) {
 #pragma unroll
         for (int g = 0; g < ATTN_GROUP; g++) {
-            sm_m[g][warp] = m[g];
-            sm_l[g][warp] = l[g];
+            sm.m[g][warp] = m[g];
+            sm.l[g][warp] = l[g];
         }
     }
 #pragma unroll
     for (int g = 0; g < ATTN_GROUP; g++) {
         if (g >= g_n) break;
         __syncthreads();  // the previous head's partial sums are consumed
+        if (lane < LPP)
 #pragma unroll
-        for (int e = 0; e < VEC; e++) sm_acc[warp][d0 + e] = acc[g][e];
+            for (int e = 0; e < 8; e++) sm.acc[warp][d0 + e] = acc[g][e];
         __syncthreads();
         float big = -NI_INF;
-        for (int w = 0; w < ATTN_WARPS; w++) big = fmaxf(big, sm_m[g][w]);
+        for (int w = 0; w < ATTN_WARPS; w++) big = fmaxf(big, sm.m[g][w]);
         float total = 0.f, f[ATTN_WARPS];
         for (int w = 0; w < ATTN_WARPS; w++) {
-            f[w] = sm_l[g][w] > 0.f ? __expf(sm_m[g][w] - big) : 0.f;
-            total += sm_l[g][w] * f[w];
+            f[w] = sm.l[g][w] > 0.f ? __expf(sm.m[g][w] - big) : 0.f;
+            total += sm.l[g][w] * f[w];
         }
         const size_t rh = (size_t)row * heads + h0 + g, ph = (size_t)prow * heads + h0 + g;
         for (int i = threadIdx.x; i < hd; i += blockDim.x) {
             float o = 0.f;
-            for (int w = 0; w < ATTN_WARPS; w++) o += sm_acc[w][i] * f[w];
+            for (int w = 0; w < ATTN_WARPS; w++) o += sm.acc[w][i] * f[w];
             if (splits == 1)
                 out[rh * hd + i] = from_f(total > 0.f ? o / total : 0.f);
             else
@@ -407,29 +426,27 @@ __device__ void attention_group(const raw16* qkv, int stride, const raw16* k_cac
     }
 }
 
-// One kernel per head-size range: registers are allocated per kernel, and
-// the wide heads need about twice as many.
-#define ATTN_KERNEL(NAME, MIN_BLOCKS, CASES)                                                      \
-    extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, MIN_BLOCKS) NAME(const raw16* qkv, int stride, const raw16* k_cache,           \
-                                    const raw16* v_cache, const unsigned* slot_list,              \
-                                    const unsigned* table_off, const int* positions, int heads,   \
-                                    int kv_heads, int hd, float scale, raw16* out, float* part_o, \
-                                    float* part_ml, const unsigned* row_list) {                   \
-        __shared__ AttnShared sm;                                                                 \
-        GRID_DEP_ENTER();                                                                         \
-        switch (hd >> 5) { CASES }                                                                \
-    }
-#define ATTN_CASE(V)                                                                              \
-    case V:                                                                                       \
-        attention_group<V>(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, heads, \
-                           kv_heads, scale, out, part_o, part_ml, row_list, sm);                  \
+// head_dim 32, 64, 128 or 256 (the host checks).
+extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, 2)
+    attention(const raw16* qkv, int stride, const raw16* k_cache, const raw16* v_cache,
+              const unsigned* slot_list, const unsigned* table_off, const int* positions,
+              int heads, int kv_heads, int hd, float scale, raw16* out, float* part_o,
+              float* part_ml, const unsigned* row_list) {
+    __shared__ AttnShared sm;
+    GRID_DEP_ENTER();
+#define ATTN_CASE(LPP)                                                                          \
+    case LPP * 8:                                                                               \
+        attention_group<LPP>(qkv, stride, k_cache, v_cache, slot_list, table_off, positions,   \
+                             heads, kv_heads, scale, out, part_o, part_ml, row_list, sm);      \
         break;
-
-// head_dim = 32 * VEC: VEC 1..4 here, 5..8 in attention_wide (the host checks).
-ATTN_KERNEL(attention, 2, ATTN_CASE(1) ATTN_CASE(2) ATTN_CASE(3) ATTN_CASE(4))
-ATTN_KERNEL(attention_wide, 1, ATTN_CASE(5) ATTN_CASE(6) ATTN_CASE(7) ATTN_CASE(8))
+    switch (hd) {
+        ATTN_CASE(4)
+        ATTN_CASE(8)
+        ATTN_CASE(16)
+        ATTN_CASE(32)
+    }
 #undef ATTN_CASE
-#undef ATTN_KERNEL
+}
 
 // Merges the splits of attention: grid = (heads, rows), block >= hd threads;
 // block row y is batch row row_list[y] (y when null), as in `attention`.
@@ -534,6 +551,10 @@ __device__ __forceinline__ void warp_dots(const raw16* x, const raw16* const (&w
                 for (int e = 0; e < 8; e++) acc[i][r] += wf[i][e] * xf[e];
         }
     }
+    // The weights are read: let the next kernel's blocks launch and start
+    // their own prefetch while this grid drains (triggering at entry instead
+    // lets waiting blocks take SM slots from this grid's later waves).
+    grid_dep_launch();
 #pragma unroll
     for (int i = 0; i < W; i++)
 #pragma unroll
@@ -559,7 +580,6 @@ __device__ __forceinline__ void warp_dots(const raw16* x, const raw16* const (&w
 // The body of a GEMV entry point: CALL##_NORM(R) when nw is given, else
 // CALL##_PLAIN(R), for the row counts that SWITCH instantiates.
 #define GEMV_DISPATCH(SWITCH, rows, nw, CALL) \
-    grid_dep_launch();                        \
     if (nw) {                                 \
         SWITCH(rows, CALL##_NORM)             \
     } else {                                  \

@@ -33,6 +33,9 @@ for step in "$@"; do
             NANOINFER_CUDA_PROFILE=20 "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda $args -r 1 2>&1 \
                 | grep -A16 NANOINFER_CUDA_PROFILE
         done
+        echo "== profile: offline, 256 requests x (512 + 128)"
+        NANOINFER_CUDA_PROFILE=1 "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --offline 256 --prompt-len 512 \
+            --decode-tokens 128 --max-seqs 256 --max-batched-tokens 8192 2>&1 | grep -A16 "offline:\|NANOINFER_CUDA_PROFILE"
         echo "== profile: engine, 256 concurrent decodes"
         NANOINFER_CUDA_PROFILE=5 "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --concurrency 256 \
             --decode-tokens 32 --prompt-len 512 --skip-prefix 2>&1 | grep -A16 NANOINFER_CUDA_PROFILE ;;

@@ -189,11 +189,11 @@ pub fn load(
             ),
         ));
     }
-    if !c.head_dim.is_multiple_of(32) || c.head_dim > 256 {
+    if !matches!(c.head_dim, 32 | 64 | 128 | 256) {
         return Err(Error::new(
             ErrorKind::Unsupported,
             format!(
-                "head_dim {} is not supported on CUDA (multiples of 32 up to 256)",
+                "head_dim {} is not supported on CUDA (32, 64, 128 or 256)",
                 c.head_dim
             ),
         ));
@@ -318,7 +318,7 @@ const ATTN_BLOCKS_PER_SM: usize = 8;
 /// A split of the context gets at least this many positions (four rounds
 /// of the kernel's 8 warps × 4 positions).
 const MIN_SPLIT_POSITIONS: usize = 128;
-const MAX_SPLITS: usize = 64;
+const MAX_SPLITS: usize = 128;
 /// 32 * ATTN_WARPS and ATTN_GROUP of kernels/decoder.cu.
 const ATTN_THREADS: u32 = 256;
 const ATTN_GROUP: usize = 4;
@@ -983,11 +983,7 @@ impl CudaForward {
         let row_list = inputs.decode_rows.map_or(KArg::Ptr(0), inp);
         let n_decode = inputs.n_decode as u32;
         dev.launch(
-            if hd <= 128 {
-                &k.attention
-            } else {
-                &k.attention_wide
-            },
+            &k.attention,
             (self.attention_blocks() as u32, n_decode, splits as u32),
             ATTN_THREADS,
             &[

@@ -131,7 +131,6 @@ kernel_set!(
     silu_mul,
     kv_write,
     attention,
-    attention_wide,
     attn_merge,
     kv_copy_slots,
     gemv,
