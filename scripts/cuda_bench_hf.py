@@ -5,6 +5,7 @@ bandwidth. Optionally creates a random-weight model of Llama-3-8B shape.
 
   python3 scripts/cuda_bench_hf.py --make-8b DIR      # write the model
   python3 scripts/cuda_bench_hf.py --model DIR -p 512 -n 128 --json
+  python3 scripts/cuda_bench_hf.py --model DIR --offline 256 -p 512 -n 256   # batched generate
 """
 import argparse
 import json
@@ -121,6 +122,41 @@ def bench(model_dir, n_prompt, n_gen, reps):
     }
 
 
+def offline(model_dir, requests, n_prompt, n_gen, batch):
+    """Offline throughput of HF `generate`: `requests` random prompts of
+    n_prompt tokens, n_gen new tokens each (EOS ignored), in batches of
+    `batch` with a static cache: the peer of `engine_bench --offline`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, model.config.vocab_size, (requests, n_prompt), generator=g).cuda()
+    out_tokens = 0
+    with torch.no_grad():
+        # Warm-up (kernel selection, cache allocation) on a small batch.
+        model.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), max_new_tokens=4, min_new_tokens=4,
+                       do_sample=False, cache_implementation="static", pad_token_id=0)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for b in range(0, requests, batch):
+            x = ids[b:b + batch]
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_gen, min_new_tokens=n_gen,
+                               do_sample=False, cache_implementation="static", pad_token_id=0)
+            out_tokens += (y.shape[1] - n_prompt) * y.shape[0]
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+    return {
+        "peer": f"transformers {__import__('transformers').__version__} bf16 eager, static cache, generate",
+        "requests": requests,
+        "batch": batch,
+        "n_prompt": n_prompt,
+        "n_gen": n_gen,
+        "seconds": dt,
+        "output_tokens_per_s": out_tokens / dt,
+        "total_tokens_per_s": (out_tokens + requests * n_prompt) / dt,
+    }
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--make-8b")
@@ -129,12 +165,16 @@ def main():
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-r", type=int, default=3)
+    ap.add_argument("--offline", type=int, help="requests for the batched-generate throughput run")
+    ap.add_argument("--batch", type=int, default=256, help="generate batch size with --offline")
     a = ap.parse_args()
     if a.make_8b:
         make_8b(a.make_8b)
     if a.golden:
         write_golden(a.golden)
-    if a.model:
+    if a.model and a.offline:
+        print(json.dumps(offline(a.model, a.offline, a.p, a.n, a.batch)))
+    elif a.model:
         print(json.dumps(bench(a.model, a.p, a.n, a.r)))
 
 

@@ -45,8 +45,8 @@ for step in "$@"; do
             | tee "$WORK/ours-nographs.json"
         NANOINFER_CUDA_GEMV=0 "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 0 -n 128 -r 3 --json \
             | tee "$WORK/ours-cublas.json"
-        NANOINFER_CUDA_PDL=0 "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 0 -n 128 -r 3 --json \
-            | tee "$WORK/ours-nopdl.json"
+        NANOINFER_CUDA_PDL=1 "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 0 -n 128 -r 3 --json \
+            | tee "$WORK/ours-pdl.json"
         for depth in 1024 32768; do
             "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 0 -n 64 -d $depth -r 3
         done
@@ -57,5 +57,10 @@ for step in "$@"; do
     offline)
         "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --offline 1000 --prompt-len 512 --decode-tokens 256 \
             --max-seqs 256 --max-batched-tokens 8192 ;;
+    offline_hf)
+        # The peer: HF generate, 256 requests in one batch of 256 (its best case).
+        "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --offline 256 --prompt-len 512 --decode-tokens 256 \
+            --max-seqs 256 --max-batched-tokens 8192
+        python3 scripts/cuda_bench_hf.py --model "$WORK/l8b" --offline 256 --batch 256 -p 512 -n 256 ;;
     esac
 done

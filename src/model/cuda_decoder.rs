@@ -318,7 +318,7 @@ const ATTN_BLOCKS_PER_SM: usize = 8;
 /// A split of the context gets at least this many positions (four rounds
 /// of the kernel's 8 warps × 4 positions).
 const MIN_SPLIT_POSITIONS: usize = 128;
-const MAX_SPLITS: usize = 128;
+const MAX_SPLITS: usize = 64;
 /// 32 * ATTN_WARPS and ATTN_GROUP of kernels/decoder.cu.
 const ATTN_THREADS: u32 = 256;
 const ATTN_GROUP: usize = 4;

@@ -122,8 +122,8 @@ pub struct CudaDevice {
     pub sm_count: usize,
     /// Small-batch projections through our GEMV kernels (NANOINFER_CUDA_GEMV=0: cuBLAS only).
     use_gemv: bool,
-    /// Programmatic dependent launch (sm_90+; NANOINFER_CUDA_PDL=0 turns it
-    /// off): each kernel may start while the previous one drains.
+    /// Programmatic dependent launch (sm_90+, NANOINFER_CUDA_PDL=1): each
+    /// kernel may start while the previous one drains.
     use_pdl: bool,
     profiler: Option<Mutex<Profiler>>,
     /// Held for the whole of one forward: sessions sharing the model take
@@ -183,9 +183,11 @@ impl CudaDevice {
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let kernels = Kernels::load(&ctx, arch, act, &KernelCache::from_env())?;
         let profiler = Profiler::from_env(&ctx);
+        // Opt-in: on an H100 (8B shape, batch 1, CUDA graphs on) it measured
+        // 160-164 tok/s against 161-169 without it.
         let use_pdl = arch.0 >= 9
             && profiler.is_none()
-            && std::env::var("NANOINFER_CUDA_PDL").map_or(true, |v| v != "0");
+            && std::env::var("NANOINFER_CUDA_PDL").is_ok_and(|v| v == "1");
         Ok(Arc::new(CudaDevice {
             ctx,
             stream,
