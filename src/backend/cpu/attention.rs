@@ -6,6 +6,7 @@
 //! both the paged and the token KV layouts.
 
 use super::attention_block::{self, ROW_BLOCK};
+use super::attention_row;
 use super::isa::{isa, Isa};
 use super::ops::softmax_in_place;
 use super::threadpool::ThreadPool;
@@ -80,6 +81,8 @@ pub fn attention(
     );
     let out_ptr = OutPtr(out.as_mut_ptr());
     let blocked = use_blocks(hd);
+    #[cfg(target_arch = "x86_64")]
+    let row_kernel = blocked && attention_row::supported(hd);
     // Tasks: a prefill sequence contributes (kv head, row block) pairs,
     // others one task per (row, head).
     let seq_tasks = |s: &AttnSeq<'_>| {
@@ -137,6 +140,26 @@ pub fn attention(
         };
         SCORES.with(|scores| {
             let mut scores = scores.borrow_mut();
+            #[cfg(target_arch = "x86_64")]
+            if row_kernel {
+                // SAFETY: `use_blocks` checked AVX-512F, `supported` the head_dim;
+                // qv and ov hold head_dim floats; the KV mapping's slots index
+                // keys/values as in the generic path below (bounds-checked there too).
+                unsafe {
+                    attention_row::row(
+                        shape,
+                        seq,
+                        kv_head,
+                        pos,
+                        qv.as_ptr(),
+                        keys,
+                        values,
+                        &mut scores,
+                        ov.as_mut_ptr(),
+                    )
+                };
+                return;
+            }
             scores.clear();
             scores.extend((0..=pos).map(|p| {
                 let base = seq.kv.slot(p) * kv_width + kv_head * hd;

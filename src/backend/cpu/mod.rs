@@ -3,6 +3,7 @@
 
 pub mod attention;
 mod attention_block;
+mod attention_row;
 pub mod bf16;
 pub mod bf16_kernels;
 pub mod elem;
