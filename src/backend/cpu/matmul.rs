@@ -4,7 +4,9 @@
 //! Few activation rows (decode, small batches): a register tile of up to 4
 //! activation rows × 4 weight rows accumulates 16 dot products at once, so
 //! each weight vector loaded feeds 4 FMAs. Many rows (prefill) on AVX-512: the
-//! packed GEMM of `gemm.rs`. Q8_0 weights: the int8 kernels of
+//! packed GEMM of `gemm.rs`. BF16 weights repacked at load
+//! ([`Matrix::into_cpu_layout`]) run the kernels of `bf16_kernels.rs` for
+//! any number of rows instead. Q8_0 weights: the int8 kernels of
 //! `q8_kernels.rs`; int4 weights (AWQ/GPTQ) the kernels of `q4_kernels.rs`
 //! (act-order weights get their inputs permuted first). Work is split over output-column blocks, so several
 //! weights (q/k/v or gate/up) run as one parallel job writing side by side
@@ -118,7 +120,7 @@ impl OutPtr {
 
 const MAX_SEGMENTS: usize = 4;
 // Column blocks of every task start a packed block of either format.
-const _: () = assert!(BF16_BLOCK_ROWS == BLOCK_ROWS && gemm::NR % BLOCK_ROWS == 0);
+const _: () = assert!(BF16_BLOCK_ROWS == BLOCK_ROWS && gemm::NR.is_multiple_of(BLOCK_ROWS));
 /// Activation rows from which dense weights go through the packed GEMM.
 const GEMM_MIN_ROWS: usize = 8;
 
@@ -726,12 +728,9 @@ mod bench {
         let mut seed = 1u32;
         let mut mat = |rows: usize, cols: usize| {
             let w: Vec<Bf16> = (0..rows * cols)
-                .map(|i| {
+                .map(|_| {
                     seed = seed.wrapping_mul(1664525).wrapping_add(1013904223);
-                    Bf16(
-                        half::bf16::from_f32(((seed >> 9) % 2000) as f32 / 1e5 + i as f32 * 0.0)
-                            .to_bits(),
-                    )
+                    Bf16(half::bf16::from_f32(((seed >> 9) % 2000) as f32 / 1e5).to_bits())
                 })
                 .collect();
             let raw = Matrix {
