@@ -6,6 +6,45 @@
 use super::attention::{AttnSeq, AttnShape};
 #[cfg(target_arch = "x86_64")]
 use super::vector::softmax_unnormalized;
+use crate::kv::KvMapping;
+use std::cell::RefCell;
+
+thread_local! {
+    /// Element offsets of the positions' K/V vectors for the current row.
+    static OFFSETS: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `out[p] = slot(p) · kv_width + offset` for `p < n`, walking the block
+/// table once instead of dividing per position.
+fn fill_offsets(
+    kv: &KvMapping<'_>,
+    n: usize,
+    kv_width: usize,
+    offset: usize,
+    out: &mut Vec<usize>,
+) {
+    out.clear();
+    match *kv {
+        KvMapping::Blocks { table, block_size } => {
+            for &b in table {
+                if out.len() == n {
+                    break;
+                }
+                let first = b as usize * block_size;
+                let take = block_size.min(n - out.len());
+                out.extend((first..first + take).map(|s| s * kv_width + offset));
+            }
+        }
+        KvMapping::Slots(slots) => {
+            out.extend(slots[..n].iter().map(|&s| s as usize * kv_width + offset));
+        }
+    }
+    assert_eq!(
+        out.len(),
+        n,
+        "KV mapping covers fewer positions than attended"
+    );
+}
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -75,10 +114,13 @@ unsafe fn row_chunks<const C: usize>(
     for (c, v) in qv.iter_mut().enumerate() {
         *v = _mm512_loadu_ps(q.add(16 * c));
     }
+    // Taken out of (and put back into) the thread-local rather than used in
+    // a closure, which would not inherit this function's target features.
+    let mut offsets = OFFSETS.with(|o| std::mem::take(&mut *o.borrow_mut()));
+    fill_offsets(&seq.kv, pos + 1, kv_width, offset, &mut offsets);
     scores.clear();
     scores.reserve(pos + 1);
-    for p in 0..=pos {
-        let base = seq.kv.slot(p) * kv_width + offset;
+    for &base in offsets.iter() {
         let k = keys[base..base + hd].as_ptr();
         let mut a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
         for (c, v) in qv.iter().enumerate().skip(1) {
@@ -88,8 +130,7 @@ unsafe fn row_chunks<const C: usize>(
     }
     let inv_sum = softmax_unnormalized(scores);
     let mut acc = [_mm512_setzero_ps(); C];
-    for (p, &w) in scores.iter().enumerate() {
-        let base = seq.kv.slot(p) * kv_width + offset;
+    for (&w, &base) in scores.iter().zip(offsets.iter()) {
         let v = values[base..base + hd].as_ptr();
         let wv = _mm512_set1_ps(w);
         for (c, a) in acc.iter_mut().enumerate() {
@@ -99,5 +140,29 @@ unsafe fn row_chunks<const C: usize>(
     let s = _mm512_set1_ps(inv_sum);
     for (c, a) in acc.iter().enumerate() {
         _mm512_storeu_ps(out.add(16 * c), _mm512_mul_ps(*a, s));
+    }
+    OFFSETS.with(|o| *o.borrow_mut() = offsets);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offsets_follow_both_mappings() {
+        let table = [3u32, 0, 7];
+        let blocks = KvMapping::Blocks {
+            table: &table,
+            block_size: 4,
+        };
+        let slots: Vec<u32> = (0..10).map(|i| 9 - i).collect();
+        let mut out = Vec::new();
+        for n in [1, 4, 5, 10, 12] {
+            fill_offsets(&blocks, n, 6, 2, &mut out);
+            let want: Vec<usize> = (0..n).map(|p| blocks.slot(p) * 6 + 2).collect();
+            assert_eq!(out, want, "blocks n={n}");
+        }
+        fill_offsets(&KvMapping::Slots(&slots), 7, 3, 1, &mut out);
+        assert_eq!(out, (0..7).map(|p| (9 - p) * 3 + 1).collect::<Vec<_>>());
     }
 }
