@@ -132,8 +132,15 @@ impl Decoder {
         } else {
             None
         };
+        let embed = src.matrix(embed_name, c.vocab_size, d, dtype)?;
+        // Repacked only when it doubles as the LM head (lookups read either layout).
+        let embed = if lm_head.is_none() {
+            embed.into_cpu_layout()?
+        } else {
+            embed
+        };
         Ok(Decoder {
-            embed: src.matrix(embed_name, c.vocab_size, d, dtype)?,
+            embed,
             layers,
             final_norm: src.vector("model.norm.weight", d)?,
             lm_head,
@@ -417,7 +424,7 @@ fn load_linear(
         }
     }
     let Some(method) = method else {
-        return src.matrix(name, rows, cols, dtype);
+        return src.matrix(name, rows, cols, dtype)?.into_cpu_layout();
     };
     let m = src.matrix(name, rows, cols, WeightDType::F32)?;
     match &m.data {

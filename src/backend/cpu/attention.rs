@@ -6,6 +6,7 @@
 //! both the paged and the token KV layouts.
 
 use super::attention_block::{self, ROW_BLOCK};
+use super::attention_row;
 use super::isa::{isa, Isa};
 use super::ops::softmax_in_place;
 use super::threadpool::ThreadPool;
@@ -80,13 +81,25 @@ pub fn attention(
     );
     let out_ptr = OutPtr(out.as_mut_ptr());
     let blocked = use_blocks(hd);
+    #[cfg(target_arch = "x86_64")]
+    let row_kernel = blocked && attention_row::supported(hd);
+    let in_blocks = |s: &AttnSeq<'_>| blocked && s.len >= ROW_BLOCK;
+    // With many decode rows, one task takes all query heads of a KV head,
+    // so the K/V vectors they share are read from memory once (by one core).
+    let row_tasks: usize = seqs.iter().filter(|s| !in_blocks(s)).map(|s| s.len).sum();
+    let heads_per_task = if row_tasks * kvh >= 4 * pool.threads() {
+        group
+    } else {
+        1
+    };
+    let head_tasks = h / heads_per_task;
     // Tasks: a prefill sequence contributes (kv head, row block) pairs,
-    // others one task per (row, head).
+    // others one task per (row, head or KV head group).
     let seq_tasks = |s: &AttnSeq<'_>| {
-        if blocked && s.len >= ROW_BLOCK {
+        if in_blocks(s) {
             kvh * s.len.div_ceil(ROW_BLOCK)
         } else {
-            s.len * h
+            s.len * head_tasks
         }
     };
     let n_tasks: usize = seqs.iter().map(seq_tasks).sum();
@@ -104,7 +117,7 @@ pub fn attention(
                 }
             })
             .expect("task belongs to a sequence");
-        if blocked && seq.len >= ROW_BLOCK {
+        if in_blocks(seq) {
             let blocks = seq.len.div_ceil(ROW_BLOCK);
             let (kv_head, b) = (t / blocks, t % blocks);
             let (first, last) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(seq.len));
@@ -127,28 +140,51 @@ pub fn attention(
             };
             return;
         }
-        let (row, head) = (seq.start + t / h, t % h);
-        let pos = seq.context_len + (row - seq.start);
-        let kv_head = head / group;
-        let qv = &q[row * q_stride + head * hd..row * q_stride + (head + 1) * hd];
-        // SAFETY: (row, head) is unique to this task, so this slice is written by nobody else.
-        let ov = unsafe {
-            std::slice::from_raw_parts_mut(out_ptr.get().add(row * q_width + head * hd), hd)
-        };
-        SCORES.with(|scores| {
-            let mut scores = scores.borrow_mut();
-            scores.clear();
-            scores.extend((0..=pos).map(|p| {
-                let base = seq.kv.slot(p) * kv_width + kv_head * hd;
-                dot(qv, &keys[base..base + hd]) * shape.scale
-            }));
-            softmax_in_place(&mut scores);
-            ov.fill(0.0);
-            for (p, &w) in scores.iter().enumerate() {
-                let base = seq.kv.slot(p) * kv_width + kv_head * hd;
-                axpy(w, &values[base..base + hd], ov);
-            }
-        });
+        let row = seq.start + t / head_tasks;
+        let first_head = (t % head_tasks) * heads_per_task;
+        for head in first_head..first_head + heads_per_task {
+            let pos = seq.context_len + (row - seq.start);
+            let kv_head = head / group;
+            let qv = &q[row * q_stride + head * hd..row * q_stride + (head + 1) * hd];
+            // SAFETY: (row, head) belongs to this task alone, so this slice is written by nobody else.
+            let ov = unsafe {
+                std::slice::from_raw_parts_mut(out_ptr.get().add(row * q_width + head * hd), hd)
+            };
+            SCORES.with(|scores| {
+                let mut scores = scores.borrow_mut();
+                #[cfg(target_arch = "x86_64")]
+                if row_kernel {
+                    // SAFETY: `use_blocks` checked AVX-512F, `supported` the head_dim;
+                    // qv and ov hold head_dim floats; the KV mapping's slots index
+                    // keys/values as in the generic path below (bounds-checked there too).
+                    unsafe {
+                        attention_row::row(
+                            shape,
+                            seq,
+                            kv_head,
+                            pos,
+                            qv.as_ptr(),
+                            keys,
+                            values,
+                            &mut scores,
+                            ov.as_mut_ptr(),
+                        )
+                    };
+                    return;
+                }
+                scores.clear();
+                scores.extend((0..=pos).map(|p| {
+                    let base = seq.kv.slot(p) * kv_width + kv_head * hd;
+                    dot(qv, &keys[base..base + hd]) * shape.scale
+                }));
+                softmax_in_place(&mut scores);
+                ov.fill(0.0);
+                for (p, &w) in scores.iter().enumerate() {
+                    let base = seq.kv.slot(p) * kv_width + kv_head * hd;
+                    axpy(w, &values[base..base + hd], ov);
+                }
+            });
+        }
     });
 }
 
@@ -217,6 +253,48 @@ mod tests {
             }
         }
         out
+    }
+
+    /// Enough decode rows that each task takes a whole KV head group (also
+    /// through the paged mapping); hd 24 takes the generic path.
+    #[test]
+    fn many_decode_rows_match_reference() {
+        let pool = ThreadPool::new(2);
+        for &(h, kvh, hd) in &[(9usize, 3usize, 64usize), (4, 2, 32), (6, 2, 24)] {
+            let shape = AttnShape {
+                n_heads: h,
+                n_kv_heads: kvh,
+                head_dim: hd,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            let tables: Vec<Vec<u32>> = (0..8u32).map(|i| vec![i + 1, 20 - i, 9 + i]).collect();
+            let seqs: Vec<AttnSeq<'_>> = tables
+                .iter()
+                .enumerate()
+                .map(|(i, t)| AttnSeq {
+                    start: i,
+                    len: 1,
+                    context_len: 3 * i + 2,
+                    kv: KvMapping::Blocks {
+                        table: t,
+                        block_size: 8,
+                    },
+                })
+                .collect();
+            let rows = seqs.len();
+            let q = values(rows * h * hd, 4);
+            let keys = values(200 * kvh * hd, 5);
+            let vals = values(200 * kvh * hd, 6);
+            let mut out = vec![f32::NAN; rows * h * hd];
+            attention(&pool, &shape, &seqs, &q, h * hd, &keys, &vals, &mut out);
+            let want = reference(&shape, &seqs, &q, &keys, &vals, rows);
+            for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+                assert!(
+                    (a - b).abs() < 1e-5,
+                    "h={h} kvh={kvh} hd={hd} #{i}: {a} vs {b}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -4,12 +4,16 @@
 //! Few activation rows (decode, small batches): a register tile of up to 4
 //! activation rows × 4 weight rows accumulates 16 dot products at once, so
 //! each weight vector loaded feeds 4 FMAs. Many rows (prefill) on AVX-512: the
-//! packed GEMM of `gemm.rs`. Q8_0 weights: the int8 kernels of
+//! packed GEMM of `gemm.rs`. BF16 weights repacked at load
+//! ([`Matrix::into_cpu_layout`]) run the kernels of `bf16_kernels.rs` for
+//! any number of rows instead. Q8_0 weights: the int8 kernels of
 //! `q8_kernels.rs`; int4 weights (AWQ/GPTQ) the kernels of `q4_kernels.rs`
 //! (act-order weights get their inputs permuted first). Work is split over output-column blocks, so several
 //! weights (q/k/v or gate/up) run as one parallel job writing side by side
 //! into one output row.
 
+use super::bf16::{PackedBf16, BLOCK_ROWS as BF16_BLOCK_ROWS};
+use super::bf16_kernels::bf16_blocks;
 use super::elem::{Bf16, WeightElem, F16};
 use super::gemm;
 use super::isa::{isa, Isa};
@@ -19,6 +23,7 @@ use super::q8::{Q8Matrix, QActs, BLOCK_ROWS};
 use super::q8_kernels::{q8_blocks, q8_isa};
 use super::threadpool::ThreadPool;
 use crate::tensor::HostSlice;
+use crate::Result;
 use std::cell::RefCell;
 
 #[cfg(target_arch = "x86_64")]
@@ -28,6 +33,9 @@ pub enum MatrixData {
     F32(HostSlice<f32>),
     F16(HostSlice<F16>),
     BF16(HostSlice<Bf16>),
+    /// BF16 repacked for the kernels (see [`PackedBf16`]); made once at load
+    /// by [`Matrix::into_cpu_layout`].
+    BF16Packed(PackedBf16),
     /// Int8 weights with per-group scales (see [`Q8Matrix`]).
     Q8_0(Q8Matrix),
     /// Int4 weights with per-group scales and zeros (see [`Q4Matrix`]).
@@ -46,7 +54,7 @@ impl Matrix {
         match self.data {
             MatrixData::F32(_) => "f32",
             MatrixData::F16(_) => "f16",
-            MatrixData::BF16(_) => "bf16",
+            MatrixData::BF16(_) | MatrixData::BF16Packed(_) => "bf16",
             MatrixData::Q8_0(_) => "q8_0",
             MatrixData::Q4(_) => "int4",
         }
@@ -59,6 +67,7 @@ impl Matrix {
             MatrixData::F32(d) => out.copy_from_slice(&d[range]),
             MatrixData::F16(d) => widen(&d[range], out),
             MatrixData::BF16(d) => widen(&d[range], out),
+            MatrixData::BF16Packed(p) => p.row_to_f32(r, out),
             MatrixData::Q8_0(q) => q.row_to_f32(r, out),
             MatrixData::Q4(q) => q.row_to_f32(r, out),
         }
@@ -69,9 +78,23 @@ impl Matrix {
         match &self.data {
             MatrixData::F32(_) => self.rows * self.cols * 4,
             MatrixData::F16(_) | MatrixData::BF16(_) => self.rows * self.cols * 2,
+            MatrixData::BF16Packed(p) => p.size_in_bytes(),
             MatrixData::Q8_0(q) => q.size_in_bytes(),
             MatrixData::Q4(q) => q.size_in_bytes(),
         }
+    }
+
+    /// The matrix in the layout the CPU kernels read fastest: BF16 weights
+    /// are repacked (a copy; the mapped checkpoint is no longer referenced),
+    /// every other dtype is returned as is. Call once at load, for CPU
+    /// inference only (other backends read `MatrixData::BF16` directly).
+    pub fn into_cpu_layout(self) -> Result<Matrix> {
+        let Matrix { rows, cols, data } = self;
+        let data = match data {
+            MatrixData::BF16(d) => MatrixData::BF16Packed(PackedBf16::pack(rows, cols, &d)?),
+            other => other,
+        };
+        Ok(Matrix { rows, cols, data })
     }
 }
 
@@ -96,6 +119,8 @@ impl OutPtr {
 }
 
 const MAX_SEGMENTS: usize = 4;
+// Column blocks of every task start a packed block of either format.
+const _: () = assert!(BF16_BLOCK_ROWS == BLOCK_ROWS && gemm::NR.is_multiple_of(BLOCK_ROWS));
 /// Activation rows from which dense weights go through the packed GEMM.
 const GEMM_MIN_ROWS: usize = 8;
 
@@ -229,7 +254,14 @@ fn matmul_with(
     let n_here: usize = weights.iter().map(|w| w.rows).sum();
     assert!(offset + n_here <= n_total && out.len() >= m * n_total);
     let isa = isa();
-    let use_gemm = isa == Isa::Avx512 && m >= GEMM_MIN_ROWS;
+    let use_gemm = isa == Isa::Avx512
+        && m >= GEMM_MIN_ROWS
+        && weights.iter().any(|w| {
+            matches!(
+                w.data,
+                MatrixData::F32(_) | MatrixData::F16(_) | MatrixData::BF16(_)
+            )
+        });
     let block = if use_gemm {
         gemm::NR
     } else {
@@ -276,6 +308,10 @@ fn matmul_with(
                 MatrixData::F32(d) => run_block(isa, x, m, k, d, c0, c1, out_base, n_total),
                 MatrixData::F16(d) => run_block(isa, x, m, k, d, c0, c1, out_base, n_total),
                 MatrixData::BF16(d) => run_block(isa, x, m, k, d, c0, c1, out_base, n_total),
+                MatrixData::BF16Packed(p) => {
+                    let (b0, b1) = (c0 / BF16_BLOCK_ROWS, c1.div_ceil(BF16_BLOCK_ROWS));
+                    bf16_blocks(isa, x, m, p, b0, b1, out_base, n_total)
+                }
                 MatrixData::Q8_0(q) => {
                     let qa = acts.q8.expect("activations quantized for Q8_0 weights");
                     let (b0, b1) = (c0 / BLOCK_ROWS, c1.div_ceil(BLOCK_ROWS));
@@ -563,6 +599,10 @@ mod tests {
                     want.clone(),
                 ),
                 (
+                    MatrixData::BF16Packed(PackedBf16::pack(n, k, &bf).unwrap()),
+                    reference(&x, m, k, &bf_f32, n),
+                ),
+                (
                     MatrixData::BF16(HostSlice::from_vec(bf)),
                     reference(&x, m, k, &bf_f32, n),
                 ),
@@ -666,6 +706,94 @@ mod tests {
                         "m={m} b {r},{c}"
                     );
                 }
+            }
+        }
+    }
+}
+
+/// Timing, not a check: `cargo test --release --lib bench_bf16_layouts --
+/// --ignored --nocapture` (`BENCH_ROWS=1,16`). SmolLM2-135M's matrices (30
+/// layers + LM head, 269 MB per layout, so nothing stays cached) as raw BF16
+/// and packed, interleaved, 2 threads.
+#[cfg(test)]
+mod bench {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    #[ignore]
+    fn bench_bf16_layouts() {
+        let pool = ThreadPool::new(2);
+        let (d, inter, layers, vocab) = (576, 1536, 30, 49152);
+        let mut seed = 1u32;
+        let mut mat = |rows: usize, cols: usize| {
+            let w: Vec<Bf16> = (0..rows * cols)
+                .map(|_| {
+                    seed = seed.wrapping_mul(1664525).wrapping_add(1013904223);
+                    Bf16(half::bf16::from_f32(((seed >> 9) % 2000) as f32 / 1e5).to_bits())
+                })
+                .collect();
+            let raw = Matrix {
+                rows,
+                cols,
+                data: MatrixData::BF16(HostSlice::from_vec(w)),
+            };
+            let packed = Matrix {
+                rows,
+                cols,
+                data: match &raw.data {
+                    MatrixData::BF16(d) => {
+                        MatrixData::BF16Packed(PackedBf16::pack(rows, cols, d).unwrap())
+                    }
+                    _ => unreachable!(),
+                },
+            };
+            (raw, packed)
+        };
+        // Per layer: qkv (960 × 576), o (576 × 576), gate+up (2 × 1536 × 576), down (576 × 1536).
+        let mut all = Vec::new();
+        for _ in 0..layers {
+            all.push(vec![mat(960, d)]);
+            all.push(vec![mat(d, d)]);
+            all.push(vec![mat(inter, d), mat(inter, d)]);
+            all.push(vec![mat(d, inter)]);
+        }
+        all.push(vec![mat(vocab, d)]);
+        let rows: Vec<usize> = std::env::var("BENCH_ROWS")
+            .unwrap_or_else(|_| "1,16".into())
+            .split(',')
+            .map(|v| v.parse().unwrap())
+            .collect();
+        let bytes: usize = all.iter().flatten().map(|(r, _)| r.size_in_bytes()).sum();
+        for &m in &rows {
+            let x: Vec<f32> = (0..m * inter).map(|i| (i % 7) as f32 * 0.1).collect();
+            let mut out = vec![0f32; m * vocab];
+            let mut times = [Vec::new(), Vec::new()];
+            for rep in 0..6 {
+                for (which, t) in times.iter_mut().enumerate() {
+                    let start = Instant::now();
+                    for ws in &all {
+                        let ms: Vec<&Matrix> = ws
+                            .iter()
+                            .map(|p| if which == 0 { &p.0 } else { &p.1 })
+                            .collect();
+                        matmul(&pool, &x, m, &ms, &mut out);
+                    }
+                    if rep > 0 {
+                        t.push(start.elapsed().as_secs_f64());
+                    }
+                }
+            }
+            for (name, t) in ["raw", "packed"].iter().zip(&mut times) {
+                t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                let med = t[t.len() / 2];
+                println!(
+                    "m={m:>3} {name:>6}: {:.2} ms per pass (median of {}), {:.1} GB/s, {:.1} GFLOP/s",
+                    med * 1e3,
+                    t.len(),
+                    bytes as f64 / med / 1e9,
+                    2.0 * m as f64 * (bytes / 2) as f64 / med / 1e9
+                );
             }
         }
     }

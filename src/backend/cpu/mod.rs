@@ -3,6 +3,9 @@
 
 pub mod attention;
 mod attention_block;
+mod attention_row;
+pub mod bf16;
+pub mod bf16_kernels;
 pub mod elem;
 mod gemm;
 pub mod isa;
@@ -15,6 +18,7 @@ pub mod q8_kernels;
 pub mod threadpool;
 pub mod vector;
 
+pub use bf16::PackedBf16;
 pub use matmul::{matmul, Matrix, MatrixData};
 pub use q4::Q4Matrix;
 pub use q8::Q8Matrix;
