@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: set-up, formatting, Rust tests
-# (unit, goldens against transformers, bad files, engine, C ABI misuse), then
-# the packaging check (CMake package, C/C++ examples, valgrind, Go binding).
+# (unit, goldens against transformers, bad files, engine, C ABI misuse), the
+# CUDA kernels' NVRTC compile, then the packaging check (CMake package, C/C++
+# examples, valgrind, Go binding).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NANOINFER_SETUP_BF16=1 NANOINFER_SETUP_PACKAGING=1 bash scripts/setup.sh
@@ -9,5 +10,7 @@ echo "== cargo fmt --check" >&2
 cargo fmt --all -- --check
 echo "== cargo test --release" >&2
 cargo test --release
+echo "== scripts/check_kernels.py (CUDA kernels compile with NVRTC)" >&2
+python3 scripts/check_kernels.py
 echo "== scripts/test_packaging.sh" >&2
 bash scripts/test_packaging.sh

@@ -11,6 +11,7 @@ use crate::backend::cuda::{
     ActDType, CudaDevice, DeviceBuffer, GemmDType, GemvFamily, GemvOut, Graph, KArg,
 };
 use crate::backend::Device;
+use crate::memory::DeviceMemory;
 use crate::{bail_arg, Error, ErrorKind, Result};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -444,6 +445,17 @@ impl DeviceDecoder for CudaDecoder {
                 ),
             )
         })
+    }
+    fn memory(&self, shape: &ContextShape) -> DeviceMemory {
+        // Unknown (0) only if the driver cannot answer, which the session's
+        // budget computation would already have reported.
+        let (available, total) = self.dev.memory_info().unwrap_or((0, 0));
+        DeviceMemory {
+            total_bytes: total,
+            available_bytes: available,
+            weights_bytes: self.resident_bytes,
+            workspace_bytes: self.workspace_bytes(shape),
+        }
     }
     fn new_context(self: Arc<Self>, shape: &ContextShape) -> Result<Box<dyn ForwardContext>> {
         let c = &self.config;
