@@ -41,6 +41,18 @@ struct Layer {
     down: Matrix,
 }
 
+impl Layer {
+    /// Bytes of the layer's projection matrices.
+    fn matrix_bytes(&self) -> usize {
+        [
+            &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
+        ]
+        .iter()
+        .map(|m| m.size_in_bytes())
+        .sum()
+    }
+}
+
 pub struct Decoder {
     pub config: ModelConfig,
     embed: Matrix,
@@ -151,16 +163,7 @@ impl Decoder {
 
     /// Bytes of weight data one decode step streams (for bandwidth reports).
     pub fn weight_bytes(&self) -> usize {
-        let layer_bytes: usize = self
-            .layers
-            .iter()
-            .map(|l| {
-                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
-                    .iter()
-                    .map(|m| m.size_in_bytes())
-                    .sum::<usize>()
-            })
-            .sum();
+        let layer_bytes: usize = self.layers.iter().map(Layer::matrix_bytes).sum();
         // The embedding table is streamed only when it doubles as the LM head;
         // otherwise a step reads one row per token.
         layer_bytes + self.lm_head.as_ref().unwrap_or(&self.embed).size_in_bytes()
@@ -174,10 +177,7 @@ impl Decoder {
             .layers
             .iter()
             .map(|l| {
-                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
-                    .iter()
-                    .map(|m| m.size_in_bytes())
-                    .sum::<usize>()
+                l.matrix_bytes()
                     + (l.input_norm.len() + l.post_norm.len()) * 4
                     + vec_bytes(&l.qkv_bias)
                     + vec_bytes(&l.o_bias)

@@ -212,6 +212,28 @@ mod tests {
 
     /// Causal GQA attention in f64, straight from the definition.
     #[allow(clippy::too_many_arguments)]
+    /// Runs `attention` and compares every output with `reference`.
+    fn check_against_reference(
+        pool: &ThreadPool,
+        shape: &AttnShape,
+        seqs: &[AttnSeq<'_>],
+        q: &[f32],
+        keys: &[f32],
+        vals: &[f32],
+        rows: usize,
+    ) {
+        let (h, kvh, hd) = (shape.n_heads, shape.n_kv_heads, shape.head_dim);
+        let mut out = vec![f32::NAN; rows * h * hd];
+        attention(pool, shape, seqs, q, h * hd, keys, vals, &mut out);
+        let want = reference(shape, seqs, q, keys, vals, rows);
+        for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+            assert!(
+                (a - b).abs() < 1e-5,
+                "h={h} kvh={kvh} hd={hd} #{i}: {a} vs {b}"
+            );
+        }
+    }
+
     fn reference(
         shape: &AttnShape,
         seqs: &[AttnSeq<'_>],
@@ -285,15 +307,7 @@ mod tests {
             let q = values(rows * h * hd, 4);
             let keys = values(200 * kvh * hd, 5);
             let vals = values(200 * kvh * hd, 6);
-            let mut out = vec![f32::NAN; rows * h * hd];
-            attention(&pool, &shape, &seqs, &q, h * hd, &keys, &vals, &mut out);
-            let want = reference(&shape, &seqs, &q, &keys, &vals, rows);
-            for (i, (a, b)) in out.iter().zip(&want).enumerate() {
-                assert!(
-                    (a - b).abs() < 1e-5,
-                    "h={h} kvh={kvh} hd={hd} #{i}: {a} vs {b}"
-                );
-            }
+            check_against_reference(&pool, &shape, &seqs, &q, &keys, &vals, rows);
         }
     }
 
@@ -328,15 +342,7 @@ mod tests {
             let q = values(rows * h * hd, 1);
             let keys = values(130 * kvh * hd, 2);
             let vals = values(130 * kvh * hd, 3);
-            let mut out = vec![f32::NAN; rows * h * hd];
-            attention(&pool, &shape, &seqs, &q, h * hd, &keys, &vals, &mut out);
-            let want = reference(&shape, &seqs, &q, &keys, &vals, rows);
-            for (i, (a, b)) in out.iter().zip(&want).enumerate() {
-                assert!(
-                    (a - b).abs() < 1e-5,
-                    "h={h} kvh={kvh} hd={hd} #{i}: {a} vs {b}"
-                );
-            }
+            check_against_reference(&pool, &shape, &seqs, &q, &keys, &vals, rows);
         }
     }
 }

@@ -292,18 +292,7 @@ unsafe fn tile_avx2<const R: usize>(t: Tile) {
 mod tests {
     use super::*;
     use crate::backend::cpu::elem::{Bf16, WeightElem};
-
-    fn pseudo_random(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s % 2000) as f32 / 1000.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::backend::cpu::matmul::tests::pseudo_random;
 
     fn isas() -> Vec<Isa> {
         let mut v = vec![Isa::Scalar];

@@ -540,7 +540,7 @@ unsafe fn hsum256(v: __m256) -> f32 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn reference(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
@@ -555,7 +555,8 @@ mod tests {
         out
     }
 
-    fn pseudo_random(n: usize, seed: u32) -> Vec<f32> {
+    /// Deterministic values in [-1, 1) (xorshift), shared by the kernel tests.
+    pub(crate) fn pseudo_random(n: usize, seed: u32) -> Vec<f32> {
         let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
         (0..n)
             .map(|_| {
