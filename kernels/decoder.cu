@@ -110,25 +110,11 @@ __device__ __forceinline__ unsigned pack_raw(raw16 lo, raw16 hi) {
 }
 
 // out[r] = table[tokens[r]]; grid = rows.
-// With `ss` (decode steps that keep the residual stream in the GEMVs), also
-// ss[r] = sum of squares of the row (the first norm's input) and zeroes the
-// later slots ss[t * ss_stride + r], t < ss_slots, that residual-adding GEMVs
-// accumulate into.
-extern "C" __global__ void embed(const raw16* table, const unsigned* tokens, raw16* out, int d,
-                                 float* ss, int ss_stride, int ss_slots) {
+extern "C" __global__ void embed(const raw16* table, const unsigned* tokens, raw16* out, int d) {
     GRID_DEP_ENTER();
     const raw16* src = table + (size_t)tokens[blockIdx.x] * d;
     raw16* dst = out + (size_t)blockIdx.x * d;
-    float sq = 0.f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        dst[i] = src[i];
-        const float v = to_f(src[i]);
-        sq += v * v;
-    }
-    if (!ss) return;
-    sq = block_sum(sq);
-    if (threadIdx.x == 0) ss[blockIdx.x] = sq;
-    for (int t = 1 + threadIdx.x; t < ss_slots; t += blockDim.x) ss[(size_t)t * ss_stride + blockIdx.x] = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) dst[i] = src[i];
 }
 
 #define NORM_PER_THREAD 16  // d <= NORM_PER_THREAD * blockDim.x (the host checks)
@@ -521,12 +507,11 @@ __device__ __forceinline__ void prefetch_row(const raw16* w, int k) {
 // lane streams 16-byte chunks of the weight rows once; the few activation
 // rows come from cache. k must be a multiple of 8. With NORM, x holds
 // residual rows and the dot products take rmsnorm(x) * nw instead, rounded
-// as add_rms_norm rounds; ss[r] is row r's sum of squares, accumulated by
-// the kernel that wrote the residual (no separate norm kernel per decode step).
+// as add_rms_norm rounds (each warp first sums the squares of its rows:
+// cheaper than a separate norm kernel for a decode batch).
 template <int R, int W, bool NORM>
 __device__ __forceinline__ void warp_dots(const raw16* x, const raw16* const (&wr)[W], int k,
-                                          float (&acc)[W][R], const raw16* nw, const float* ss,
-                                          float eps) {
+                                          float (&acc)[W][R], const raw16* nw, float eps) {
     const int lane = threadIdx.x & 31;
     const int chunks = k >> 3;
 #pragma unroll
@@ -536,7 +521,16 @@ __device__ __forceinline__ void warp_dots(const raw16* x, const raw16* const (&w
     float rstd[R];
     if (NORM) {
 #pragma unroll
-        for (int r = 0; r < R; r++) rstd[r] = rsqrtf(ss[r] / k + eps);
+        for (int r = 0; r < R; r++) {
+            float ss = 0.f;
+            for (int c = lane; c < chunks; c += 32) {
+                float xf[8];
+                unpack8(__ldg((const uint4*)(x + (size_t)r * k) + c), xf);
+#pragma unroll
+                for (int e = 0; e < 8; e++) ss += xf[e] * xf[e];
+            }
+            rstd[r] = rsqrtf(warp_sum(ss) / k + eps);
+        }
     }
 #pragma unroll 4
     for (int c = lane; c < chunks; c += 32) {
@@ -598,25 +592,23 @@ __device__ __forceinline__ void warp_dots(const raw16* x, const raw16* const (&w
 
 template <int R, bool NORM>
 __device__ void gemv_rows(const raw16* x, const raw16* w, void* y, int n, int k, int mode,
-                          const raw16* nw, float* ss, float eps) {
+                          const raw16* nw, float eps) {
     const int j = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     if (j >= n) return;
     const raw16* wr[1] = {w + (size_t)j * k};
     prefetch_row(wr[0], k);
     grid_dep_wait();
     float acc[1][R];
-    warp_dots<R, 1, NORM>(x, wr, k, acc, nw, ss, eps);
+    warp_dots<R, 1, NORM>(x, wr, k, acc, nw, eps);
     if ((threadIdx.x & 31) == 0) {
 #pragma unroll
         for (int r = 0; r < R; r++) {
             const size_t o = (size_t)r * n + j;
-            if (mode == GEMV_OUT_F32) {
+            if (mode == GEMV_OUT_F32)
                 ((float*)y)[o] = acc[0][r];
-            } else if (mode == GEMV_OUT_RESIDUAL) {
-                const raw16 v = from_f(to_f(((raw16*)y)[o]) + rnd(acc[0][r]));
-                ((raw16*)y)[o] = v;
-                if (ss) atomicAdd(ss + r, to_f(v) * to_f(v));  // the next norm's input
-            } else
+            else if (mode == GEMV_OUT_RESIDUAL)
+                ((raw16*)y)[o] = from_f(to_f(((raw16*)y)[o]) + rnd(acc[0][r]));
+            else
                 ((raw16*)y)[o] = from_f(acc[0][r]);
         }
     }
@@ -624,15 +616,13 @@ __device__ void gemv_rows(const raw16* x, const raw16* w, void* y, int n, int k,
 
 // y[r, j] = sum_k x[r, k] * w[j, k] for rows r < R <= GEMV_MAX_ROWS (decode
 // batches), one weight row per warp; `mode` is a GEMV_OUT_*; with nw, x is
-// residual rows normed on the fly with the sums of squares in ss (see
-// warp_dots); a residual add accumulates the new rows' sums of squares into
-// ss (when given).
+// residual rows normed on the fly (see warp_dots).
 // grid = ceil(n / GEMV_WARPS), block = 32 * GEMV_WARPS.
-#define GEMV_CALL_PLAIN(R) gemv_rows<R, false>(x, w, y, n, k, mode, nw, ss, eps)
-#define GEMV_CALL_NORM(R) gemv_rows<R, true>(x, w, y, n, k, mode, nw, ss, eps)
+#define GEMV_CALL_PLAIN(R) gemv_rows<R, false>(x, w, y, n, k, mode, nw, eps)
+#define GEMV_CALL_NORM(R) gemv_rows<R, true>(x, w, y, n, k, mode, nw, eps)
 #define GEMV_KERNEL(NAME, SWITCH)                                                                 \
     extern "C" __global__ void NAME(const raw16* x, const raw16* w, void* y, int n, int k,        \
-                                    int rows, int mode, const raw16* nw, float* ss, float eps) {  \
+                                    int rows, int mode, const raw16* nw, float eps) {             \
         GEMV_DISPATCH(SWITCH, rows, nw, GEMV_CALL)                                               \
     }
 GEMV_KERNEL(gemv, GEMV_ROWS_SWITCH)
@@ -642,7 +632,7 @@ GEMV_KERNEL(gemv_r1, GEMV_ONE_ROW)
 #undef GEMV_CALL_NORM
 template <int R, bool NORM>
 __device__ void gemv_swiglu_rows(const raw16* x, const raw16* w, raw16* out, int inter, int k,
-                                 const raw16* nw, const float* ss, float eps) {
+                                 const raw16* nw, float eps) {
     const int j = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     if (j >= inter) return;
     const raw16* wr[2] = {w + (size_t)j * k, w + (size_t)(inter + j) * k};
@@ -650,7 +640,7 @@ __device__ void gemv_swiglu_rows(const raw16* x, const raw16* w, raw16* out, int
     prefetch_row(wr[1], k);
     grid_dep_wait();
     float acc[2][R];
-    warp_dots<R, 2, NORM>(x, wr, k, acc, nw, ss, eps);
+    warp_dots<R, 2, NORM>(x, wr, k, acc, nw, eps);
     if ((threadIdx.x & 31) == 0) {
 #pragma unroll
         for (int r = 0; r < R; r++)
@@ -663,11 +653,11 @@ __device__ void gemv_swiglu_rows(const raw16* x, const raw16* w, raw16* out, int
 // ([2 * inter, k]). Each warp streams gate row j and up row j. With nw, x is
 // residual rows normed on the fly. grid = ceil(inter / GEMV_WARPS), block =
 // 32 * GEMV_WARPS.
-#define GEMV_CALL_PLAIN(R) gemv_swiglu_rows<R, false>(x, w, out, inter, k, nw, ss, eps)
-#define GEMV_CALL_NORM(R) gemv_swiglu_rows<R, true>(x, w, out, inter, k, nw, ss, eps)
+#define GEMV_CALL_PLAIN(R) gemv_swiglu_rows<R, false>(x, w, out, inter, k, nw, eps)
+#define GEMV_CALL_NORM(R) gemv_swiglu_rows<R, true>(x, w, out, inter, k, nw, eps)
 #define GEMV_KERNEL(NAME, SWITCH)                                                                 \
     extern "C" __global__ void NAME(const raw16* x, const raw16* w, raw16* out, int inter, int k, \
-                                    int rows, const raw16* nw, const float* ss, float eps) {      \
+                                    int rows, const raw16* nw, float eps) {                       \
         GEMV_DISPATCH(SWITCH, rows, nw, GEMV_CALL)                                               \
     }
 GEMV_KERNEL(gemv_swiglu, GEMV_ROWS_SWITCH)
@@ -679,7 +669,7 @@ template <int R, bool NORM>
 __device__ void gemv_qkv_rope_rows(const raw16* x, const raw16* w, const raw16* bias, raw16* qkv,
                                    const float2* cs, const unsigned* slots, raw16* k_cache,
                                    raw16* v_cache, int nq, int nkv, int hd, int k,
-                                   const raw16* nw, const float* ss, float eps) {
+                                   const raw16* nw, float eps) {
     const int u = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const int half = hd / 2, width = nq + 2 * nkv, rope_units = (nq + nkv) / 2;
     if (u >= width / 2) return;
@@ -698,7 +688,7 @@ __device__ void gemv_qkv_rope_rows(const raw16* x, const raw16* w, const raw16* 
     prefetch_row(wr[1], k);
     grid_dep_wait();
     float acc[2][R];
-    warp_dots<R, 2, NORM>(x, wr, k, acc, nw, ss, eps);
+    warp_dots<R, 2, NORM>(x, wr, k, acc, nw, eps);
     if ((threadIdx.x & 31) != 0) return;
 #pragma unroll
     for (int r = 0; r < R; r++) {
@@ -731,14 +721,14 @@ __device__ void gemv_qkv_rope_rows(const raw16* x, const raw16* w, const raw16* 
 // warp streams the two weight rows of one rope pair or two v columns.
 // grid = ceil((nq + 2 * nkv) / 2 / GEMV_WARPS), block = 32 * GEMV_WARPS.
 #define GEMV_CALL_PLAIN(R) \
-    gemv_qkv_rope_rows<R, false>(x, w, bias, qkv, cs, slots, k_cache, v_cache, nq, nkv, hd, k, nw, ss, eps)
+    gemv_qkv_rope_rows<R, false>(x, w, bias, qkv, cs, slots, k_cache, v_cache, nq, nkv, hd, k, nw, eps)
 #define GEMV_CALL_NORM(R) \
-    gemv_qkv_rope_rows<R, true>(x, w, bias, qkv, cs, slots, k_cache, v_cache, nq, nkv, hd, k, nw, ss, eps)
+    gemv_qkv_rope_rows<R, true>(x, w, bias, qkv, cs, slots, k_cache, v_cache, nq, nkv, hd, k, nw, eps)
 #define GEMV_KERNEL(NAME, SWITCH)                                                                 \
     extern "C" __global__ void NAME(const raw16* x, const raw16* w, const raw16* bias, raw16* qkv, \
                                     const float2* cs, const unsigned* slots, raw16* k_cache,       \
                                     raw16* v_cache, int nq, int nkv, int hd, int k, int rows,      \
-                                    const raw16* nw, const float* ss, float eps) {                 \
+                                    const raw16* nw, float eps) {                                  \
         GEMV_DISPATCH(SWITCH, rows, nw, GEMV_CALL)                                                \
     }
 GEMV_KERNEL(gemv_qkv_rope, GEMV_ROWS_SWITCH)

@@ -298,8 +298,6 @@ struct Workspace {
     part_ml: DeviceBuffer<f32>,
     /// (cos, sin) per row and rotary frequency of this step (rope_table).
     rope_cs: DeviceBuffer<f32>,
-    /// Per-row sums of squares of each norm's input, `[2 * layers + 1][max_rows]`.
-    row_ss: DeviceBuffer<f32>,
     /// Step inputs (tokens, slots, positions, tables), uploaded once per step.
     inputs: DeviceBuffer<u32>,
     /// Greedy token ids of the logits rows.
@@ -311,7 +309,7 @@ struct Workspace {
 /// Sizes of the workspace buffers in elements, in field order.
 struct WorkspaceSizes {
     act16: [usize; 8],
-    f32s: [usize; 5],
+    f32s: [usize; 4],
     inputs: usize,
 }
 
@@ -366,7 +364,6 @@ impl CudaDecoder {
                 self.attn_partials() * hd,
                 self.attn_partials() * 2,
                 r * hd,
-                r * (2 * c.num_layers + 1),
             ],
             // Tokens, write slots, positions, table offsets, logits rows and
             // the slot lists: one entry per cached position, plus room for
@@ -397,7 +394,6 @@ impl CudaDecoder {
             part_o: dev.alloc::<f32>(s.f32s[1])?,
             part_ml: dev.alloc::<f32>(s.f32s[2])?,
             rope_cs: dev.alloc::<f32>(s.f32s[3])?,
-            row_ss: dev.alloc::<f32>(s.f32s[4])?,
             inputs: dev.alloc::<u32>(s.inputs)?,
             argmax: dev.alloc::<u32>(shape.max_logits_rows.max(1))?,
             argmax_part: dev.alloc::<u64>(shape.max_logits_rows.max(1) * ARGMAX_SPLITS)?,
@@ -525,25 +521,8 @@ struct CudaForward {
 enum ProjInput {
     /// `normed`, already normalized.
     Normed,
-    /// The residual stream `hidden`, to normalize with the norm weight
-    /// `norm`; `sum_sq` holds the rows' sums of squares (see `sum_sq_slot`).
-    Residual { norm: u64, sum_sq: u64 },
-}
-
-/// An RMSNorm a GEMV applies to its input rows on the fly.
-#[derive(Debug, Clone, Copy)]
-struct InputNorm {
-    weight: u64,
-    /// The rows' sums of squares (device f32s).
-    sum_sq: u64,
-    eps: f32,
-}
-
-impl InputNorm {
-    /// The kernels' (nw, ss, eps) arguments; null pointers for no norm.
-    fn kernel_args(norm: Option<InputNorm>) -> (u64, u64, f32) {
-        norm.map_or((0, 0, 0.0), |n| (n.weight, n.sum_sq, n.eps))
-    }
+    /// The residual stream `hidden`, to normalize with this norm weight.
+    Residual(u64),
 }
 
 /// Where a forward's result goes.
@@ -838,17 +817,6 @@ impl CudaForward {
         }
     }
 
-    /// Slots of per-row sums of squares a decode step keeps: one per norm
-    /// input (two per layer; the last, the final norm's, is unused).
-    fn sum_sq_slots(&self) -> usize {
-        2 * self.model.config.num_layers + 1
-    }
-
-    /// Device address of slot `t` of the sums of squares (`max_rows` f32s).
-    fn sum_sq_slot(&self, t: usize) -> u64 {
-        self.ws.row_ss.at(t * self.max_rows)
-    }
-
     /// Whether a step of `rows` rows runs the residual stream through the
     /// GEMV epilogues (every projection a GEMV, no o_proj bias to add).
     fn residual_in_gemvs(&self, rows: usize) -> bool {
@@ -863,26 +831,19 @@ impl CudaForward {
     /// The rows a projection reads (x) and the norm it applies on the fly:
     /// only the GEMV kernels can norm on the fly, so otherwise the residual
     /// is normed into `normed` first.
-    /// Returns x, and (norm weight, sums of squares, eps) when the
-    /// projection norms x itself.
     fn projection_input(
         &self,
         input: ProjInput,
         rows: usize,
         fused: bool,
-    ) -> Result<(u64, Option<InputNorm>)> {
+    ) -> Result<(u64, Option<(u64, f32)>)> {
         let ws = &self.ws;
         match input {
             ProjInput::Normed => Ok((ws.normed.ptr(), None)),
-            ProjInput::Residual { norm, sum_sq } if fused => Ok((
-                ws.hidden.ptr(),
-                Some(InputNorm {
-                    weight: norm,
-                    sum_sq,
-                    eps: self.model.config.rms_norm_eps,
-                }),
-            )),
-            ProjInput::Residual { norm: nw, .. } => {
+            ProjInput::Residual(nw) if fused => {
+                Ok((ws.hidden.ptr(), Some((nw, self.model.config.rms_norm_eps))))
+            }
+            ProjInput::Residual(nw) => {
                 self.add_rms_norm(rows as u32, 0, KArg::Ptr(0), nw, ws.normed.ptr())?;
                 Ok((ws.normed.ptr(), None))
             }
@@ -909,7 +870,7 @@ impl CudaForward {
         let inp = |o: usize| KArg::Ptr(ws.inputs.at(o));
         let fused = dev.gemv_fits(rows, d) && layer.q_norm.is_none();
         let (x, norm) = self.projection_input(input, rows, fused)?;
-        let (nw, ss, eps) = InputNorm::kernel_args(norm);
+        let (nw, eps) = norm.unwrap_or((0, 0.0));
         if fused {
             return dev.launch_gemv(
                 GemvFamily::QkvRope,
@@ -930,7 +891,6 @@ impl CudaForward {
                     KArg::I32(d as i32),
                     KArg::I32(rows as i32),
                     KArg::Ptr(nw),
-                    KArg::Ptr(ss),
                     KArg::F32(eps),
                 ],
             );
@@ -1084,7 +1044,7 @@ impl CudaForward {
         let fused = dev.gemv_fits(rows, d);
         let (x, norm) = self.projection_input(input, rows, fused)?;
         if fused {
-            let (nw, ss, eps) = InputNorm::kernel_args(norm);
+            let (nw, eps) = norm.unwrap_or((0, 0.0));
             return dev.launch_gemv(
                 GemvFamily::SwiGlu,
                 inter,
@@ -1097,7 +1057,6 @@ impl CudaForward {
                     KArg::I32(d as i32),
                     KArg::I32(rows as i32),
                     KArg::Ptr(nw),
-                    KArg::Ptr(ss),
                     KArg::F32(eps),
                 ],
             );
@@ -1149,13 +1108,6 @@ impl CudaForward {
                 KArg::Ptr(ws.rope_cs.ptr()),
             ],
         )?;
-        // Decode batches keep the residual stream in the GEMVs: each norm is
-        // applied by the projection that reads it (from sums of squares the
-        // embedding and the residual-adding GEMVs accumulate), and the o /
-        // down GEMVs add their output into the residual. Other batches run
-        // norm kernels with the residual add fused in, and cuBLAS.
-        let in_gemv = self.residual_in_gemvs(rows);
-        let slots = self.sum_sq_slots();
         dev.launch(
             &k.embed,
             (r32, 1, 1),
@@ -1165,50 +1117,36 @@ impl CudaForward {
                 inp(inputs.tokens),
                 KArg::Ptr(ws.hidden.ptr()),
                 KArg::I32(d as i32),
-                KArg::Ptr(if in_gemv { ws.row_ss.ptr() } else { 0 }),
-                KArg::I32(self.max_rows as i32),
-                KArg::I32(slots as i32),
             ],
         )?;
+        // Decode batches keep the residual stream in the GEMVs: each norm is
+        // applied by the projection that reads it, and the o / down GEMVs add
+        // their output into the residual. Other batches run norm kernels with
+        // the residual add fused in, and cuBLAS.
+        let in_gemv = self.residual_in_gemvs(rows);
         for (li, layer) in m.layers.iter().enumerate() {
             let (kc, vc) = self.layer_kv(li);
             if in_gemv {
                 let hidden = ws.hidden.ptr();
-                let (attn_in, mlp_in, next_in) = (
-                    self.sum_sq_slot(2 * li),
-                    self.sum_sq_slot(2 * li + 1),
-                    self.sum_sq_slot(2 * li + 2),
-                );
-                let input = ProjInput::Residual {
-                    norm: layer.input_norm.ptr(),
-                    sum_sq: attn_in,
-                };
+                let input = ProjInput::Residual(layer.input_norm.ptr());
                 self.qkv_rope_kv_write(layer, inputs, (kc, vc), input)?;
                 self.attend(inputs, (kc, vc), splits)?;
-                let o_shape = (rows, d, nq);
                 dev.gemv(
                     ws.attn.ptr(),
                     layer.o.ptr(),
                     hidden,
-                    o_shape,
+                    (rows, d, nq),
                     GemvOut::ResidualAdd,
                     None,
-                    mlp_in,
                 )?;
-                let input = ProjInput::Residual {
-                    norm: layer.post_norm.ptr(),
-                    sum_sq: mlp_in,
-                };
-                self.gate_up_swiglu(layer, rows, input)?;
-                let down_shape = (rows, d, inter);
+                self.gate_up_swiglu(layer, rows, ProjInput::Residual(layer.post_norm.ptr()))?;
                 dev.gemv(
                     ws.act.ptr(),
                     layer.down.ptr(),
                     hidden,
-                    down_shape,
+                    (rows, d, inter),
                     GemvOut::ResidualAdd,
                     None,
-                    next_in,
                 )?;
                 continue;
             }

@@ -466,11 +466,8 @@ impl CudaDevice {
     }
 
     /// `y[rows, n] (op)= x[rows, k] · w[n, k]ᵀ` through the GEMV kernel
-    /// (`gemv_fits` must hold). `sum_sq` (a device address of `rows` f32s,
-    /// or 0) holds the rows' sums of squares: with `norm = (weight, eps)` x
-    /// holds residual rows and the product takes `rmsnorm(x) * weight`
-    /// (the sums read from `sum_sq`); with `GemvOut::ResidualAdd` the new
-    /// rows' sums are added into `sum_sq`, for the next norm.
+    /// (`gemv_fits` must hold). With `norm = (weight, eps)`, x holds residual
+    /// rows and the product takes `rmsnorm(x) * weight` instead.
     #[allow(clippy::too_many_arguments)]
     pub fn gemv(
         &self,
@@ -480,7 +477,6 @@ impl CudaDevice {
         (rows, n, k): (usize, usize, usize),
         out: GemvOut,
         norm: Option<(u64, f32)>,
-        sum_sq: u64,
     ) -> Result<()> {
         let (nw, eps) = norm.unwrap_or((0, 0.0));
         self.launch_gemv(
@@ -496,7 +492,6 @@ impl CudaDevice {
                 KArg::I32(rows as i32),
                 KArg::I32(out as i32),
                 KArg::Ptr(nw),
-                KArg::Ptr(sum_sq),
                 KArg::F32(eps),
             ],
         )
@@ -522,7 +517,7 @@ impl CudaDevice {
                 GemmDType::Act => GemvOut::Act,
                 GemmDType::F32 => GemvOut::F32,
             };
-            return self.gemv(x, w, y, (rows, n, k), out, None, 0);
+            return self.gemv(x, w, y, (rows, n, k), out, None);
         }
         self.timed(
             || format!("cublas {rows}x{n}x{k}"),
