@@ -69,7 +69,11 @@ fn run_with_faults(
             "{plan:?}: request after the faults differs from running alone"
         );
     }
-    assert_eq!(s.injected_faults(), counts, "a spent plan raised more faults");
+    assert_eq!(
+        s.injected_faults(),
+        counts,
+        "a spent plan raised more faults"
+    );
     (outcomes, counts)
 }
 
@@ -130,7 +134,10 @@ fn reference(model: &Arc<Model>) -> (Vec<Outcome>, usize) {
     let mut s = Session::new(model.clone(), sp).unwrap();
     let clean = run_all(&mut s, &workload());
     for (o, r) in clean.iter().zip(&reference) {
-        assert_eq!(o.tokens, r.tokens, "fault-free batched run differs from alone");
+        assert_eq!(
+            o.tokens, r.tokens,
+            "fault-free batched run differs from alone"
+        );
     }
     (reference, s.stats().steps as usize)
 }
@@ -360,7 +367,10 @@ fn faults_through_the_c_abi_end_requests_with_error_events() {
     assert!(errors >= 2, "both forward faults should hit requests");
     let st = stats(session);
     assert_eq!((st.running, st.waiting, st.kv_used_tokens), (0, 0, 0));
-    assert_eq!(st.kv_free_tokens + st.kv_cached_tokens, st.kv_capacity_tokens);
+    assert_eq!(
+        st.kv_free_tokens + st.kv_cached_tokens,
+        st.kv_capacity_tokens
+    );
     // Still serving.
     let id = add_tokens(session, &prompts[0], 6);
     let again = run_to_completion(session);

@@ -9,7 +9,7 @@ use crate::{Error, ErrorKind};
 /// at the start of the step, counting from 0).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FaultPlan {
-    /// At the first forward pass at or after each of these steps, the step
+    /// During each of these steps that runs a forward pass, the step
     /// workspace's memory pool is asked, mid-step (after the first buffer),
     /// for more memory than any pool can give: the pool's own
     /// out-of-memory error fails the forward pass. Contexts without a
@@ -18,7 +18,7 @@ pub struct FaultPlan {
     /// During each of these steps every KV allocation reports exhaustion
     /// (the cache behaves as if full).
     pub kv_exhausted_steps: Vec<u64>,
-    /// The first forward pass at or after each of these steps returns an
+    /// The forward pass of each of these steps (if it runs one) returns an
     /// error instead of running.
     pub forward_error_steps: Vec<u64>,
 }
@@ -86,12 +86,15 @@ impl FaultState {
     }
 }
 
-/// Pops the earliest entry (the last one) when it is due at `step`.
+/// Whether `step` is listed; drops the entries it passed (earliest last).
 fn take_due(steps: &mut Vec<u64>, step: u64) -> bool {
-    if steps.last().is_some_and(|&s| s <= step) {
+    let mut due = false;
+    while let Some(&s) = steps.last() {
+        if s > step {
+            break;
+        }
+        due |= s == step;
         steps.pop();
-        true
-    } else {
-        false
     }
+    due
 }

@@ -506,10 +506,12 @@ impl Session {
         if !self.scratch.plan.is_empty() {
             let injected = self.faults.as_mut().and_then(|f| {
                 let step = self.stats.steps;
-                if f.take_pool_failure(step) {
+                let error = f.take_forward_error(step);
+                // Armed only for a pass that runs (it would fire later).
+                if error.is_none() && f.take_pool_failure(step) {
                     self.ctx.fail_next_workspace_allocation();
                 }
-                f.take_forward_error(step)
+                error
             });
             let result = match injected {
                 Some(e) => Err(e),
