@@ -5,6 +5,8 @@
 //! Both read the fuzz input as a stream of bytes (zeros once it runs out)
 //! and drive a real `Session` on a tiny model.
 
+#![allow(dead_code)] // each target uses half of it
+
 use nanoinfer::engine::{
     FaultPlan, FinishReason, Model, PreemptionMode, RequestId, RequestParams, SchedulePolicyKind,
     Session, SessionParams,
