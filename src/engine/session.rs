@@ -11,6 +11,7 @@
 mod output;
 mod schedule;
 
+use super::faults::{FaultCounts, FaultPlan, FaultState};
 use super::model::Model;
 use super::policy::{create_policy, RankInput, SchedulePolicy, SchedulePolicyKind};
 use super::request::{Event, FinishReason, RequestId, RequestParams};
@@ -174,6 +175,8 @@ pub struct Session {
     stats: SessionStats,
     /// Scratch reused across steps.
     scratch: StepScratch,
+    /// Test-only fault injection (`inject_faults`); `None` in normal use.
+    faults: Option<Box<FaultState>>,
 }
 
 #[derive(Default)]
@@ -299,6 +302,7 @@ impl Session {
             next_arrival: 0,
             stats: SessionStats::default(),
             scratch,
+            faults: None,
             model,
             params,
         })
@@ -495,9 +499,25 @@ impl Session {
     pub fn step_into(&mut self, events: &mut Vec<Event>) -> Result<()> {
         self.scratch.spare_events.append(events);
         events.append(&mut self.pending);
+        if let Some(f) = self.faults.as_mut() {
+            f.begin_step(self.stats.steps);
+        }
         self.schedule(events);
         if !self.scratch.plan.is_empty() {
-            match self.run_forward() {
+            let injected = self.faults.as_mut().and_then(|f| {
+                let step = self.stats.steps;
+                let error = f.take_forward_error(step);
+                // Armed only for a pass that runs (it would fire later).
+                if error.is_none() && f.take_pool_failure(step) {
+                    self.ctx.fail_next_workspace_allocation();
+                }
+                error
+            });
+            let result = match injected {
+                Some(e) => Err(e),
+                None => self.run_forward(),
+            };
+            match result {
                 Ok(()) => self.finish_step(events),
                 Err(e) => self.fail_scheduled(&e, events),
             }
@@ -509,6 +529,29 @@ impl Session {
             }
         }
         Ok(())
+    }
+
+    /// TESTING ONLY: raises the faults of `plan` at the steps it names
+    /// (replacing any earlier plan). See [`FaultPlan`].
+    #[doc(hidden)]
+    pub fn inject_faults(&mut self, plan: FaultPlan) {
+        self.faults = Some(Box::new(FaultState::new(plan)));
+    }
+
+    /// TESTING ONLY: the faults raised so far under the current plan.
+    #[doc(hidden)]
+    pub fn injected_faults(&self) -> FaultCounts {
+        self.faults.as_ref().map(|f| f.counts).unwrap_or_default()
+    }
+
+    /// `kv.allocate`, unless an injected fault says the cache is exhausted.
+    fn kv_allocate(&mut self, id: RequestId, total: usize) -> bool {
+        if let Some(f) = self.faults.as_mut() {
+            if f.kv_allocation_fails() {
+                return false;
+            }
+        }
+        self.kv.allocate(id, total)
     }
 
     /// An empty event for `id`, recycled from an earlier step when one is spare.

@@ -49,3 +49,21 @@ fn force_panic(session: *mut ni_session) -> Result<()> {
 pub unsafe extern "C" fn ni_debug_force_panic(session: *mut ni_session) -> ni_status {
     ffi_call("ni_debug_force_panic", || force_panic(session))
 }
+
+/// TESTING ONLY (Rust tests; not part of the C ABI): installs a fault plan
+/// on the session behind a C handle, so the C-ABI tests can fail its pool,
+/// KV cache or forward pass at chosen steps (see
+/// [`Session::inject_faults`](crate::engine::Session::inject_faults)).
+///
+/// # Safety
+/// `session` is NULL or a live handle from `ni_session_create`.
+#[doc(hidden)]
+pub unsafe fn debug_inject_faults(
+    session: *mut ni_session,
+    plan: crate::engine::FaultPlan,
+) -> Result<()> {
+    // SAFETY: the caller passes NULL (refused) or a live handle.
+    let s = unsafe { args::handle(session, "session")? };
+    s.lock()?.session.inject_faults(plan);
+    Ok(())
+}

@@ -105,6 +105,11 @@ pub trait ForwardContext: Send {
     fn workspace_stats(&self) -> Option<WorkspaceStats> {
         None
     }
+    /// TESTING ONLY (fault injection): the next forward pass asks its
+    /// workspace pool for an impossible amount of memory after its first
+    /// buffer, so the pool's own out-of-memory error fails that pass.
+    /// Contexts without a planned workspace do nothing.
+    fn fail_next_workspace_allocation(&mut self) {}
 }
 
 /// Checks a batch against the model and the context's limits.
@@ -261,6 +266,9 @@ impl ForwardContext for CpuContext {
     }
     fn workspace_stats(&self) -> Option<WorkspaceStats> {
         Some(self.ws.stats())
+    }
+    fn fail_next_workspace_allocation(&mut self) {
+        self.ws.fail_next_step();
     }
     fn kv_values_per_slot(&self) -> usize {
         self.storage.slot_width() * 2 * self.storage.num_layers

@@ -125,6 +125,8 @@ pub struct ForwardWorkspace {
     resizes: u64,
     steps: u64,
     acquire_ns: u64,
+    /// Fault injection: the next `step` fails inside the pool.
+    fail_next: bool,
 }
 
 impl ForwardWorkspace {
@@ -146,6 +148,7 @@ impl ForwardWorkspace {
             resizes: 0,
             steps: 0,
             acquire_ns: 0,
+            fail_next: false,
         })
     }
 
@@ -164,6 +167,7 @@ impl ForwardWorkspace {
             resizes,
             steps,
             acquire_ns,
+            fail_next,
             ..
         } = self;
         let need = plan.step_bytes(rows, out_rows, logits);
@@ -174,8 +178,14 @@ impl ForwardWorkspace {
         let [hidden, normed, qkv, attn, proj, gate_up, act, cos, sin, selected, logits] =
             plan.lengths(rows, out_rows, logits);
         let ws: &Workspace = ws;
+        let hidden = ws.alloc_zeroed(hidden)?;
+        if std::mem::take(fail_next) {
+            // Valid as a layout, beyond any address space: every pool kind
+            // reaches its own out-of-memory path.
+            ws.alloc_zeroed::<u8>(isize::MAX as usize / 2)?;
+        }
         let buffers = StepBuffers {
-            hidden: ws.alloc_zeroed(hidden)?,
+            hidden,
             normed: ws.alloc_zeroed(normed)?,
             qkv: ws.alloc_zeroed(qkv)?,
             attn: ws.alloc_zeroed(attn)?,
@@ -189,6 +199,12 @@ impl ForwardWorkspace {
         };
         *acquire_ns += start.elapsed().as_nanos() as u64;
         Ok(buffers)
+    }
+
+    /// Fault injection: the next `step` asks the pool for an impossible
+    /// amount of memory after its first buffer and returns the pool's error.
+    pub fn fail_next_step(&mut self) {
+        self.fail_next = true;
     }
 
     pub fn stats(&self) -> WorkspaceStats {

@@ -51,7 +51,7 @@ impl Session {
             let n = (req.tokens.len() - req.computed).min(chunk).min(budget);
             loop {
                 let total = self.requests[&id].computed + n;
-                if self.kv.allocate(id, total) {
+                if self.kv_allocate(id, total) {
                     plan.push((id, n));
                     budget -= n;
                     break;
@@ -124,12 +124,14 @@ impl Session {
             self.kv.release(id);
             return Admission::Defer;
         }
-        let req = self.requests.get_mut(&id).expect("waiting request exists");
-        let n = (req.tokens.len() - resume_to).min(chunk).min(budget);
-        if n == 0 || !self.kv.allocate(id, resume_to + n) {
+        let n = (self.requests[&id].tokens.len() - resume_to)
+            .min(chunk)
+            .min(budget);
+        if n == 0 || !self.kv_allocate(id, resume_to + n) {
             self.kv.release(id);
             return Admission::NoRoom;
         }
+        let req = self.requests.get_mut(&id).expect("waiting request exists");
         req.in_kv = true;
         req.computed = cached;
         if cached > 0 {
