@@ -80,16 +80,7 @@ fn run_with_faults(
 /// Idle steps until every step `plan` names is past, so that later
 /// requests meet no fault.
 fn spend_plan(s: &mut Session, plan: &FaultPlan) {
-    let last = [
-        &plan.pool_failure_steps,
-        &plan.kv_exhausted_steps,
-        &plan.forward_error_steps,
-    ]
-    .into_iter()
-    .flatten()
-    .max()
-    .copied()
-    .unwrap_or(0);
+    let last = plan.last_step();
     while s.stats().steps <= last {
         assert!(s.step().unwrap().is_empty(), "events from an idle session");
     }

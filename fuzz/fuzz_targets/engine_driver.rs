@@ -282,16 +282,7 @@ pub fn session_ops(model: &Arc<Model>, data: &[u8]) {
         }
     }
     // Past the plan's steps, the session serves like a fresh one.
-    let last = [
-        &plan.pool_failure_steps,
-        &plan.kv_exhausted_steps,
-        &plan.forward_error_steps,
-    ]
-    .into_iter()
-    .flatten()
-    .max()
-    .copied()
-    .unwrap_or(0);
+    let last = plan.last_step();
     while s.stats().steps <= last {
         assert!(s.step().expect("idle step").is_empty());
     }

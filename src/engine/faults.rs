@@ -23,6 +23,22 @@ pub struct FaultPlan {
     pub forward_error_steps: Vec<u64>,
 }
 
+impl FaultPlan {
+    /// The last step the plan names (0 for an empty plan).
+    pub fn last_step(&self) -> u64 {
+        [
+            &self.pool_failure_steps,
+            &self.kv_exhausted_steps,
+            &self.forward_error_steps,
+        ]
+        .into_iter()
+        .flatten()
+        .max()
+        .copied()
+        .unwrap_or(0)
+    }
+}
+
 /// How many faults of each kind were raised.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FaultCounts {
