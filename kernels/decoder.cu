@@ -608,7 +608,7 @@ __device__ void gemv_rows(const raw16* x, const raw16* w, void* y, int n, int k,
                 ((float*)y)[o] = acc[0][r];
             else if (mode == GEMV_OUT_RESIDUAL)
                 ((raw16*)y)[o] = from_f(to_f(((raw16*)y)[o]) + rnd(acc[0][r]));
-            else
+            else  // GEMV_OUT_ACT
                 ((raw16*)y)[o] = from_f(acc[0][r]);
         }
     }

@@ -468,7 +468,6 @@ impl CudaDevice {
     /// `y[rows, n] (op)= x[rows, k] · w[n, k]ᵀ` through the GEMV kernel
     /// (`gemv_fits` must hold). With `norm = (weight, eps)`, x holds residual
     /// rows and the product takes `rmsnorm(x) * weight` instead.
-    #[allow(clippy::too_many_arguments)]
     pub fn gemv(
         &self,
         x: u64,
