@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo run --release --example engine_bench -- --model DIR [--threads 2] [--dtype bf16]
-//!     [--device cpu|cuda] [--concurrency 1,4,16,64] [--decode-tokens 64] [--prompt-len 16]
+//!     [--device cpu|cuda] [--quant none|awq|gptq|q8_0] [--concurrency 1,4,16,64] [--decode-tokens 64] [--prompt-len 16]
 //!     [--prefix-requests 32] [--prefix-len 1000] [--suffix-len 16] [--skip-decode] [--skip-prefix]
 //!     [--offline N [--max-batched-tokens 512] [--max-seqs 64]]
 //! ```
@@ -28,6 +28,8 @@ struct Opts {
     threads: usize,
     dtype: String,
     device: String,
+    /// Quantization at load (`QuantMode` syntax).
+    quant: String,
     concurrency: Vec<usize>,
     decode_tokens: u32,
     prompt_len: usize,
@@ -51,6 +53,7 @@ fn parse() -> Result<Opts, String> {
         threads: 2,
         dtype: "bf16".into(),
         device: "cpu".into(),
+        quant: "none".into(),
         concurrency: vec![1, 4, 16, 64],
         decode_tokens: 64,
         prompt_len: 16,
@@ -82,6 +85,7 @@ fn parse() -> Result<Opts, String> {
             "--threads" => o.threads = num(v)?,
             "--dtype" => o.dtype = v.clone(),
             "--device" => o.device = v.clone(),
+            "--quant" => o.quant = v.clone(),
             "--concurrency" => o.concurrency = v.split(',').map(num).collect::<Result<_, _>>()?,
             "--decode-tokens" => o.decode_tokens = num(v)? as u32,
             "--prompt-len" => o.prompt_len = num(v)?,
@@ -327,6 +331,7 @@ fn main() {
         dtype: o.dtype.parse().expect("--dtype"),
         threads: o.threads,
         device: o.device.parse().expect("--device"),
+        quant: o.quant.parse().expect("--quant"),
         ..Default::default()
     };
     let model_dir = match &o.random_from {

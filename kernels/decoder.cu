@@ -665,6 +665,37 @@ GEMV_KERNEL(gemv_swiglu_r1, GEMV_ONE_ROW)
 #undef GEMV_KERNEL
 #undef GEMV_CALL_PLAIN
 #undef GEMV_CALL_NORM
+// The end of the QKV projection for one output pair of row r: bias, RoPE
+// and the store. (a, b) is a rope pair of a q or k head (b = a + hd / 2,
+// rotary frequency freq) or two v columns (freq < 0); q goes to the QKV
+// rows (stride nq + 2 * nkv), k and v to slot slots[r] of the caches.
+__device__ __forceinline__ void qkv_pair_store(float ya, float yb, int r, int a, int b, int freq,
+                                               const raw16* bias, raw16* qkv, const float2* cs,
+                                               const unsigned* slots, raw16* k_cache,
+                                               raw16* v_cache, int nq, int nkv, int hd) {
+    ya = rnd(ya);
+    yb = rnd(yb);
+    if (bias) {
+        ya = rnd(ya + to_f(bias[a]));
+        yb = rnd(yb + to_f(bias[b]));
+    }
+    if (freq >= 0) {
+        const float2 a_cs = cs[(size_t)r * (hd / 2) + freq];
+        rope_rotate(ya, yb, a_cs.x, a_cs.y);
+    }
+    if (a < nq) {
+        raw16* row = qkv + (size_t)r * (nq + 2 * nkv);
+        row[a] = from_f(ya);
+        row[b] = from_f(yb);
+    } else {
+        const bool is_k = a < nq + nkv;
+        const int col = a - (is_k ? nq : nq + nkv);
+        raw16* dst = (is_k ? k_cache : v_cache) + (size_t)slots[r] * nkv + col;
+        dst[0] = from_f(ya);
+        dst[b - a] = from_f(yb);
+    }
+}
+
 template <int R, bool NORM>
 __device__ void gemv_qkv_rope_rows(const raw16* x, const raw16* w, const raw16* bias, raw16* qkv,
                                    const float2* cs, const unsigned* slots, raw16* k_cache,
@@ -691,28 +722,9 @@ __device__ void gemv_qkv_rope_rows(const raw16* x, const raw16* w, const raw16* 
     warp_dots<R, 2, NORM>(x, wr, k, acc, nw, eps);
     if ((threadIdx.x & 31) != 0) return;
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-        float ya = rnd(acc[0][r]), yb = rnd(acc[1][r]);
-        if (bias) {
-            ya = rnd(ya + to_f(bias[a]));
-            yb = rnd(yb + to_f(bias[b]));
-        }
-        if (freq >= 0) {
-            const float2 a_cs = cs[(size_t)r * half + freq];
-            rope_rotate(ya, yb, a_cs.x, a_cs.y);
-        }
-        if (a < nq) {
-            raw16* row = qkv + (size_t)r * width;
-            row[a] = from_f(ya);
-            row[b] = from_f(yb);
-        } else {
-            const bool is_k = a < nq + nkv;
-            const int col = a - (is_k ? nq : nq + nkv);
-            raw16* dst = (is_k ? k_cache : v_cache) + (size_t)slots[r] * nkv + col;
-            dst[0] = from_f(ya);
-            dst[b - a] = from_f(yb);
-        }
-    }
+    for (int r = 0; r < R; r++)
+        qkv_pair_store(acc[0][r], acc[1][r], r, a, b, freq, bias, qkv, cs, slots, k_cache, v_cache,
+                       nq, nkv, hd);
 }
 
 // The QKV projection fused with bias, RoPE and the KV-cache write for decode

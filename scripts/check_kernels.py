@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Compiles kernels/decoder.cu with NVRTC for several GPU architectures and
+"""Compiles kernels/decoder.cu + kernels/int4.cu (one module, as the
+library embeds them) with NVRTC for several GPU architectures and
 both activation dtypes, the way the library does at run time, so a kernel
 that does not compile fails here, on a machine without a GPU.
 
@@ -67,7 +68,7 @@ def main():
     ap.add_argument("--nvrtc", help="path of libnvrtc.so (default: the cached wheel)")
     args = ap.parse_args()
     lib = ctypes.CDLL(args.nvrtc or find_nvrtc())
-    source = open(os.path.join(ROOT, "kernels", "decoder.cu"), "rb").read()
+    source = b"".join(open(os.path.join(ROOT, "kernels", f), "rb").read() for f in ("decoder.cu", "int4.cu"))
     failed = False
     for arch in args.arch.split(","):
         for f16 in (0, 1):

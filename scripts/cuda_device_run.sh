@@ -2,7 +2,7 @@
 # Runs the CUDA checks on a GPU machine that has no Rust: the release binaries
 # built elsewhere are in $BIN (nanoinfer, cuda test binary), torch +
 # transformers are installed. Prints a short table last.
-#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|make8b|tests8b|bench|profile|engine|offline]...
+#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|make8b|tests8b|bench|bench4|profile|engine|offline]...
 # Binaries: `bash scripts/cuda_carry.sh` (here, with Rust) fills gpu-carry/.
 set -uo pipefail
 BIN=${BIN:-gpu-carry}
@@ -51,6 +51,18 @@ for step in "$@"; do
             "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 0 -n 64 -d $depth -r 3
         done
         python3 scripts/cuda_bench_hf.py --model "$WORK/l8b" -p 512 -n 128 -r 3 | tee "$WORK/hf.json" ;;
+    bench4)
+        # Int4 (AWQ round-to-nearest g128, quantized at load) against bf16 in
+        # the same run: decode and prefill, then per-kernel times of 16
+        # concurrent decodes (int4 MMA kernel vs cuBLAS on the same shapes).
+        for q in none awq; do
+            echo "== quant $q"
+            "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda --quant $q -p 512 -n 128 -r 3 --json \
+                | tee "$WORK/ours-$q.json"
+            "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda --quant $q -p 2048 -n 0 -r 2 --json
+            NANOINFER_CUDA_PROFILE=5 "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --quant $q \
+                --concurrency 16 --decode-tokens 16 --prompt-len 64 --skip-prefix 2>&1 | grep -A24 NANOINFER_CUDA_PROFILE
+        done ;;
     engine)
         "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --concurrency 1,16,64,256 --decode-tokens 128 \
             --prompt-len 512 --skip-prefix ;;

@@ -91,15 +91,13 @@ impl Model {
                     pool: ThreadPool::new(threads),
                 })
             }
-            Device::Cuda(ordinal) => {
-                if !matches!(params.quant, QuantMode::None) {
-                    return Err(Error::new(
-                        crate::ErrorKind::Unsupported,
-                        "quantization at load is not supported on CUDA yet",
-                    ));
-                }
-                crate::model::cuda_decoder::load(ordinal, config, &weights, params.dtype)?
-            }
+            Device::Cuda(ordinal) => crate::model::cuda_decoder::load(
+                ordinal,
+                config,
+                &weights,
+                params.dtype,
+                params.quant,
+            )?,
         };
         weights.finish_loading();
         report(0.9)?;

@@ -2,13 +2,17 @@
 //! (Llama / Qwen2 / Qwen3), weights and activations in bf16 or f16 with f32
 //! accumulation, dense projections through cuBLAS, everything else in
 //! `kernels/decoder.cu`. q/k/v and gate/up are fused into one matrix each at
-//! load, so a layer is four GEMMs.
+//! load, so a layer is four GEMMs. Int4 (AWQ/GPTQ) projections stay packed
+//! and run through `kernels/int4.cu` for batches up to `w4_mma_rows` rows,
+//! and are dequantized for cuBLAS above that.
 
+use super::quant::{QuantMethod, QuantMode};
 use super::runner::{validate_batch, ContextShape, DeviceDecoder, ForwardContext};
 use super::{ForwardBatch, ModelConfig, WeightDType, WeightSource};
-use crate::backend::cpu::MatrixData;
+use crate::backend::cpu::{Matrix, MatrixData};
 use crate::backend::cuda::{
-    ActDType, CudaDevice, DeviceBuffer, GemmDType, GemvFamily, GemvOut, Graph, KArg,
+    ActDType, CudaDevice, DeviceBuffer, GemmDType, GemvFamily, GemvOut, Graph, KArg, QkvEpilogue,
+    W4Host, W4Matrix, W4Out,
 };
 use crate::backend::Device;
 use crate::memory::DeviceMemory;
@@ -17,19 +21,55 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+/// A projection's weights `[rows, cols]` on the device.
+enum Weight {
+    /// Row-major in the activation dtype (the HF layout).
+    Dense(DeviceBuffer<u16>),
+    Int4(W4Matrix),
+}
+
+impl Weight {
+    fn int4(&self) -> Option<&W4Matrix> {
+        match self {
+            Weight::Int4(w) => Some(w),
+            Weight::Dense(_) => None,
+        }
+    }
+
+    fn dense(&self) -> Option<&DeviceBuffer<u16>> {
+        match self {
+            Weight::Dense(b) => Some(b),
+            Weight::Int4(_) => None,
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Weight::Dense(b) => b.bytes(),
+            Weight::Int4(w) => w.bytes(),
+        }
+    }
+}
+
 struct Layer {
     input_norm: DeviceBuffer<u16>,
     /// `[q | k | v]` rows: `[nq + 2 nkv, d]`.
-    qkv: DeviceBuffer<u16>,
+    qkv: Weight,
     qkv_bias: Option<DeviceBuffer<u16>>,
-    o: DeviceBuffer<u16>,
+    o: Weight,
     o_bias: Option<DeviceBuffer<u16>>,
     q_norm: Option<DeviceBuffer<u16>>,
     k_norm: Option<DeviceBuffer<u16>>,
     post_norm: DeviceBuffer<u16>,
     /// `[gate | up]` rows: `[2 inter, d]`.
-    gate_up: DeviceBuffer<u16>,
-    down: DeviceBuffer<u16>,
+    gate_up: Weight,
+    down: Weight,
+}
+
+impl Layer {
+    fn projections(&self) -> [&Weight; 4] {
+        [&self.qkv, &self.o, &self.gate_up, &self.down]
+    }
 }
 
 pub struct CudaDecoder {
@@ -46,6 +86,12 @@ pub struct CudaDecoder {
     resident_bytes: usize,
     load_seconds: f64,
     prefill: PrefillKernel,
+    /// Int4 projections of batches up to this many rows run through the
+    /// int4 kernels (weights read once per 32 rows); larger batches
+    /// dequantize for cuBLAS (NANOINFER_CUDA_W4_MMA_ROWS).
+    w4_mma_rows: usize,
+    /// Elements of the largest int4 projection (the dequantization scratch).
+    w4_max_elems: usize,
 }
 
 /// How rows of a prompt chunk attend (decode rows always use `attention`).
@@ -84,12 +130,23 @@ impl PrefillKernel {
 }
 
 /// Uploads weights tensor by tensor, converting to the activation dtype on
-/// the host where the checkpoint differs (zero-copy views otherwise).
+/// the host where the checkpoint differs (zero-copy views otherwise); int4
+/// projections are repacked for the int4 kernels.
 struct Uploader<'a> {
     dev: &'a CudaDevice,
-    src: &'a dyn WeightSource,
+    src: &'a (dyn WeightSource + Sync),
     act: ActDType,
+    /// The int4 format config.json names (projections load as stored).
+    stored: Option<&'a dyn QuantMethod>,
+    /// Quantization applied at load (`--quant awq|gptq`).
+    method: Option<&'a dyn QuantMethod>,
     bytes: usize,
+}
+
+/// One projection part on the host, ready to upload.
+enum HostPart {
+    Dense(Matrix),
+    Int4(W4Host),
 }
 
 impl Uploader<'_> {
@@ -100,41 +157,123 @@ impl Uploader<'_> {
         }
     }
 
-    /// Matrices `[rows_i, cols]` stacked row-wise into one buffer.
-    fn stacked(&mut self, parts: &[(&str, usize)], cols: usize) -> Result<DeviceBuffer<u16>> {
-        let total: usize = parts.iter().map(|p| p.1).sum();
-        let mut buf = self.dev.alloc::<u16>(total * cols)?;
-        let mut offset = 0;
-        for &(name, rows) in parts {
-            let m = self.src.matrix(name, rows, cols, self.target())?;
-            let bits: &[u16] = match &m.data {
-                // SAFETY: Bf16 and F16 are repr(transparent) over u16.
-                MatrixData::BF16(v) => unsafe {
-                    std::slice::from_raw_parts(v.as_ptr().cast(), v.len())
-                },
-                // SAFETY: as above.
-                MatrixData::F16(v) => unsafe {
-                    std::slice::from_raw_parts(v.as_ptr().cast(), v.len())
-                },
-                _ => {
-                    return Err(Error::new(
-                        ErrorKind::Unsupported,
-                        format!("{name}: quantized weights are not supported on CUDA yet"),
-                    ))
-                }
-            };
-            self.dev.upload_at(bits, &mut buf, offset)?;
-            offset += bits.len();
+    /// Weight `name` as stored, quantized at load, or dense.
+    fn host_part(&self, name: &str, rows: usize, cols: usize) -> Result<HostPart> {
+        let m = super::decoder::linear_matrix(
+            self.src,
+            name,
+            rows,
+            cols,
+            self.target(),
+            self.stored,
+            self.method,
+        )?;
+        match m.data {
+            MatrixData::Q4(q) => W4Host::pack(&q)
+                .map(HostPart::Int4)
+                .map_err(|e| Error::new(ErrorKind::Unsupported, format!("{name}: {}", e.message))),
+            MatrixData::BF16(_) | MatrixData::F16(_) => Ok(HostPart::Dense(m)),
+            _ => Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "{name}: {} weights are not supported on CUDA (bf16, f16, f32 converted at load, or int4 AWQ/GPTQ)",
+                    m.dtype_name()
+                ),
+            )),
         }
+    }
+
+    /// The host parts of several projections, `jobs[i]` = its parts
+    /// `(name, rows)` over `cols` inputs, made on all cores (int4 repacking
+    /// and quantization at load are CPU-heavy).
+    fn host_parts(&self, jobs: &[(Vec<(String, usize)>, usize)]) -> Result<Vec<Vec<HostPart>>> {
+        let flat: Vec<(&str, usize, usize)> = jobs
+            .iter()
+            .flat_map(|(parts, cols)| parts.iter().map(move |(n, r)| (n.as_str(), *r, *cols)))
+            .collect();
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let results: Vec<std::sync::Mutex<Option<Result<HostPart>>>> =
+            flat.iter().map(|_| std::sync::Mutex::new(None)).collect();
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(flat.len());
+        std::thread::scope(|scope| {
+            for _ in 0..threads {
+                scope.spawn(|| loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(&(name, rows, cols)) = flat.get(i) else {
+                        break;
+                    };
+                    let part = self.host_part(name, rows, cols);
+                    *results[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(part);
+                });
+            }
+        });
+        let mut results = results.into_iter().map(|m| {
+            m.into_inner()
+                .unwrap_or_else(|p| p.into_inner())
+                .expect("every job ran")
+        });
+        jobs.iter()
+            .map(|(parts, _)| parts.iter().map(|_| results.next().expect("one per part")).collect())
+            .collect()
+    }
+
+    /// Parts stacked row-wise into one device matrix: all int4 or all dense.
+    fn stack(&mut self, names: &[(String, usize)], cols: usize, parts: Vec<HostPart>) -> Result<Weight> {
+        let w = if parts.iter().all(|p| matches!(p, HostPart::Int4(_))) {
+            let hosts: Vec<W4Host> = parts
+                .into_iter()
+                .map(|p| match p {
+                    HostPart::Int4(h) => h,
+                    HostPart::Dense(_) => unreachable!("all int4"),
+                })
+                .collect();
+            Weight::Int4(W4Matrix::upload(self.dev, &hosts)?)
+        } else if parts.iter().all(|p| matches!(p, HostPart::Dense(_))) {
+            let total: usize = names.iter().map(|p| p.1).sum();
+            let mut buf = self.dev.alloc::<u16>(total * cols)?;
+            let mut offset = 0;
+            for p in &parts {
+                let HostPart::Dense(m) = p else {
+                    unreachable!("all dense")
+                };
+                let bits = raw_bits(m);
+                self.dev.upload_at(bits, &mut buf, offset)?;
+                offset += bits.len();
+            }
+            Weight::Dense(buf)
+        } else {
+            let list: Vec<&str> = names.iter().map(|n| n.0.as_str()).collect();
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "{} are fused into one projection on CUDA and must be all int4 or all dense",
+                    list.join(", ")
+                ),
+            ));
+        };
+        self.bytes += w.bytes();
+        Ok(w)
+    }
+
+    /// A dense `[rows, cols]` matrix (embeddings, LM head).
+    fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<DeviceBuffer<u16>> {
+        let m = self.src.matrix(name, rows, cols, self.target())?;
+        if !matches!(m.data, MatrixData::BF16(_) | MatrixData::F16(_)) {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!("{name}: {} weights are not supported on CUDA here", m.dtype_name()),
+            ));
+        }
+        let bits = raw_bits(&m);
+        let mut buf = self.dev.alloc::<u16>(bits.len())?;
+        self.dev.upload(bits, &mut buf)?;
         self.bytes += buf.bytes();
         Ok(buf)
     }
 
-    fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<DeviceBuffer<u16>> {
-        self.stacked(&[(name, rows)], cols)
-    }
-
-    /// 1-D tensors concatenated.
+/// 1-D tensors concatenated.
     fn vectors(&mut self, parts: &[(&str, usize)]) -> Result<DeviceBuffer<u16>> {
         let mut host = Vec::new();
         for &(name, len) in parts {
@@ -159,6 +298,17 @@ impl Uploader<'_> {
     }
 }
 
+/// The raw 16-bit values of a bf16 or f16 matrix (empty for others).
+fn raw_bits(m: &Matrix) -> &[u16] {
+    match &m.data {
+        // SAFETY: Bf16 and F16 are repr(transparent) over u16.
+        MatrixData::BF16(v) => unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len()) },
+        // SAFETY: as above.
+        MatrixData::F16(v) => unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len()) },
+        _ => &[],
+    }
+}
+
 /// The activation dtype: f16 when asked for, else bf16 (F32 checkpoints are
 /// converted at load).
 fn act_dtype(dtype: WeightDType) -> Result<ActDType> {
@@ -172,12 +322,18 @@ fn act_dtype(dtype: WeightDType) -> Result<ActDType> {
     }
 }
 
-/// Loads the model onto CUDA device `ordinal`.
+/// Layers whose projections are prepared on the host at once (bounds the
+/// host memory of converted or repacked weights).
+const LOAD_LAYERS_AT_ONCE: usize = 4;
+
+/// Loads the model onto CUDA device `ordinal`; `quant` quantizes dense
+/// projections to int4 at load (AWQ/GPTQ round-to-nearest).
 pub fn load(
     ordinal: usize,
     config: ModelConfig,
-    src: &dyn WeightSource,
+    src: &(dyn WeightSource + Sync),
     dtype: WeightDType,
+    quant: QuantMode,
 ) -> Result<Arc<dyn DeviceDecoder>> {
     let act = act_dtype(dtype)?;
     let c = &config;
@@ -199,62 +355,90 @@ pub fn load(
             ),
         ));
     }
-    if src.contains("model.layers.0.self_attn.q_proj.weight_scale")
-        || src.contains("model.layers.0.self_attn.q_proj.qweight")
-    {
+    if src.contains("model.layers.0.self_attn.q_proj.weight_scale") {
         return Err(Error::new(
             ErrorKind::Unsupported,
-            "quantized checkpoints are not supported on CUDA yet",
+            "q8_0 checkpoints are not supported on CUDA (int4 AWQ/GPTQ and 16-bit ones are)",
         ));
     }
+    if matches!(quant, QuantMode::Q8_0 { .. }) {
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            "q8_0 quantization is not supported on CUDA (use awq or gptq for int4)",
+        ));
+    }
+    let method = quant.method()?;
     let dev = CudaDevice::open(ordinal, act)?;
     let start = Instant::now();
     let mut up = Uploader {
         dev: &dev,
         src,
         act,
+        stored: c.quantization.as_ref().map(|q| q as &dyn QuantMethod),
+        method: method.as_deref(),
         bytes: 0,
     };
     let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
     let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
     let mut layers = Vec::with_capacity(c.num_layers);
-    for i in 0..c.num_layers {
-        let p = format!("model.layers.{i}");
-        let n = |s: &str| format!("{p}.{s}");
-        let qkv_bias = if c.qkv_bias {
-            Some(up.vectors(&[
-                (&n("self_attn.q_proj.bias"), nq),
-                (&n("self_attn.k_proj.bias"), nkv),
-                (&n("self_attn.v_proj.bias"), nkv),
-            ])?)
-        } else {
-            None
-        };
-        layers.push(Layer {
-            input_norm: up.vector(&n("input_layernorm.weight"), d)?,
-            qkv: up.stacked(
-                &[
-                    (&n("self_attn.q_proj.weight"), nq),
-                    (&n("self_attn.k_proj.weight"), nkv),
-                    (&n("self_attn.v_proj.weight"), nkv),
-                ],
-                d,
-            )?,
-            qkv_bias,
-            o: up.matrix(&n("self_attn.o_proj.weight"), d, nq)?,
-            o_bias: up.optional(&n("self_attn.o_proj.bias"), d, c.o_bias)?,
-            q_norm: up.optional(&n("self_attn.q_norm.weight"), hd, c.qk_norm)?,
-            k_norm: up.optional(&n("self_attn.k_norm.weight"), hd, c.qk_norm)?,
-            post_norm: up.vector(&n("post_attention_layernorm.weight"), d)?,
-            gate_up: up.stacked(
-                &[
-                    (&n("mlp.gate_proj.weight"), inter),
-                    (&n("mlp.up_proj.weight"), inter),
-                ],
-                d,
-            )?,
-            down: up.matrix(&n("mlp.down_proj.weight"), d, inter)?,
-        });
+    for first in (0..c.num_layers).step_by(LOAD_LAYERS_AT_ONCE) {
+        let span = first..(first + LOAD_LAYERS_AT_ONCE).min(c.num_layers);
+        let jobs: Vec<(Vec<(String, usize)>, usize)> = span
+            .clone()
+            .flat_map(|i| {
+                let n = |s: &str| format!("model.layers.{i}.{s}");
+                [
+                    (
+                        vec![
+                            (n("self_attn.q_proj.weight"), nq),
+                            (n("self_attn.k_proj.weight"), nkv),
+                            (n("self_attn.v_proj.weight"), nkv),
+                        ],
+                        d,
+                    ),
+                    (vec![(n("self_attn.o_proj.weight"), d)], nq),
+                    (
+                        vec![
+                            (n("mlp.gate_proj.weight"), inter),
+                            (n("mlp.up_proj.weight"), inter),
+                        ],
+                        d,
+                    ),
+                    (vec![(n("mlp.down_proj.weight"), d)], inter),
+                ]
+            })
+            .collect();
+        let mut host = up.host_parts(&jobs)?.into_iter();
+        let mut jobs = jobs.iter();
+        for i in span {
+            let mut next = || {
+                let (names, cols) = jobs.next().expect("four jobs per layer");
+                up.stack(names, *cols, host.next().expect("four jobs per layer"))
+            };
+            let (qkv, o, gate_up, down) = (next()?, next()?, next()?, next()?);
+            let n = |s: &str| format!("model.layers.{i}.{s}");
+            let qkv_bias = if c.qkv_bias {
+                Some(up.vectors(&[
+                    (&n("self_attn.q_proj.bias"), nq),
+                    (&n("self_attn.k_proj.bias"), nkv),
+                    (&n("self_attn.v_proj.bias"), nkv),
+                ])?)
+            } else {
+                None
+            };
+            layers.push(Layer {
+                input_norm: up.vector(&n("input_layernorm.weight"), d)?,
+                qkv,
+                qkv_bias,
+                o,
+                o_bias: up.optional(&n("self_attn.o_proj.bias"), d, c.o_bias)?,
+                q_norm: up.optional(&n("self_attn.q_norm.weight"), hd, c.qk_norm)?,
+                k_norm: up.optional(&n("self_attn.k_norm.weight"), hd, c.qk_norm)?,
+                post_norm: up.vector(&n("post_attention_layernorm.weight"), d)?,
+                gate_up,
+                down,
+            });
+        }
     }
     let embed = up.matrix("model.embed_tokens.weight", c.vocab_size, d)?;
     let lm_head = if src.contains("lm_head.weight") || !c.tie_word_embeddings {
@@ -267,6 +451,16 @@ pub fn load(
     dev.upload(&c.rope_inv_freq(), &mut inv_freq)?;
     dev.synchronize()?;
     let resident_bytes = up.bytes;
+    let w4_max_elems = layers
+        .iter()
+        .flat_map(|l| l.projections())
+        .filter_map(|w| w.int4().map(|m| m.rows * m.cols))
+        .max()
+        .unwrap_or(0);
+    let w4_mma_rows = std::env::var("NANOINFER_CUDA_W4_MMA_ROWS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(DEFAULT_W4_MMA_ROWS);
     Ok(Arc::new(CudaDecoder {
         dev: dev.clone(),
         ordinal,
@@ -278,9 +472,14 @@ pub fn load(
         resident_bytes,
         load_seconds: start.elapsed().as_secs_f64(),
         prefill: PrefillKernel::choose(dev.arch, config.head_dim),
+        w4_mma_rows,
+        w4_max_elems,
         config,
     }))
 }
+
+/// See `CudaDecoder::w4_mma_rows`.
+const DEFAULT_W4_MMA_ROWS: usize = 128;
 
 /// Per-session temporaries, sized once for the context's largest step.
 struct Workspace {
@@ -304,6 +503,8 @@ struct Workspace {
     argmax: DeviceBuffer<u32>,
     /// Per-slice (logit, index) keys of argmax_partial.
     argmax_part: DeviceBuffer<u64>,
+    /// Int4 weights dequantized for cuBLAS (batches above `w4_mma_rows`).
+    w4_scratch: Option<DeviceBuffer<u16>>,
 }
 
 /// Sizes of the workspace buffers in elements, in field order.
@@ -311,6 +512,7 @@ struct WorkspaceSizes {
     act16: [usize; 8],
     f32s: [usize; 4],
     inputs: usize,
+    w4_scratch: usize,
 }
 
 /// Decode attention blocks to aim for per SM (two are resident at a time);
@@ -369,12 +571,19 @@ impl CudaDecoder {
             // the slot lists: one entry per cached position, plus room for
             // shared prefixes (grown on demand past that).
             inputs: 5 * r + l + shape.kv_slots + 4096,
+            w4_scratch: if r > self.w4_mma_rows {
+                self.w4_max_elems
+            } else {
+                0
+            },
         }
     }
 
     fn workspace_bytes(&self, shape: &ContextShape) -> usize {
         let s = self.workspace_sizes(shape);
-        s.act16.iter().sum::<usize>() * 2 + s.f32s.iter().sum::<usize>() * 4 + s.inputs * 4
+        (s.act16.iter().sum::<usize>() + s.w4_scratch) * 2
+            + s.f32s.iter().sum::<usize>() * 4
+            + s.inputs * 4
     }
 
     fn new_workspace(&self, shape: &ContextShape) -> Result<Workspace> {
@@ -397,6 +606,10 @@ impl CudaDecoder {
             inputs: dev.alloc::<u32>(s.inputs)?,
             argmax: dev.alloc::<u32>(shape.max_logits_rows.max(1))?,
             argmax_part: dev.alloc::<u64>(shape.max_logits_rows.max(1) * ARGMAX_SPLITS)?,
+            w4_scratch: match s.w4_scratch {
+                0 => None,
+                n => Some(dev.alloc::<u16>(n)?),
+            },
         })
     }
 }
@@ -409,7 +622,11 @@ impl DeviceDecoder for CudaDecoder {
         Device::Cuda(self.ordinal)
     }
     fn weight_dtype_name(&self) -> &'static str {
-        self.dev.act.name()
+        if self.w4_max_elems > 0 {
+            "int4"
+        } else {
+            self.dev.act.name()
+        }
     }
     fn weight_bytes(&self) -> usize {
         let c = &self.config;
@@ -792,12 +1009,36 @@ impl CudaForward {
         )
     }
 
+    /// `w`'s int4 matrix when a batch of `rows` rows runs through the int4
+    /// kernels.
+    fn w4_direct<'w>(&self, w: &'w Weight, rows: usize) -> Option<&'w W4Matrix> {
+        w.int4().filter(|_| rows <= self.model.w4_mma_rows)
+    }
+
+    /// The address of `w` as a dense matrix: int4 weights are dequantized
+    /// into the scratch first (large batches, for cuBLAS).
+    fn dense_ptr(&self, w: &Weight) -> Result<u64> {
+        match w {
+            Weight::Dense(b) => Ok(b.ptr()),
+            Weight::Int4(m) => {
+                let scratch = self.ws.w4_scratch.as_ref().ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::Internal,
+                        "int4 batch above the kernel limit without a dequantization scratch",
+                    )
+                })?;
+                self.model.dev.w4_dequant(m, scratch.ptr())?;
+                Ok(scratch.ptr())
+            }
+        }
+    }
+
     /// `y = x · wᵀ (+ bias)` in the activation dtype.
     #[allow(clippy::too_many_arguments)]
     fn linear(
         &self,
         x: u64,
-        w: u64,
+        w: &Weight,
         bias: Option<&DeviceBuffer<u16>>,
         y: u64,
         rows: usize,
@@ -805,7 +1046,10 @@ impl CudaForward {
         k: usize,
     ) -> Result<()> {
         let dev = &self.model.dev;
-        dev.gemm(x, w, y, rows, n, k, GemmDType::Act)?;
+        match self.w4_direct(w, rows) {
+            Some(m) => dev.w4_mm(x, rows, m, W4Out::Act { y })?,
+            None => dev.gemm(x, self.dense_ptr(w)?, y, rows, n, k, GemmDType::Act)?,
+        }
         match bias {
             None => Ok(()),
             Some(b) => dev.launch(
@@ -822,7 +1066,8 @@ impl CudaForward {
     fn residual_in_gemvs(&self, rows: usize) -> bool {
         let c = &self.model.config;
         let dev = &self.model.dev;
-        !c.o_bias
+        self.model.w4_max_elems == 0
+            && !c.o_bias
             && [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
                 .iter()
                 .all(|&k| dev.gemv_fits(rows, k))
@@ -868,17 +1113,38 @@ impl CudaForward {
         let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
         let qkv_w = nq + 2 * nkv;
         let inp = |o: usize| KArg::Ptr(ws.inputs.at(o));
-        let fused = dev.gemv_fits(rows, d) && layer.q_norm.is_none();
-        let (x, norm) = self.projection_input(input, rows, fused)?;
+        if let Some(m) = self
+            .w4_direct(&layer.qkv, rows)
+            .filter(|_| layer.q_norm.is_none())
+        {
+            let (x, _) = self.projection_input(input, rows, false)?;
+            let epilogue = QkvEpilogue {
+                qkv: ws.qkv.ptr(),
+                bias: layer.qkv_bias.as_ref().map_or(0, |b| b.ptr()),
+                rope_cs: ws.rope_cs.ptr(),
+                slots: ws.inputs.at(inputs.write_slots),
+                k_cache: kc,
+                v_cache: vc,
+                nq,
+                nkv,
+                head_dim: hd,
+            };
+            return dev.w4_mm(x, rows, m, W4Out::Qkv(epilogue));
+        }
+        let fused = layer
+            .qkv
+            .dense()
+            .filter(|_| dev.gemv_fits(rows, d) && layer.q_norm.is_none());
+        let (x, norm) = self.projection_input(input, rows, fused.is_some())?;
         let (nw, eps) = norm.unwrap_or((0, 0.0));
-        if fused {
+        if let Some(qkv) = fused {
             return dev.launch_gemv(
                 GemvFamily::QkvRope,
                 qkv_w / 2,
                 (rows, qkv_w, d),
                 &[
                     KArg::Ptr(x),
-                    KArg::Ptr(layer.qkv.ptr()),
+                    KArg::Ptr(qkv.ptr()),
                     KArg::Ptr(layer.qkv_bias.as_ref().map_or(0, |b| b.ptr())),
                     KArg::Ptr(ws.qkv.ptr()),
                     KArg::Ptr(ws.rope_cs.ptr()),
@@ -897,7 +1163,7 @@ impl CudaForward {
         }
         self.linear(
             x,
-            layer.qkv.ptr(),
+            &layer.qkv,
             layer.qkv_bias.as_ref(),
             ws.qkv.ptr(),
             rows,
@@ -1041,9 +1307,13 @@ impl CudaForward {
         let m = &*self.model;
         let (dev, c, ws) = (&*m.dev, &m.config, &self.ws);
         let (d, inter) = (c.hidden_size, c.intermediate_size);
-        let fused = dev.gemv_fits(rows, d);
-        let (x, norm) = self.projection_input(input, rows, fused)?;
-        if fused {
+        if let Some(m) = self.w4_direct(&layer.gate_up, rows) {
+            let (x, _) = self.projection_input(input, rows, false)?;
+            return dev.w4_mm(x, rows, m, W4Out::SwiGlu { out: ws.act.ptr() });
+        }
+        let fused = layer.gate_up.dense().filter(|_| dev.gemv_fits(rows, d));
+        let (x, norm) = self.projection_input(input, rows, fused.is_some())?;
+        if let Some(gate_up) = fused {
             let (nw, eps) = norm.unwrap_or((0, 0.0));
             return dev.launch_gemv(
                 GemvFamily::SwiGlu,
@@ -1051,7 +1321,7 @@ impl CudaForward {
                 (rows, 2 * inter, d),
                 &[
                     KArg::Ptr(x),
-                    KArg::Ptr(layer.gate_up.ptr()),
+                    KArg::Ptr(gate_up.ptr()),
                     KArg::Ptr(ws.act.ptr()),
                     KArg::I32(inter as i32),
                     KArg::I32(d as i32),
@@ -1061,14 +1331,14 @@ impl CudaForward {
                 ],
             );
         }
-        dev.gemm(
+        self.linear(
             x,
-            layer.gate_up.ptr(),
+            &layer.gate_up,
+            None,
             ws.gate_up.ptr(),
             rows,
             2 * inter,
             d,
-            GemmDType::Act,
         )?;
         dev.launch(
             &dev.kernels.silu_mul,
@@ -1126,14 +1396,14 @@ impl CudaForward {
         let in_gemv = self.residual_in_gemvs(rows);
         for (li, layer) in m.layers.iter().enumerate() {
             let (kc, vc) = self.layer_kv(li);
-            if in_gemv {
+            if let (true, Some(o), Some(down)) = (in_gemv, layer.o.dense(), layer.down.dense()) {
                 let hidden = ws.hidden.ptr();
                 let input = ProjInput::Residual(layer.input_norm.ptr());
                 self.qkv_rope_kv_write(layer, inputs, (kc, vc), input)?;
                 self.attend(inputs, (kc, vc), splits)?;
                 dev.gemv(
                     ws.attn.ptr(),
-                    layer.o.ptr(),
+                    o.ptr(),
                     hidden,
                     (rows, d, nq),
                     GemvOut::ResidualAdd,
@@ -1142,7 +1412,7 @@ impl CudaForward {
                 self.gate_up_swiglu(layer, rows, ProjInput::Residual(layer.post_norm.ptr()))?;
                 dev.gemv(
                     ws.act.ptr(),
-                    layer.down.ptr(),
+                    down.ptr(),
                     hidden,
                     (rows, d, inter),
                     GemvOut::ResidualAdd,
@@ -1163,7 +1433,7 @@ impl CudaForward {
             self.attend(inputs, (kc, vc), splits)?;
             self.linear(
                 ws.attn.ptr(),
-                layer.o.ptr(),
+                &layer.o,
                 layer.o_bias.as_ref(),
                 ws.delta.ptr(),
                 rows,
@@ -1178,14 +1448,14 @@ impl CudaForward {
                 ws.normed.ptr(),
             )?;
             self.gate_up_swiglu(layer, rows, ProjInput::Normed)?;
-            dev.gemm(
+            self.linear(
                 ws.act.ptr(),
-                layer.down.ptr(),
+                &layer.down,
+                None,
                 ws.delta.ptr(),
                 rows,
                 d,
                 inter,
-                GemmDType::Act,
             )?;
         }
         if n_out == 0 {

@@ -405,11 +405,25 @@ impl Decoder {
     }
 }
 
-/// A linear layer's weight: as stored (quantized checkpoints stay
-/// quantized; `stored` is the int4 format config.json names), else
-/// quantized by `method` when there is one.
+/// A linear layer's weight in the CPU kernels' layout (see [`linear_matrix`]).
 #[allow(clippy::too_many_arguments)]
 fn load_linear(
+    src: &dyn WeightSource,
+    name: &str,
+    rows: usize,
+    cols: usize,
+    dtype: WeightDType,
+    stored: Option<&dyn QuantMethod>,
+    method: Option<&dyn QuantMethod>,
+) -> Result<Matrix> {
+    linear_matrix(src, name, rows, cols, dtype, stored, method)?.into_cpu_layout()
+}
+
+/// A linear layer's weight: as stored (quantized checkpoints stay
+/// quantized; `stored` is the int4 format config.json names), else
+/// quantized by `method` when there is one, else dense in `dtype`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn linear_matrix(
     src: &dyn WeightSource,
     name: &str,
     rows: usize,
@@ -424,7 +438,7 @@ fn load_linear(
         }
     }
     let Some(method) = method else {
-        return src.matrix(name, rows, cols, dtype)?.into_cpu_layout();
+        return src.matrix(name, rows, cols, dtype);
     };
     let m = src.matrix(name, rows, cols, WeightDType::F32)?;
     match &m.data {

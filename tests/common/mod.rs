@@ -1,6 +1,8 @@
 //! Shared helpers of the integration tests: model paths and golden files.
 #![allow(dead_code)]
 
+pub mod dequant;
+
 use nanoinfer::engine::{Model, ModelParams};
 use nanoinfer::model::{QuantMode, WeightDType};
 use serde_json::Value;

@@ -1,4 +1,5 @@
-//! The decoder kernels (`kernels/decoder.cu`, embedded in the library),
+//! The decoder kernels (`kernels/decoder.cu` and `kernels/int4.cu`, one
+//! module, embedded in the library),
 //! compiled by NVRTC for the device's architecture on first use and cached
 //! on disk as PTX. Cache key: source hash + activation dtype + arch + NVRTC
 //! version, so a changed source, GPU or toolkit never loads a stale module.
@@ -10,7 +11,11 @@ use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-const SOURCE: &str = include_str!("../../../kernels/decoder.cu");
+/// int4.cu uses decoder.cu's helpers: one translation unit.
+const SOURCE: &str = concat!(
+    include_str!("../../../kernels/decoder.cu"),
+    include_str!("../../../kernels/int4.cu")
+);
 
 /// Where compiled modules are kept: `NANOINFER_KERNEL_CACHE`, else
 /// `$XDG_CACHE_HOME/nanoinfer/kernels`, else `~/.cache/nanoinfer/kernels`;
@@ -83,7 +88,7 @@ fn compile(arch: (i32, i32), act: ActDType) -> Result<String> {
         Err(CompileError::CompileError { log, .. }) => Err(Error::new(
             ErrorKind::Internal,
             format!(
-                "NVRTC failed to compile kernels/decoder.cu for sm_{}{}:\n{}",
+                "NVRTC failed to compile kernels/decoder.cu + int4.cu for sm_{}{}:\n{}",
                 arch.0,
                 arch.1,
                 log.to_string_lossy()
@@ -143,6 +148,13 @@ kernel_set!(
     attention_flash,
     argmax_partial,
     argmax_merge,
+    w4_mm_t1_n1,
+    w4_mm_t1_n2,
+    w4_mm_t1_n4,
+    w4_mm_t2_n1,
+    w4_mm_t2_n2,
+    w4_mm_t2_n4,
+    w4_dequant,
 );
 
 impl Kernels {

@@ -9,9 +9,13 @@
 mod gemm;
 mod kernels;
 mod profile;
+mod w4;
+mod w4_ops;
 
 pub use gemm::GemmDType;
 pub use kernels::{Kernel, KernelCache, Kernels};
+pub use w4::{unsupported_reason as w4_unsupported_reason, W4Host};
+pub use w4_ops::{QkvEpilogue, W4Matrix, W4Out};
 
 use crate::{Error, ErrorKind, Result};
 use cudarc::cublas::CudaBlas;

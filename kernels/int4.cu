@@ -1,0 +1,271 @@
+// Int4 weights (AWQ / GPTQ, W4A16): appended to decoder.cu at build time,
+// so it uses that file's helpers (raw16, to_f/from_f, mma16816, ...).
+//
+// Packed layout (written by src/backend/cuda/w4.rs): weight rows in tiles
+// of 16, inputs in chunks of 64. Tile `rt`, chunk `c` is 32 lanes × one
+// uint4 (512 bytes) at `(rt * chunks + c) * 32 + lane`. Word j of lane
+// (g = lane / 4, t = lane % 4) holds k-step j (inputs 64c + 16j ...) as the
+// m16n8k16 A fragment wants it: nibble p at bits 4p,
+//   p0 (row g, k 2t)     p4 (row g, k 2t+1)     p1 (row g+8, k 2t)   p5 (g+8, 2t+1)
+//   p2 (row g, k 2t+8)   p6 (row g, k 2t+9)     p3 (row g+8, 2t+8)   p7 (g+8, 2t+9)
+// so `(w >> 4i) & 0x000f000f` is fragment register i, one nibble per half.
+// Scales and zeros: `sz[rt][group][16 rows]`, a u32 of f16 scale bits | zero << 16.
+//
+// The product: OR-ing a nibble q into the mantissa of the 16-bit float MAGIC
+// (128 in bf16, 1024 in f16) gives MAGIC + q exactly; one fma with
+// −(MAGIC + z) gives q − z, exact, the A operand of the MMA. Each group's
+// partial sums (f32) are then scaled by the group's f32 scale: more
+// accurate than rounding dequantized weights to 16 bits first.
+
+#if NI_F16
+#define W4_MAGIC 0x6400u
+#define W4_ONE2 0x3c003c00u
+#define W4_FMA2 "fma.rn.f16x2 %0, %1, %2, %3;"
+#else
+#define W4_MAGIC 0x4300u
+#define W4_ONE2 0x3f803f80u
+#define W4_FMA2 "fma.rn.bf16x2 %0, %1, %2, %3;"
+#endif
+#define W4_WARPS 8   // warps of a block; they split the inputs of one unit
+#define W4_DEPTH 4   // 512-byte chunks each warp has in flight
+#define W4_CHUNK 64  // inputs per chunk
+
+#define W4_OUT_ACT 0       // y[r, row] in the activation dtype
+#define W4_OUT_SWIGLU 3    // out[r, j] = silu(gate) * up; tile pair (j, inter + j)
+#define W4_OUT_QKV 4       // qkv_pair_store: bias, RoPE, q row / k, v cache
+
+__device__ __forceinline__ unsigned fma2_raw(unsigned a, unsigned b, unsigned c) {
+    unsigned d;
+    asm(W4_FMA2 : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+__device__ __forceinline__ float f16_bits_to_f(unsigned h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
+    return f;
+}
+
+// −(MAGIC + z) in both halves.
+__device__ __forceinline__ unsigned w4_neg_zero(unsigned sz) {
+    const unsigned z = 0x8000u | W4_MAGIC | ((sz >> 16) & 0xfu);
+    return z | (z << 16);
+}
+
+// The A fragment (q − z) of one packed word; zg, zg8: w4_neg_zero of rows g, g + 8.
+__device__ __forceinline__ void w4_fragment(unsigned w, unsigned zg, unsigned zg8, unsigned (&a)[4]) {
+    const unsigned m = W4_MAGIC | (W4_MAGIC << 16);
+    a[0] = fma2_raw((w & 0x000f000fu) | m, W4_ONE2, zg);
+    a[1] = fma2_raw(((w >> 4) & 0x000f000fu) | m, W4_ONE2, zg8);
+    a[2] = fma2_raw(((w >> 8) & 0x000f000fu) | m, W4_ONE2, zg);
+    a[3] = fma2_raw(((w >> 12) & 0x000f000fu) | m, W4_ONE2, zg8);
+}
+
+// The first weight row of each of the T tiles of unit u, and for QKV units
+// the rotary frequency of the first row (−1 for v columns).
+template <int T>
+__device__ __forceinline__ void w4_unit_rows(int u, int mode, int inter, int nq, int nkv, int hd,
+                                             int (&row0)[T], int& freq0) {
+    freq0 = -1;
+    if (T == 1) {
+        row0[0] = 16 * u;
+        return;
+    }
+    if (mode == W4_OUT_SWIGLU) {
+        row0[0] = 16 * u;
+        row0[T - 1] = inter + 16 * u;
+        return;
+    }
+    // QKV: rope units pair tile (head, f0) with (head, f0 + hd / 2); then
+    // pairs of adjacent v tiles.
+    const int half = hd / 2, per_head = half / 16, rope_units = (nq + nkv) / hd * per_head;
+    if (u < rope_units) {
+        freq0 = (u % per_head) * 16;
+        row0[0] = (u / per_head) * hd + freq0;
+        row0[T - 1] = row0[0] + half;
+    } else {
+        row0[0] = nq + nkv + 32 * (u - rope_units);
+        row0[T - 1] = row0[0] + 16;
+    }
+}
+
+// y = x · wᵀ for the rows of T weight tiles (a "unit": one tile, or the
+// gate/up or rope pair an epilogue needs together) and up to 8·NT
+// activation rows starting at blockIdx.x · 8·NT. The 8 warps take
+// interleaved 64-input chunks, each with W4_DEPTH chunks in flight, and
+// their sums are added through shared memory.
+template <int T, int NT>
+__device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
+                                      const unsigned* sz, int k, int group, int mode, void* y,
+                                      int n, const raw16* bias, const float2* cs,
+                                      const unsigned* slots, raw16* k_cache, raw16* v_cache,
+                                      int inter, int nq, int nkv, int hd) {
+    __shared__ float red[W4_WARPS][T * NT * 4][32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int row0[T], freq0;
+    w4_unit_rows<T>(blockIdx.y, mode, inter, nq, nkv, hd, row0, freq0);
+    const int chunks = k / W4_CHUNK, groups = (k + group - 1) / group;
+    const int steps_per_group = min(group, W4_CHUNK) / 16;
+    const int tok0 = blockIdx.x * 8 * NT;
+    const uint4* wt[T];
+    const unsigned* szt[T];
+#pragma unroll
+    for (int i = 0; i < T; i++) {
+        wt[i] = wq + (size_t)(row0[i] / 16) * chunks * 32 + lane;
+        szt[i] = sz + (size_t)(row0[i] / 16) * groups * 16 + g;
+    }
+    // Activation rows of this lane's B fragments (n = g of each 8-row tile).
+    const raw16* xr[NT];
+    bool live[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        const int r = tok0 + 8 * j + g;
+        live[j] = r < rows;
+        xr[j] = x + (size_t)(live[j] ? r : 0) * k + 2 * t;
+    }
+    grid_dep_wait();
+    float acc[T][NT][4], part[T][NT][4];
+#pragma unroll
+    for (int i = 0; i < T; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = part[i][j][e] = 0.f;
+
+    for (int c0 = warp; c0 < chunks; c0 += W4_WARPS * W4_DEPTH) {
+        uint4 wv[W4_DEPTH][T];
+#pragma unroll
+        for (int d = 0; d < W4_DEPTH; d++) {
+            const int c = c0 + d * W4_WARPS;
+#pragma unroll
+            for (int i = 0; i < T; i++)
+                if (c < chunks) wv[d][i] = __ldg(wt[i] + (size_t)c * 32);
+        }
+#pragma unroll
+        for (int d = 0; d < W4_DEPTH; d++) {
+            const int c = c0 + d * W4_WARPS;
+            if (c >= chunks) break;
+            unsigned zg[T], zg8[T];
+            float sg[T], sg8[T];
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                const int k0 = c * W4_CHUNK + 16 * s;
+                if (s % steps_per_group == 0) {
+                    const int gi = k0 / group;
+#pragma unroll
+                    for (int i = 0; i < T; i++) {
+                        const unsigned a = __ldg(szt[i] + gi * 16), b = __ldg(szt[i] + gi * 16 + 8);
+                        zg[i] = w4_neg_zero(a);
+                        zg8[i] = w4_neg_zero(b);
+                        sg[i] = f16_bits_to_f(a & 0xffffu);
+                        sg8[i] = f16_bits_to_f(b & 0xffffu);
+                    }
+                }
+                unsigned b0[NT], b1[NT];
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    b0[j] = live[j] ? __ldg((const unsigned*)(xr[j] + k0)) : 0u;
+                    b1[j] = live[j] ? __ldg((const unsigned*)(xr[j] + k0 + 8)) : 0u;
+                }
+#pragma unroll
+                for (int i = 0; i < T; i++) {
+                    const unsigned w = s == 0 ? wv[d][i].x : s == 1 ? wv[d][i].y : s == 2 ? wv[d][i].z : wv[d][i].w;
+                    unsigned a[4];
+                    w4_fragment(w, zg[i], zg8[i], a);
+#pragma unroll
+                    for (int j = 0; j < NT; j++) mma16816(part[i][j], a, b0[j], b1[j]);
+                }
+                if ((s + 1) % steps_per_group == 0) {
+#pragma unroll
+                    for (int i = 0; i < T; i++)
+#pragma unroll
+                        for (int j = 0; j < NT; j++) {
+                            acc[i][j][0] += part[i][j][0] * sg[i];
+                            acc[i][j][1] += part[i][j][1] * sg[i];
+                            acc[i][j][2] += part[i][j][2] * sg8[i];
+                            acc[i][j][3] += part[i][j][3] * sg8[i];
+                            part[i][j][0] = part[i][j][1] = part[i][j][2] = part[i][j][3] = 0.f;
+                        }
+                }
+            }
+        }
+    }
+    grid_dep_launch();
+#pragma unroll
+    for (int i = 0; i < T; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) red[warp][(i * NT + j) * 4 + e][lane] = acc[i][j][e];
+    __syncthreads();
+    // Warp w finishes fragment registers w, w + 8, ... of every tile.
+    for (int e = warp; e < NT * 4; e += W4_WARPS) {
+        float v[T];
+#pragma unroll
+        for (int i = 0; i < T; i++) {
+            float s = 0.f;
+#pragma unroll
+            for (int w = 0; w < W4_WARPS; w++) s += red[w][i * NT * 4 + e][lane];
+            v[i] = s;
+        }
+        const int j = e / 4, reg = e % 4;
+        const int r = tok0 + 8 * j + 2 * t + (reg & 1);
+        const int f = reg < 2 ? g : g + 8;
+        if (r >= rows) continue;
+        if (mode == W4_OUT_ACT) {
+            ((raw16*)y)[(size_t)r * n + row0[0] + f] = from_f(v[0]);
+        } else if (mode == W4_OUT_SWIGLU) {
+            ((raw16*)y)[(size_t)r * inter + row0[0] + f] = from_f(silu_mul_f(rnd(v[0]), rnd(v[T - 1])));
+        } else {  // W4_OUT_QKV
+            qkv_pair_store(v[0], v[T - 1], r, row0[0] + f, row0[T - 1] + f, freq0 < 0 ? -1 : freq0 + f,
+                           bias, (raw16*)y, cs, slots, k_cache, v_cache, nq, nkv, hd);
+        }
+    }
+}
+
+// grid = (ceil(rows / (8 NT)), units), block = 32 * W4_WARPS. Units: n / 16
+// tiles (ACT), inter / 16 gate/up pairs (SWIGLU), or the QKV rope
+// and v pairs, (nq + 2 nkv) / 32 (QKV).
+#define W4_KERNEL(T, NT)                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * W4_WARPS) w4_mm_t##T##_n##NT(               \
+        const raw16* x, int rows, const uint4* wq, const unsigned* sz, int k, int group, int mode, \
+        void* y, int n, const raw16* bias, const float2* cs, const unsigned* slots,               \
+        raw16* k_cache, raw16* v_cache, int inter, int nq, int nkv, int hd) {                     \
+        w4_mm<T, NT>(x, rows, wq, sz, k, group, mode, y, n, bias, cs, slots, k_cache, v_cache,    \
+                     inter, nq, nkv, hd);                                                          \
+    }
+W4_KERNEL(1, 1)
+W4_KERNEL(1, 2)
+W4_KERNEL(1, 4)
+W4_KERNEL(2, 1)
+W4_KERNEL(2, 2)
+W4_KERNEL(2, 4)
+#undef W4_KERNEL
+
+// out = the dequantized weights `[n, k]` row-major, (q − z) · s rounded once
+// to the activation dtype (for cuBLAS on large batches). One thread per
+// packed word: grid = ceil(n / 16 * k / 64 * 32 / 256), block = 256.
+extern "C" __global__ void w4_dequant(const uint4* wq, const unsigned* sz, raw16* out, int n, int k,
+                                      int group) {
+    GRID_DEP_ENTER();
+    const int chunks = k / W4_CHUNK, groups = (k + group - 1) / group;
+    const size_t id = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (id >= (size_t)(n / 16) * chunks * 32) return;
+    const int lane = id % 32, c = (id / 32) % chunks, rt = id / 32 / chunks;
+    const int g = lane >> 2, t = lane & 3;
+    const uint4 v = wq[id];
+    const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int s = 0; s < 4; s++) {
+        const int k0 = c * W4_CHUNK + 16 * s, gi = k0 / group;
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            const int row = rt * 16 + g + (p & 1) * 8, col = k0 + 2 * t + (p >> 1) * 8;
+            const unsigned e = sz[((size_t)rt * groups + gi) * 16 + g + (p & 1) * 8];
+            const float scale = f16_bits_to_f(e & 0xffffu), zero = (float)((e >> 16) & 0xfu);
+            const float q0 = (float)((words[s] >> (4 * p)) & 0xfu);
+            const float q1 = (float)((words[s] >> (4 * p + 16)) & 0xfu);
+            *(unsigned*)(out + (size_t)row * k + col) = pack2((q0 - zero) * scale, (q1 - zero) * scale);
+        }
+    }
+}

@@ -1,0 +1,203 @@
+//! Int4 weights repacked for the GPU kernels of `kernels/int4.cu`: rows in
+//! tiles of 16, inputs in chunks of 64, each chunk of a tile 32 lanes × 16
+//! bytes laid out so that one lane's word `j` is the m16n8k16 A fragment of
+//! k-step `j` (the nibble map is in kernels/int4.cu). Scales and zeros per
+//! tile, group and row: `f16 scale bits | zero << 16`.
+//!
+//! Host-only code: the layout is built and checked without a GPU.
+
+use crate::backend::cpu::q4::BLOCK_ROWS;
+use crate::backend::cpu::Q4Matrix;
+use crate::{bail_arg, Result};
+
+/// Weight rows per tile (the MMA's M).
+pub const TILE_ROWS: usize = 16;
+/// Inputs per packed chunk (one uint4 per lane).
+pub const CHUNK: usize = 64;
+const _: () = assert!(TILE_ROWS == BLOCK_ROWS);
+
+/// A `[rows, cols]` int4 matrix in the kernels' layout, on the host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct W4Host {
+    pub rows: usize,
+    pub cols: usize,
+    /// Inputs per scale/zero: 32 or a multiple of 64.
+    pub group: usize,
+    /// `[tile][chunk][lane][4]`.
+    pub words: Vec<u32>,
+    /// `[tile][group][16]`.
+    pub sz: Vec<u32>,
+}
+
+/// (row offset in the tile, input offset in the k-step) of nibble `p` of
+/// lane `lane`'s word.
+fn nibble_position(lane: usize, p: usize) -> (usize, usize) {
+    let (g, t) = (lane / 4, lane % 4);
+    let half = p / 4; // 0: low 16 bits, 1: high
+    let q = p % 4;
+    (g + (q & 1) * 8, 2 * t + (q >> 1) * 8 + half)
+}
+
+/// Why a matrix cannot take the GPU int4 path, if it cannot.
+pub fn unsupported_reason(m: &Q4Matrix) -> Option<String> {
+    if m.perm().is_some() {
+        return Some("GPTQ act-order (desc_act) weights are not supported on CUDA yet".into());
+    }
+    if !m.rows.is_multiple_of(TILE_ROWS) || !m.cols.is_multiple_of(CHUNK) {
+        return Some(format!(
+            "int4 matrix [{}, {}] on CUDA needs rows a multiple of {TILE_ROWS} and inputs a multiple of {CHUNK}",
+            m.rows, m.cols
+        ));
+    }
+    if m.group != 32 && !m.group.is_multiple_of(CHUNK) {
+        return Some(format!(
+            "int4 group size {} on CUDA must be 32 or a multiple of {CHUNK}",
+            m.group
+        ));
+    }
+    None
+}
+
+impl W4Host {
+    /// Repacks `m` (row tiles of 16 in both layouts, so each tile is packed
+    /// independently).
+    pub fn pack(m: &Q4Matrix) -> Result<W4Host> {
+        if let Some(why) = unsupported_reason(m) {
+            bail_arg!("{why}");
+        }
+        let (tiles, chunks, groups) = (m.rows / TILE_ROWS, m.cols / CHUNK, m.n_groups());
+        let mut words = vec![0u32; tiles * chunks * 32 * 4];
+        let mut sz = vec![0u32; tiles * groups * TILE_ROWS];
+        for rt in 0..tiles {
+            for c in 0..chunks {
+                for lane in 0..32 {
+                    for s in 0..4 {
+                        let k0 = c * CHUNK + 16 * s;
+                        let word = (0..8).fold(0u32, |acc, p| {
+                            let (dr, dk) = nibble_position(lane, p);
+                            acc | (m.q(rt * TILE_ROWS + dr, k0 + dk) as u32) << (4 * p)
+                        });
+                        words[((rt * chunks + c) * 32 + lane) * 4 + s] = word;
+                    }
+                }
+            }
+            for g in 0..groups {
+                for j in 0..TILE_ROWS {
+                    let r = rt * TILE_ROWS + j;
+                    let (scale, min) = (m.scale(r, g), m.min(r, g));
+                    // min = −z·s with an integer z in 0..=15: exact to recover.
+                    let zero = if scale > 0.0 {
+                        (-min / scale).round().clamp(0.0, 15.0) as u32
+                    } else {
+                        0
+                    };
+                    let bits = half::f16::from_f32(scale).to_bits() as u32;
+                    sz[(rt * groups + g) * TILE_ROWS + j] = bits | zero << 16;
+                }
+            }
+        }
+        Ok(W4Host {
+            rows: m.rows,
+            cols: m.cols,
+            group: m.group,
+            words,
+            sz,
+        })
+    }
+
+    /// Row `r` dequantized from the packed layout, `(q − z) · s` in f32 (what
+    /// the kernels compute; a check of the layout without a GPU).
+    pub fn row_to_f32(&self, r: usize) -> Vec<f32> {
+        let (chunks, groups) = (self.cols / CHUNK, self.cols.div_ceil(self.group));
+        let (rt, j) = (r / TILE_ROWS, r % TILE_ROWS);
+        let mut out = vec![0f32; self.cols];
+        for c in 0..chunks {
+            for lane in 0..32 {
+                for s in 0..4 {
+                    let word = self.words[((rt * chunks + c) * 32 + lane) * 4 + s];
+                    for p in 0..8 {
+                        let (dr, dk) = nibble_position(lane, p);
+                        if dr != j {
+                            continue;
+                        }
+                        let col = c * CHUNK + 16 * s + dk;
+                        let e = self.sz[(rt * groups + col / self.group) * TILE_ROWS + j];
+                        let scale = half::f16::from_bits(e as u16).to_f32();
+                        let q = (word >> (4 * p)) & 0xF;
+                        out[col] = (q as f32 - (e >> 16 & 0xF) as f32) * scale;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Device bytes (packed weights, scales and zeros).
+    pub fn bytes(&self) -> usize {
+        (self.words.len() + self.sz.len()) * 4
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn random_q4(rows: usize, cols: usize, group: usize, seed: u64) -> Q4Matrix {
+        let mut state = seed;
+        let mut next = move || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 33) as u32
+        };
+        let ng = cols.div_ceil(group);
+        let q: Vec<u8> = (0..rows * cols).map(|_| (next() % 16) as u8).collect();
+        let zeros: Vec<u8> = (0..rows * ng).map(|_| (next() % 16) as u8).collect();
+        let scales: Vec<f32> = (0..rows * ng)
+            .map(|_| half::f16::from_f32((next() % 1000) as f32 * 1e-4 + 1e-3).to_f32())
+            .collect();
+        Q4Matrix::from_quantized(rows, cols, group, &q, &zeros, &scales, None).unwrap()
+    }
+
+    #[test]
+    fn packed_rows_dequantize_like_the_cpu_matrix() {
+        for (rows, cols, group) in [(16, 64, 32), (48, 192, 64), (32, 256, 128), (16, 576, 576)] {
+            let m = random_q4(rows, cols, group, rows as u64 * 31 + cols as u64);
+            let w = W4Host::pack(&m).unwrap();
+            assert_eq!(w.words.len(), rows * cols / 8);
+            let mut want = vec![0f32; cols];
+            for r in 0..rows {
+                m.row_to_f32(r, &mut want);
+                assert_eq!(w.row_to_f32(r), want, "row {r} of [{rows}, {cols}] g{group}");
+            }
+        }
+    }
+
+    #[test]
+    fn fragment_nibbles_cover_each_input_once() {
+        let mut seen = [[0u8; 16]; 16];
+        for lane in 0..32 {
+            for p in 0..8 {
+                let (r, k) = nibble_position(lane, p);
+                seen[r][k] += 1;
+            }
+        }
+        assert!(seen.iter().flatten().all(|&n| n == 1));
+    }
+
+    #[test]
+    fn shapes_the_kernels_cannot_take_are_refused() {
+        let odd_rows = random_q4(8, 64, 32, 1);
+        assert!(W4Host::pack(&odd_rows)
+            .unwrap_err()
+            .to_string()
+            .contains("multiple of 16"));
+        let odd_cols = random_q4(16, 96, 32, 2);
+        assert!(W4Host::pack(&odd_cols)
+            .unwrap_err()
+            .to_string()
+            .contains("multiple of 64"));
+        let g96 = random_q4(16, 192, 96, 3);
+        assert!(unsupported_reason(&g96).unwrap().contains("group size 96"));
+    }
+}

@@ -1,0 +1,188 @@
+//! Int4 (W4A16) projections on the device: the fused MMA kernels of
+//! `kernels/int4.cu` for small batches, and dequantization to the
+//! activation dtype for cuBLAS on large ones.
+
+use super::w4::{W4Host, CHUNK, TILE_ROWS};
+use super::{CudaDevice, DeviceBuffer, KArg};
+use crate::Result;
+
+/// An int4 matrix on the device, in the layout of [`W4Host`].
+pub struct W4Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub group: usize,
+    words: DeviceBuffer<u32>,
+    sz: DeviceBuffer<u32>,
+}
+
+impl W4Matrix {
+    /// Uploads parts stacked row-wise (each part's rows are whole tiles, so
+    /// stacking is concatenation); all parts share `cols` and `group`.
+    pub fn upload(dev: &CudaDevice, parts: &[W4Host]) -> Result<W4Matrix> {
+        let first = &parts[0];
+        if let Some(p) = parts
+            .iter()
+            .find(|p| p.cols != first.cols || p.group != first.group)
+        {
+            crate::bail_model!(
+                "int4 matrices stacked for one projection differ: [{}, {}] group {} and [{}, {}] group {}",
+                first.rows,
+                first.cols,
+                first.group,
+                p.rows,
+                p.cols,
+                p.group
+            );
+        }
+        let n_words: usize = parts.iter().map(|p| p.words.len()).sum();
+        let n_sz: usize = parts.iter().map(|p| p.sz.len()).sum();
+        let mut words = dev.alloc::<u32>(n_words)?;
+        let mut sz = dev.alloc::<u32>(n_sz)?;
+        let (mut wo, mut so) = (0, 0);
+        for p in parts {
+            dev.upload_at(&p.words, &mut words, wo)?;
+            dev.upload_at(&p.sz, &mut sz, so)?;
+            wo += p.words.len();
+            so += p.sz.len();
+        }
+        Ok(W4Matrix {
+            rows: parts.iter().map(|p| p.rows).sum(),
+            cols: first.cols,
+            group: first.group,
+            words,
+            sz,
+        })
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.words.bytes() + self.sz.bytes()
+    }
+}
+
+/// What an int4 product does with its result (W4_OUT_* of kernels/int4.cu).
+#[derive(Debug, Clone, Copy)]
+pub enum W4Out {
+    /// `y[rows, n]` in the activation dtype.
+    Act { y: u64 },
+    /// `out[rows, inter] = silu(gate) * up` of a stacked `[gate; up]`.
+    SwiGlu { out: u64 },
+    /// A stacked `[q; k; v]`: bias, RoPE, q into the QKV rows, k and v into
+    /// the cache slots (see `qkv_pair_store` in kernels/decoder.cu).
+    Qkv(QkvEpilogue),
+}
+
+/// The QKV epilogue's buffers and shape.
+#[derive(Debug, Clone, Copy)]
+pub struct QkvEpilogue {
+    pub qkv: u64,
+    pub bias: u64,
+    pub rope_cs: u64,
+    pub slots: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub nq: usize,
+    pub nkv: usize,
+    pub head_dim: usize,
+}
+
+/// Activation rows one block of the widest kernel covers (8 per n-tile).
+const MAX_ROWS_PER_BLOCK: usize = 32;
+/// 32 * W4_WARPS of kernels/int4.cu.
+const W4_THREADS: u32 = 256;
+
+impl CudaDevice {
+    /// `x[rows, k] · wᵀ` through the int4 MMA kernels, finished as `out`
+    /// says. Weights are read once per 32 activation rows.
+    pub fn w4_mm(&self, x: u64, rows: usize, w: &W4Matrix, out: W4Out) -> Result<()> {
+        let (paired, mode, y, units) = match out {
+            W4Out::Act { y } => (false, 0, y, w.rows / TILE_ROWS),
+            W4Out::SwiGlu { out } => (true, 3, out, w.rows / 2 / TILE_ROWS),
+            W4Out::Qkv(e) => (true, 4, e.qkv, w.rows / 2 / TILE_ROWS),
+        };
+        let per_block = match rows {
+            0..=8 => 8,
+            9..=16 => 16,
+            _ => MAX_ROWS_PER_BLOCK,
+        };
+        let kn = &self.kernels;
+        let f = match (paired, per_block) {
+            (false, 8) => &kn.w4_mm_t1_n1,
+            (false, 16) => &kn.w4_mm_t1_n2,
+            (false, _) => &kn.w4_mm_t1_n4,
+            (true, 8) => &kn.w4_mm_t2_n1,
+            (true, 16) => &kn.w4_mm_t2_n2,
+            (true, _) => &kn.w4_mm_t2_n4,
+        };
+        let e = match out {
+            W4Out::Qkv(e) => e,
+            _ => QkvEpilogue {
+                qkv: 0,
+                bias: 0,
+                rope_cs: 0,
+                slots: 0,
+                k_cache: 0,
+                v_cache: 0,
+                nq: 0,
+                nkv: 0,
+                head_dim: 0,
+            },
+        };
+        let grid = (rows.div_ceil(per_block) as u32, units as u32, 1);
+        self.timed(
+            || format!("{} {rows}x{}x{}", f.name, w.rows, w.cols),
+            w.bytes(),
+            || {
+                self.launch_raw(
+                    f,
+                    grid,
+                    W4_THREADS,
+                    &[
+                        KArg::Ptr(x),
+                        KArg::I32(rows as i32),
+                        KArg::Ptr(w.words.ptr()),
+                        KArg::Ptr(w.sz.ptr()),
+                        KArg::I32(w.cols as i32),
+                        KArg::I32(w.group as i32),
+                        KArg::I32(mode),
+                        KArg::Ptr(y),
+                        KArg::I32(w.rows as i32),
+                        KArg::Ptr(e.bias),
+                        KArg::Ptr(e.rope_cs),
+                        KArg::Ptr(e.slots),
+                        KArg::Ptr(e.k_cache),
+                        KArg::Ptr(e.v_cache),
+                        KArg::I32((w.rows / 2) as i32),
+                        KArg::I32(e.nq as i32),
+                        KArg::I32(e.nkv as i32),
+                        KArg::I32(e.head_dim as i32),
+                    ],
+                )
+            },
+        )
+    }
+
+    /// Writes `w` dequantized (`[rows, cols]`, activation dtype) to `out`.
+    pub fn w4_dequant(&self, w: &W4Matrix, out: u64) -> Result<()> {
+        let threads = w.rows / TILE_ROWS * (w.cols / CHUNK) * 32;
+        let f = &self.kernels.w4_dequant;
+        self.timed(
+            || format!("{} {}x{}", f.name, w.rows, w.cols),
+            w.bytes() + w.rows * w.cols * 2,
+            || {
+                self.launch_raw(
+                    f,
+                    (threads.div_ceil(256) as u32, 1, 1),
+                    256,
+                    &[
+                        KArg::Ptr(w.words.ptr()),
+                        KArg::Ptr(w.sz.ptr()),
+                        KArg::Ptr(out),
+                        KArg::I32(w.rows as i32),
+                        KArg::I32(w.cols as i32),
+                        KArg::I32(w.group as i32),
+                    ],
+                )
+            },
+        )
+    }
+}

@@ -1,0 +1,84 @@
+//! Dense copies of int4 checkpoints: every int4 layer dequantized to F32,
+//! the same weights the int4 kernels multiply, for comparing against the
+//! dense code paths.
+
+use nanoinfer::backend::cpu::Matrix;
+use nanoinfer::model::safetensors::WeightFiles;
+use nanoinfer::model::{ModelConfig, QuantMethod};
+use std::path::Path;
+
+/// All rows of `m` as f32.
+pub fn rows_of(m: &Matrix) -> Vec<f32> {
+    let mut out = vec![0f32; m.rows * m.cols];
+    for r in 0..m.rows {
+        m.row_to_f32(r, &mut out[r * m.cols..(r + 1) * m.cols]);
+    }
+    out
+}
+
+/// Writes the int4 checkpoint `dir` (format `method`, shapes from `c`) to
+/// `out` with every int4 layer dequantized to F32 and the other tensors
+/// widened to F32; config.json loses its `quantization_config`, tokenizer
+/// files are copied where present.
+pub fn dequantized_copy(dir: &Path, c: &ModelConfig, method: &dyn QuantMethod, out: &Path) {
+    std::fs::create_dir_all(out).unwrap();
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        if dir.join(f).exists() {
+            std::fs::copy(dir.join(f), out.join(f)).unwrap();
+        }
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    config
+        .as_object_mut()
+        .unwrap()
+        .remove("quantization_config");
+    std::fs::write(out.join("config.json"), config.to_string()).unwrap();
+    let files = WeightFiles::open(dir).unwrap();
+    let (d, i) = (c.hidden_size, c.intermediate_size);
+    let (nq, nkv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for name in files.tensor_names() {
+        if name.ends_with(".qzeros") || name.ends_with(".scales") || name.ends_with(".g_idx") {
+            continue;
+        }
+        if let Some(p) = name.strip_suffix(".qweight") {
+            let (rows, cols) = match p.rsplit('.').next().unwrap() {
+                "q_proj" => (nq, d),
+                "o_proj" => (d, nq),
+                "k_proj" | "v_proj" => (nkv, d),
+                "gate_proj" | "up_proj" => (i, d),
+                "down_proj" => (d, i),
+                other => panic!("unexpected layer {other}"),
+            };
+            let wname = format!("{p}.weight");
+            let m = method.load(&files, &wname, rows, cols).unwrap();
+            let bytes = rows_of(&m).iter().flat_map(|v| v.to_le_bytes()).collect();
+            tensors.push((wname, vec![rows, cols], bytes));
+        } else {
+            let v = files.get(name).unwrap();
+            let bytes = v
+                .to_f32()
+                .unwrap()
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect();
+            tensors.push((name.to_string(), v.shape.to_vec(), bytes));
+        }
+    }
+    let views: Vec<_> = tensors
+        .iter()
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    safetensors::tensor::serialize_to_file(views, None, &out.join("model.safetensors")).unwrap();
+}
