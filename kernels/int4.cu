@@ -133,32 +133,35 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
             for (int e = 0; e < 4; e++) acc[i][j][e] = part[i][j][e] = 0.f;
 
     for (int c0 = warp; c0 < chunks; c0 += W4_WARPS * W4_DEPTH) {
+        // Weights and the scales/zeros of each chunk's (first) group, all
+        // loads in flight before any is used.
         uint4 wv[W4_DEPTH][T];
+        unsigned szv[W4_DEPTH][T][2];
 #pragma unroll
         for (int d = 0; d < W4_DEPTH; d++) {
             const int c = c0 + d * W4_WARPS;
+            if (c < chunks) {
+                const int gi = c * W4_CHUNK / group;
 #pragma unroll
-            for (int i = 0; i < T; i++)
-                if (c < chunks) wv[d][i] = __ldg(wt[i] + (size_t)c * 32);
+                for (int i = 0; i < T; i++) {
+                    wv[d][i] = __ldg(wt[i] + (size_t)c * 32);
+                    szv[d][i][0] = __ldg(szt[i] + gi * 16);
+                    szv[d][i][1] = __ldg(szt[i] + gi * 16 + 8);
+                }
+            }
         }
 #pragma unroll
         for (int d = 0; d < W4_DEPTH; d++) {
             const int c = c0 + d * W4_WARPS;
             if (c >= chunks) break;
-            unsigned zg[T], zg8[T];
-            float sg[T], sg8[T];
 #pragma unroll
             for (int s = 0; s < 4; s++) {
                 const int k0 = c * W4_CHUNK + 16 * s;
-                if (s % steps_per_group == 0) {
-                    const int gi = k0 / group;
+                if (s == 2 && steps_per_group == 2) {  // group 32: the chunk's second group
 #pragma unroll
                     for (int i = 0; i < T; i++) {
-                        const unsigned a = __ldg(szt[i] + gi * 16), b = __ldg(szt[i] + gi * 16 + 8);
-                        zg[i] = w4_neg_zero(a);
-                        zg8[i] = w4_neg_zero(b);
-                        sg[i] = f16_bits_to_f(a & 0xffffu);
-                        sg8[i] = f16_bits_to_f(b & 0xffffu);
+                        szv[d][i][0] = __ldg(szt[i] + (k0 / group) * 16);
+                        szv[d][i][1] = __ldg(szt[i] + (k0 / group) * 16 + 8);
                     }
                 }
                 unsigned b0[NT], b1[NT];
@@ -171,21 +174,24 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
                 for (int i = 0; i < T; i++) {
                     const unsigned w = s == 0 ? wv[d][i].x : s == 1 ? wv[d][i].y : s == 2 ? wv[d][i].z : wv[d][i].w;
                     unsigned a[4];
-                    w4_fragment(w, zg[i], zg8[i], a);
+                    w4_fragment(w, w4_neg_zero(szv[d][i][0]), w4_neg_zero(szv[d][i][1]), a);
 #pragma unroll
                     for (int j = 0; j < NT; j++) mma16816(part[i][j], a, b0[j], b1[j]);
                 }
                 if ((s + 1) % steps_per_group == 0) {
 #pragma unroll
-                    for (int i = 0; i < T; i++)
+                    for (int i = 0; i < T; i++) {
+                        const float sg = f16_bits_to_f(szv[d][i][0] & 0xffffu);
+                        const float sg8 = f16_bits_to_f(szv[d][i][1] & 0xffffu);
 #pragma unroll
                         for (int j = 0; j < NT; j++) {
-                            acc[i][j][0] += part[i][j][0] * sg[i];
-                            acc[i][j][1] += part[i][j][1] * sg[i];
-                            acc[i][j][2] += part[i][j][2] * sg8[i];
-                            acc[i][j][3] += part[i][j][3] * sg8[i];
+                            acc[i][j][0] += part[i][j][0] * sg;
+                            acc[i][j][1] += part[i][j][1] * sg;
+                            acc[i][j][2] += part[i][j][2] * sg8;
+                            acc[i][j][3] += part[i][j][3] * sg8;
                             part[i][j][0] = part[i][j][1] = part[i][j][2] = part[i][j][3] = 0.f;
                         }
+                    }
                 }
             }
         }
@@ -242,30 +248,45 @@ W4_KERNEL(2, 2)
 W4_KERNEL(2, 4)
 #undef W4_KERNEL
 
+#define W4_DQ_CHUNKS 8  // chunks of one tile per dequantization block (512 inputs)
+
 // out = the dequantized weights `[n, k]` row-major, (q − z) · s rounded once
-// to the activation dtype (for cuBLAS on large batches). One thread per
-// packed word: grid = ceil(n / 16 * k / 64 * 32 / 256), block = 256.
+// to the activation dtype (for cuBLAS on large batches). A block decodes
+// W4_DQ_CHUNKS chunks of one tile (one warp each) into shared memory, then
+// writes the 16 rows as contiguous 1 KB runs.
+// grid = (ceil(k / 64 / W4_DQ_CHUNKS), n / 16), block = 32 * W4_DQ_CHUNKS.
 extern "C" __global__ void w4_dequant(const uint4* wq, const unsigned* sz, raw16* out, int n, int k,
                                       int group) {
+    __shared__ unsigned tile[16][W4_DQ_CHUNKS * W4_CHUNK / 2 + 4];  // bf16 pairs, padded
     GRID_DEP_ENTER();
     const int chunks = k / W4_CHUNK, groups = (k + group - 1) / group;
-    const size_t id = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (id >= (size_t)(n / 16) * chunks * 32) return;
-    const int lane = id % 32, c = (id / 32) % chunks, rt = id / 32 / chunks;
-    const int g = lane >> 2, t = lane & 3;
-    const uint4 v = wq[id];
-    const unsigned words[4] = {v.x, v.y, v.z, v.w};
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int rt = blockIdx.y, c = blockIdx.x * W4_DQ_CHUNKS + warp;
+    if (c < chunks) {
+        const uint4 v = wq[((size_t)rt * chunks + c) * 32 + lane];
+        const unsigned words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int s = 0; s < 4; s++) {
-        const int k0 = c * W4_CHUNK + 16 * s, gi = k0 / group;
+        for (int s = 0; s < 4; s++) {
+            const int k0 = c * W4_CHUNK + 16 * s, gi = k0 / group;
 #pragma unroll
-        for (int p = 0; p < 4; p++) {
-            const int row = rt * 16 + g + (p & 1) * 8, col = k0 + 2 * t + (p >> 1) * 8;
-            const unsigned e = sz[((size_t)rt * groups + gi) * 16 + g + (p & 1) * 8];
-            const float scale = f16_bits_to_f(e & 0xffffu), zero = (float)((e >> 16) & 0xfu);
-            const float q0 = (float)((words[s] >> (4 * p)) & 0xfu);
-            const float q1 = (float)((words[s] >> (4 * p + 16)) & 0xfu);
-            *(unsigned*)(out + (size_t)row * k + col) = pack2((q0 - zero) * scale, (q1 - zero) * scale);
+            for (int p = 0; p < 4; p++) {
+                const int row = g + (p & 1) * 8, col = warp * W4_CHUNK + 16 * s + 2 * t + (p >> 1) * 8;
+                const unsigned e = sz[((size_t)rt * groups + gi) * 16 + row];
+                const float scale = f16_bits_to_f(e & 0xffffu), zero = (float)((e >> 16) & 0xfu);
+                const float q0 = (float)((words[s] >> (4 * p)) & 0xfu);
+                const float q1 = (float)((words[s] >> (4 * p + 16)) & 0xfu);
+                tile[row][col / 2] = pack2((q0 - zero) * scale, (q1 - zero) * scale);
+            }
         }
+    }
+    __syncthreads();
+    const int cols = min(W4_DQ_CHUNKS, chunks - (int)blockIdx.x * W4_DQ_CHUNKS) * W4_CHUNK;
+    const size_t base = (size_t)rt * 16 * k + (size_t)blockIdx.x * W4_DQ_CHUNKS * W4_CHUNK;
+    // 16-byte stores: 4 pairs per thread per pass.
+    for (int i = threadIdx.x; i < 16 * cols / 8; i += blockDim.x) {
+        const int row = i / (cols / 8), q = i % (cols / 8);
+        const uint4 v = make_uint4(tile[row][4 * q], tile[row][4 * q + 1], tile[row][4 * q + 2],
+                                   tile[row][4 * q + 3]);
+        *(uint4*)(out + base + (size_t)row * k + 8 * q) = v;
     }
 }

@@ -698,11 +698,12 @@ impl DeviceDecoder for CudaDecoder {
     }
     fn summary(&self) -> String {
         format!(
-            "{} (sm_{}{}, {} SMs), {}, {:.2} GB of weights loaded in {:.2} s ({:.2} GB/s)",
+            "{} (sm_{}{}, {} SMs), {} weights, {} activations, {:.2} GB of weights loaded in {:.2} s ({:.2} GB/s)",
             self.dev.name,
             self.dev.arch.0,
             self.dev.arch.1,
             self.dev.sm_count,
+            self.weight_dtype_name(),
             self.dev.act.name(),
             self.resident_bytes as f64 / 1e9,
             self.load_seconds,

@@ -254,7 +254,7 @@ impl CudaDevice {
         block: u32,
         args: &[KArg],
     ) -> Result<()> {
-        const MAX_ARGS: usize = 16;
+        const MAX_ARGS: usize = 24;
         if args.len() > MAX_ARGS {
             return Err(Error::new(
                 ErrorKind::Internal,
@@ -581,9 +581,29 @@ pub enum KArg {
 }
 
 /// A device allocation with its raw address cached for kernel arguments.
-pub struct DeviceBuffer<T> {
-    slice: CudaSlice<T>,
+pub struct DeviceBuffer<T: DeviceRepr> {
+    /// Dropped by hand (see `Drop`).
+    slice: std::mem::ManuallyDrop<CudaSlice<T>>,
     ptr: u64,
+}
+
+/// Buffers from this size up are freed synchronously.
+const SYNC_FREE_BYTES: usize = 64 << 20;
+
+impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        let big = self.bytes() >= SYNC_FREE_BYTES;
+        let stream = self.slice.stream().clone();
+        // SAFETY: `slice` is taken once, here, and never used again.
+        drop(unsafe { std::mem::ManuallyDrop::take(&mut self.slice) });
+        // cudarc frees on the stream (cuMemFreeAsync): a large buffer (a
+        // session's KV cache) only returns to the device's pool once its
+        // stream gets there, and until then another model's budget, which
+        // trims the pool, would still count it as used.
+        if big {
+            let _ = stream.synchronize();
+        }
+    }
 }
 
 impl<T: DeviceRepr> DeviceBuffer<T> {
@@ -592,7 +612,10 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             let (ptr, _sync) = slice.device_ptr(stream);
             ptr
         };
-        DeviceBuffer { slice, ptr }
+        DeviceBuffer {
+            slice: std::mem::ManuallyDrop::new(slice),
+            ptr,
+        }
     }
 
     pub fn len(&self) -> usize {

@@ -89,6 +89,8 @@ pub struct QkvEpilogue {
 const MAX_ROWS_PER_BLOCK: usize = 32;
 /// 32 * W4_WARPS of kernels/int4.cu.
 const W4_THREADS: u32 = 256;
+/// W4_DQ_CHUNKS of kernels/int4.cu.
+const DEQUANT_CHUNKS: usize = 8;
 
 impl CudaDevice {
     /// `x[rows, k] · wᵀ` through the int4 MMA kernels, finished as `out`
@@ -163,7 +165,7 @@ impl CudaDevice {
 
     /// Writes `w` dequantized (`[rows, cols]`, activation dtype) to `out`.
     pub fn w4_dequant(&self, w: &W4Matrix, out: u64) -> Result<()> {
-        let threads = w.rows / TILE_ROWS * (w.cols / CHUNK) * 32;
+        let blocks = (w.cols / CHUNK).div_ceil(DEQUANT_CHUNKS);
         let f = &self.kernels.w4_dequant;
         self.timed(
             || format!("{} {}x{}", f.name, w.rows, w.cols),
@@ -171,8 +173,8 @@ impl CudaDevice {
             || {
                 self.launch_raw(
                     f,
-                    (threads.div_ceil(256) as u32, 1, 1),
-                    256,
+                    (blocks as u32, (w.rows / TILE_ROWS) as u32, 1),
+                    32 * DEQUANT_CHUNKS as u32,
                     &[
                         KArg::Ptr(w.words.ptr()),
                         KArg::Ptr(w.sz.ptr()),
