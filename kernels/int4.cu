@@ -3,12 +3,17 @@
 //
 // Packed layout (written by src/backend/cuda/w4.rs): weight rows in tiles
 // of 16, inputs in chunks of 64. Tile `rt`, chunk `c` is 32 lanes × one
-// uint4 (512 bytes) at `(rt * chunks + c) * 32 + lane`. Word j of lane
-// (g = lane / 4, t = lane % 4) holds k-step j (inputs 64c + 16j ...) as the
-// m16n8k16 A fragment wants it: nibble p at bits 4p,
+// uint4 (512 bytes) at `(rt * chunks + c) * 32 + lane`. Word s of lane
+// (g = lane / 4, t = lane % 4) holds k-step s as the m16n8k16 A fragment
+// wants it: nibble p at bits 4p,
 //   p0 (row g, k 2t)     p4 (row g, k 2t+1)     p1 (row g+8, k 2t)   p5 (g+8, 2t+1)
 //   p2 (row g, k 2t+8)   p6 (row g, k 2t+9)     p3 (row g+8, 2t+8)   p7 (g+8, 2t+9)
 // so `(w >> 4i) & 0x000f000f` is fragment register i, one nibble per half.
+// The MMA's k rows are a permutation of the chunk's inputs: for lane quad t,
+// k rows (2t, 2t+1) of step s are inputs 32(s/2) + 8t + 4(s%2) + {0, 1}
+// and rows (2t+8, 2t+9) the next two, so a lane's activations for the
+// chunk are the two 16-byte runs at 8t and 32 + 8t (and a k-step stays in
+// one 32-input group). src/backend/cuda/w4.rs packs to match.
 // Scales and zeros: `sz[rt][group][16 rows]`, a u32 of f16 scale bits | zero << 16.
 //
 // The product: OR-ing a nibble q into the mantissa of the 16-bit float MAGIC
@@ -27,7 +32,6 @@
 #define W4_FMA2 "fma.rn.bf16x2 %0, %1, %2, %3;"
 #endif
 #define W4_WARPS 8   // warps of a block; they split the inputs of one unit
-#define W4_DEPTH 4   // 512-byte chunks each warp has in flight
 #define W4_CHUNK 64  // inputs per chunk
 
 #define W4_OUT_ACT 0       // y[r, row] in the activation dtype
@@ -92,20 +96,22 @@ __device__ __forceinline__ void w4_unit_rows(int u, int mode, int inter, int nq,
 // y = x · wᵀ for the rows of T weight tiles (a "unit": one tile, or the
 // gate/up or rope pair an epilogue needs together) and up to 8·NT
 // activation rows starting at blockIdx.x · 8·NT. The 8 warps take
-// interleaved 64-input chunks, each with W4_DEPTH chunks in flight, and
-// their sums are added through shared memory.
+// interleaved 64-input chunks, each with D chunks (weights, scales/zeros
+// and activations) loaded before any is used, and their sums are added
+// through shared memory.
 template <int T, int NT>
 __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
                                       const unsigned* sz, int k, int group, int mode, void* y,
                                       int n, const raw16* bias, const float2* cs,
                                       const unsigned* slots, raw16* k_cache, raw16* v_cache,
                                       int inter, int nq, int nkv, int hd) {
+    constexpr int D = NT == 1 ? 4 : 2;
     __shared__ float red[W4_WARPS][T * NT * 4][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int row0[T], freq0;
     w4_unit_rows<T>(blockIdx.y, mode, inter, nq, nkv, hd, row0, freq0);
     const int chunks = k / W4_CHUNK, groups = (k + group - 1) / group;
-    const int steps_per_group = min(group, W4_CHUNK) / 16;
+    const bool group32 = group == 32;
     const int tok0 = blockIdx.x * 8 * NT;
     const uint4* wt[T];
     const unsigned* szt[T];
@@ -114,14 +120,14 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
         wt[i] = wq + (size_t)(row0[i] / 16) * chunks * 32 + lane;
         szt[i] = sz + (size_t)(row0[i] / 16) * groups * 16 + g;
     }
-    // Activation rows of this lane's B fragments (n = g of each 8-row tile).
-    const raw16* xr[NT];
+    // This lane's activation runs (B fragments: n = g of each 8-row tile).
+    const uint4* xr[NT];
     bool live[NT];
 #pragma unroll
     for (int j = 0; j < NT; j++) {
         const int r = tok0 + 8 * j + g;
         live[j] = r < rows;
-        xr[j] = x + (size_t)(live[j] ? r : 0) * k + 2 * t;
+        xr[j] = (const uint4*)(x + (size_t)(live[j] ? r : 0) * k + 8 * t);
     }
     grid_dep_wait();
     float acc[T][NT][4], part[T][NT][4];
@@ -132,13 +138,11 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = part[i][j][e] = 0.f;
 
-    for (int c0 = warp; c0 < chunks; c0 += W4_WARPS * W4_DEPTH) {
-        // Weights and the scales/zeros of each chunk's (first) group, all
-        // loads in flight before any is used.
-        uint4 wv[W4_DEPTH][T];
-        unsigned szv[W4_DEPTH][T][2];
+    for (int c0 = warp; c0 < chunks; c0 += W4_WARPS * D) {
+        uint4 wv[D][T], xv[D][NT][2];
+        unsigned szv[D][T][2];
 #pragma unroll
-        for (int d = 0; d < W4_DEPTH; d++) {
+        for (int d = 0; d < D; d++) {
             const int c = c0 + d * W4_WARPS;
             if (c < chunks) {
                 const int gi = c * W4_CHUNK / group;
@@ -148,37 +152,42 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
                     szv[d][i][0] = __ldg(szt[i] + gi * 16);
                     szv[d][i][1] = __ldg(szt[i] + gi * 16 + 8);
                 }
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    const uint4 zero = make_uint4(0, 0, 0, 0);
+                    xv[d][j][0] = live[j] ? __ldg(xr[j] + c * (W4_CHUNK / 8)) : zero;
+                    xv[d][j][1] = live[j] ? __ldg(xr[j] + c * (W4_CHUNK / 8) + 4) : zero;
+                }
             }
         }
 #pragma unroll
-        for (int d = 0; d < W4_DEPTH; d++) {
+        for (int d = 0; d < D; d++) {
             const int c = c0 + d * W4_WARPS;
             if (c >= chunks) break;
 #pragma unroll
             for (int s = 0; s < 4; s++) {
-                const int k0 = c * W4_CHUNK + 16 * s;
-                if (s == 2 && steps_per_group == 2) {  // group 32: the chunk's second group
+                if (s == 2 && group32) {  // the chunk's second 32-input group
+                    const int gi = c * 2 + 1;
 #pragma unroll
                     for (int i = 0; i < T; i++) {
-                        szv[d][i][0] = __ldg(szt[i] + (k0 / group) * 16);
-                        szv[d][i][1] = __ldg(szt[i] + (k0 / group) * 16 + 8);
+                        szv[d][i][0] = __ldg(szt[i] + gi * 16);
+                        szv[d][i][1] = __ldg(szt[i] + gi * 16 + 8);
                     }
-                }
-                unsigned b0[NT], b1[NT];
-#pragma unroll
-                for (int j = 0; j < NT; j++) {
-                    b0[j] = live[j] ? __ldg((const unsigned*)(xr[j] + k0)) : 0u;
-                    b1[j] = live[j] ? __ldg((const unsigned*)(xr[j] + k0 + 8)) : 0u;
                 }
 #pragma unroll
                 for (int i = 0; i < T; i++) {
-                    const unsigned w = s == 0 ? wv[d][i].x : s == 1 ? wv[d][i].y : s == 2 ? wv[d][i].z : wv[d][i].w;
+                    const uint4 wq4 = wv[d][i];
+                    const unsigned w = s == 0 ? wq4.x : s == 1 ? wq4.y : s == 2 ? wq4.z : wq4.w;
                     unsigned a[4];
                     w4_fragment(w, w4_neg_zero(szv[d][i][0]), w4_neg_zero(szv[d][i][1]), a);
 #pragma unroll
-                    for (int j = 0; j < NT; j++) mma16816(part[i][j], a, b0[j], b1[j]);
+                    for (int j = 0; j < NT; j++) {
+                        const uint4 xq = xv[d][j][s >> 1];
+                        const unsigned b0 = (s & 1) ? xq.z : xq.x, b1 = (s & 1) ? xq.w : xq.y;
+                        mma16816(part[i][j], a, b0, b1);
+                    }
                 }
-                if ((s + 1) % steps_per_group == 0) {
+                if (s == 3 || (s == 1 && group32)) {
 #pragma unroll
                     for (int i = 0; i < T; i++) {
                         const float sg = f16_bits_to_f(szv[d][i][0] & 0xffffu);
@@ -267,10 +276,12 @@ extern "C" __global__ void w4_dequant(const uint4* wq, const unsigned* sz, raw16
         const unsigned words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int s = 0; s < 4; s++) {
-            const int k0 = c * W4_CHUNK + 16 * s, gi = k0 / group;
+            const int gi = (c * W4_CHUNK + 32 * (s >> 1)) / group;
 #pragma unroll
             for (int p = 0; p < 4; p++) {
-                const int row = g + (p & 1) * 8, col = warp * W4_CHUNK + 16 * s + 2 * t + (p >> 1) * 8;
+                // See the layout above: pair p >> 1 of k-step s of lane quad t.
+                const int row = g + (p & 1) * 8;
+                const int col = warp * W4_CHUNK + 32 * (s >> 1) + 8 * t + 4 * (s & 1) + 2 * (p >> 1);
                 const unsigned e = sz[((size_t)rt * groups + gi) * 16 + row];
                 const float scale = f16_bits_to_f(e & 0xffffu), zero = (float)((e >> 16) & 0xfu);
                 const float q0 = (float)((words[s] >> (4 * p)) & 0xfu);

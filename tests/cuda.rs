@@ -262,7 +262,8 @@ fn eight_b_shape_matches_transformers() {
 
 /// Int4 checkpoints written by our quantizer (AWQ group 128, asymmetric
 /// GPTQ group 32), loaded as stored, against the same weights dequantized
-/// into a bf16 model: greedy tokens and logprobs within near-ties. The
+/// into a bf16 model: greedy tokens and logprobs within near-ties (twice
+/// the margin of bf16 against transformers). The
 /// int4 kernels compute `Σ (q − z)·x` per group and scale in f32, the dense
 /// model multiplies weights rounded to bf16, so the two round differently.
 /// The first step (all six prompts, 320 rows) runs through dequantization
@@ -304,10 +305,12 @@ fn int4_matches_the_same_weights_dequantized() {
             };
             let got_chunked = run(&int4, chunked, &reqs);
             let mut matched = Vec::new();
+            // Weights not rounded to bf16 on one side: twice the bf16 margin.
+            let near = 2.0 * NEAR_TIE;
             for (i, w) in want.iter().enumerate() {
                 let what = format!("{name} {label} prompt {i}");
-                matched.push(check_near(&what, &got[i], w));
-                check_near(&format!("{what} chunked"), &got_chunked[i], w);
+                matched.push(check_near_within(&what, &got[i], w, near));
+                check_near_within(&format!("{what} chunked"), &got_chunked[i], w, near);
             }
             eprintln!("{name} {label}: identical to the dequantized model for {matched:?} of 16 steps");
             let total: usize = matched.iter().sum();

@@ -1,8 +1,10 @@
 //! Int4 weights repacked for the GPU kernels of `kernels/int4.cu`: rows in
 //! tiles of 16, inputs in chunks of 64, each chunk of a tile 32 lanes × 16
-//! bytes laid out so that one lane's word `j` is the m16n8k16 A fragment of
-//! k-step `j` (the nibble map is in kernels/int4.cu). Scales and zeros per
-//! tile, group and row: `f16 scale bits | zero << 16`.
+//! bytes laid out so that one lane's word `s` is the m16n8k16 A fragment of
+//! k-step `s` (the nibble map is in kernels/int4.cu). Inside a chunk the
+//! MMA's k order is a permutation of the inputs chosen so that each lane's
+//! activations are two 16-byte runs (see [`chunk_input`]). Scales and zeros
+//! per tile, group and row: `f16 scale bits | zero << 16`.
 //!
 //! Host-only code: the layout is built and checked without a GPU.
 
@@ -29,13 +31,21 @@ pub struct W4Host {
     pub sz: Vec<u32>,
 }
 
-/// (row offset in the tile, input offset in the k-step) of nibble `p` of
-/// lane `lane`'s word.
-fn nibble_position(lane: usize, p: usize) -> (usize, usize) {
+/// The input (offset in its chunk) that k-step `s` feeds lane quad `t`'s
+/// fragment pair `j` (0: MMA k rows 2t, 2t+1; 1: 2t+8, 2t+9), element `e`:
+/// lane `t` reads inputs 8t..8t+8 for k-steps 0, 1 and 32+8t..32+8t+8 for
+/// k-steps 2, 3, so a k-step never straddles a 32-input group.
+pub fn chunk_input(s: usize, t: usize, j: usize, e: usize) -> usize {
+    32 * (s >> 1) + 8 * t + 4 * (s & 1) + 2 * j + e
+}
+
+/// (row offset in the tile, input offset in the chunk) of nibble `p` of
+/// word `s` of lane `lane`: nibble p holds fragment register p % 4 (rows g,
+/// g+8, g, g+8 for pairs 0, 0, 1, 1), element p / 4.
+fn nibble_position(lane: usize, s: usize, p: usize) -> (usize, usize) {
     let (g, t) = (lane / 4, lane % 4);
-    let half = p / 4; // 0: low 16 bits, 1: high
     let q = p % 4;
-    (g + (q & 1) * 8, 2 * t + (q >> 1) * 8 + half)
+    (g + (q & 1) * 8, chunk_input(s, t, q >> 1, p / 4))
 }
 
 /// Why a matrix cannot take the GPU int4 path, if it cannot.
@@ -72,10 +82,9 @@ impl W4Host {
             for c in 0..chunks {
                 for lane in 0..32 {
                     for s in 0..4 {
-                        let k0 = c * CHUNK + 16 * s;
                         let word = (0..8).fold(0u32, |acc, p| {
-                            let (dr, dk) = nibble_position(lane, p);
-                            acc | (m.q(rt * TILE_ROWS + dr, k0 + dk) as u32) << (4 * p)
+                            let (dr, dk) = nibble_position(lane, s, p);
+                            acc | (m.q(rt * TILE_ROWS + dr, c * CHUNK + dk) as u32) << (4 * p)
                         });
                         words[((rt * chunks + c) * 32 + lane) * 4 + s] = word;
                     }
@@ -116,11 +125,11 @@ impl W4Host {
                 for s in 0..4 {
                     let word = self.words[((rt * chunks + c) * 32 + lane) * 4 + s];
                     for p in 0..8 {
-                        let (dr, dk) = nibble_position(lane, p);
+                        let (dr, dk) = nibble_position(lane, s, p);
                         if dr != j {
                             continue;
                         }
-                        let col = c * CHUNK + 16 * s + dk;
+                        let col = c * CHUNK + dk;
                         let e = self.sz[(rt * groups + col / self.group) * TILE_ROWS + j];
                         let scale = half::f16::from_bits(e as u16).to_f32();
                         let q = (word >> (4 * p)) & 0xF;
@@ -174,15 +183,27 @@ mod tests {
     }
 
     #[test]
-    fn fragment_nibbles_cover_each_input_once() {
-        let mut seen = [[0u8; 16]; 16];
+    fn fragment_nibbles_cover_each_input_once_and_steps_keep_to_32_input_groups() {
+        let mut seen = [[0u8; CHUNK]; TILE_ROWS];
         for lane in 0..32 {
-            for p in 0..8 {
-                let (r, k) = nibble_position(lane, p);
-                seen[r][k] += 1;
+            for s in 0..4 {
+                for p in 0..8 {
+                    let (r, k) = nibble_position(lane, s, p);
+                    seen[r][k] += 1;
+                    assert_eq!(k / 32, s / 2, "k-step {s} reads input {k}");
+                }
             }
         }
         assert!(seen.iter().flatten().all(|&n| n == 1));
+        // A lane's inputs are two runs of 8: 8t.. and 32 + 8t..
+        for t in 0..4 {
+            let mut ks: Vec<usize> = (0..4)
+                .flat_map(|s| (0..4).map(move |je| chunk_input(s, t, je / 2, je % 2)))
+                .collect();
+            ks.sort();
+            let want: Vec<usize> = (8 * t..8 * t + 8).chain(32 + 8 * t..40 + 8 * t).collect();
+            assert_eq!(ks, want);
+        }
     }
 
     #[test]
