@@ -93,11 +93,96 @@ __device__ __forceinline__ void w4_unit_rows(int u, int mode, int inter, int nq,
     }
 }
 
+#define W4_D 2  // chunks per pipeline stage of a warp
+
+// One pipeline stage of a warp: W4_D chunks' weights, their (first
+// group's) scales/zeros for rows g and g + 8, and the lane's activations.
+template <int T, int NT>
+struct W4Stage {
+    uint4 w[W4_D][T];
+    uint4 x[W4_D][NT][2];
+    unsigned sz[W4_D][T][2];
+};
+
+template <int T, int NT>
+__device__ __forceinline__ void w4_load(W4Stage<T, NT>& st, int c0, int chunks, int group,
+                                        const uint4* const (&wt)[T], const unsigned* const (&szt)[T],
+                                        const uint4* const (&xr)[NT], const bool (&live)[NT]) {
+#pragma unroll
+    for (int d = 0; d < W4_D; d++) {
+        const int c = c0 + d * W4_WARPS;
+        if (c >= chunks) break;
+        const int gi = c * W4_CHUNK / group;
+#pragma unroll
+        for (int i = 0; i < T; i++) {
+            st.w[d][i] = __ldg(wt[i] + (size_t)c * 32);
+            st.sz[d][i][0] = __ldg(szt[i] + gi * 16);
+            st.sz[d][i][1] = __ldg(szt[i] + gi * 16 + 8);
+        }
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            const uint4 zero = make_uint4(0, 0, 0, 0);
+            st.x[d][j][0] = live[j] ? __ldg(xr[j] + c * (W4_CHUNK / 8)) : zero;
+            st.x[d][j][1] = live[j] ? __ldg(xr[j] + c * (W4_CHUNK / 8) + 4) : zero;
+        }
+    }
+}
+
+// acc += the stage's products; part holds each group's unscaled sums.
+template <int T, int NT>
+__device__ __forceinline__ void w4_compute(W4Stage<T, NT>& st, int c0, int chunks, bool group32,
+                                           const unsigned* const (&szt)[T],
+                                           float (&acc)[T][NT][4], float (&part)[T][NT][4]) {
+#pragma unroll
+    for (int d = 0; d < W4_D; d++) {
+        const int c = c0 + d * W4_WARPS;
+        if (c >= chunks) break;
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            if (s == 2 && group32) {  // the chunk's second 32-input group
+                const int gi = c * 2 + 1;
+#pragma unroll
+                for (int i = 0; i < T; i++) {
+                    st.sz[d][i][0] = __ldg(szt[i] + gi * 16);
+                    st.sz[d][i][1] = __ldg(szt[i] + gi * 16 + 8);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < T; i++) {
+                const uint4 wq4 = st.w[d][i];
+                const unsigned w = s == 0 ? wq4.x : s == 1 ? wq4.y : s == 2 ? wq4.z : wq4.w;
+                unsigned a[4];
+                w4_fragment(w, w4_neg_zero(st.sz[d][i][0]), w4_neg_zero(st.sz[d][i][1]), a);
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    const uint4 xq = st.x[d][j][s >> 1];
+                    const unsigned b0 = (s & 1) ? xq.z : xq.x, b1 = (s & 1) ? xq.w : xq.y;
+                    mma16816(part[i][j], a, b0, b1);
+                }
+            }
+            if (s == 3 || (s == 1 && group32)) {
+#pragma unroll
+                for (int i = 0; i < T; i++) {
+                    const float sg = f16_bits_to_f(st.sz[d][i][0] & 0xffffu);
+                    const float sg8 = f16_bits_to_f(st.sz[d][i][1] & 0xffffu);
+#pragma unroll
+                    for (int j = 0; j < NT; j++) {
+                        acc[i][j][0] += part[i][j][0] * sg;
+                        acc[i][j][1] += part[i][j][1] * sg;
+                        acc[i][j][2] += part[i][j][2] * sg8;
+                        acc[i][j][3] += part[i][j][3] * sg8;
+                        part[i][j][0] = part[i][j][1] = part[i][j][2] = part[i][j][3] = 0.f;
+                    }
+                }
+            }
+        }
+    }
+}
+
 // y = x · wᵀ for the rows of T weight tiles (a "unit": one tile, or the
 // gate/up or rope pair an epilogue needs together) and up to 8·NT
 // activation rows starting at blockIdx.x · 8·NT. The 8 warps take
-// interleaved 64-input chunks, each with D chunks (weights, scales/zeros
-// and activations) loaded before any is used, and their sums are added
+// interleaved 64-input chunks, W4_D at a time; their sums are added
 // through shared memory.
 template <int T, int NT>
 __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
@@ -105,7 +190,6 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
                                       int n, const raw16* bias, const float2* cs,
                                       const unsigned* slots, raw16* k_cache, raw16* v_cache,
                                       int inter, int nq, int nkv, int hd) {
-    constexpr int D = NT == 1 ? 4 : 2;
     __shared__ float red[W4_WARPS][T * NT * 4][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int row0[T], freq0;
@@ -138,71 +222,23 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = part[i][j][e] = 0.f;
 
-    for (int c0 = warp; c0 < chunks; c0 += W4_WARPS * D) {
-        uint4 wv[D][T], xv[D][NT][2];
-        unsigned szv[D][T][2];
-#pragma unroll
-        for (int d = 0; d < D; d++) {
-            const int c = c0 + d * W4_WARPS;
-            if (c < chunks) {
-                const int gi = c * W4_CHUNK / group;
-#pragma unroll
-                for (int i = 0; i < T; i++) {
-                    wv[d][i] = __ldg(wt[i] + (size_t)c * 32);
-                    szv[d][i][0] = __ldg(szt[i] + gi * 16);
-                    szv[d][i][1] = __ldg(szt[i] + gi * 16 + 8);
-                }
-#pragma unroll
-                for (int j = 0; j < NT; j++) {
-                    const uint4 zero = make_uint4(0, 0, 0, 0);
-                    xv[d][j][0] = live[j] ? __ldg(xr[j] + c * (W4_CHUNK / 8)) : zero;
-                    xv[d][j][1] = live[j] ? __ldg(xr[j] + c * (W4_CHUNK / 8) + 4) : zero;
-                }
-            }
+    const int step = W4_WARPS * W4_D;
+    if (NT == 1) {
+        // Decode: bandwidth-bound, loads of the next stage in flight while
+        // computing this one.
+        W4Stage<T, NT> next;
+        w4_load(next, warp, chunks, group, wt, szt, xr, live);
+        for (int c0 = warp; c0 < chunks; c0 += step) {
+            W4Stage<T, NT> cur = next;
+            if (c0 + step < chunks) w4_load(next, c0 + step, chunks, group, wt, szt, xr, live);
+            w4_compute(cur, c0, chunks, group32, szt, acc, part);
         }
-#pragma unroll
-        for (int d = 0; d < D; d++) {
-            const int c = c0 + d * W4_WARPS;
-            if (c >= chunks) break;
-#pragma unroll
-            for (int s = 0; s < 4; s++) {
-                if (s == 2 && group32) {  // the chunk's second 32-input group
-                    const int gi = c * 2 + 1;
-#pragma unroll
-                    for (int i = 0; i < T; i++) {
-                        szv[d][i][0] = __ldg(szt[i] + gi * 16);
-                        szv[d][i][1] = __ldg(szt[i] + gi * 16 + 8);
-                    }
-                }
-#pragma unroll
-                for (int i = 0; i < T; i++) {
-                    const uint4 wq4 = wv[d][i];
-                    const unsigned w = s == 0 ? wq4.x : s == 1 ? wq4.y : s == 2 ? wq4.z : wq4.w;
-                    unsigned a[4];
-                    w4_fragment(w, w4_neg_zero(szv[d][i][0]), w4_neg_zero(szv[d][i][1]), a);
-#pragma unroll
-                    for (int j = 0; j < NT; j++) {
-                        const uint4 xq = xv[d][j][s >> 1];
-                        const unsigned b0 = (s & 1) ? xq.z : xq.x, b1 = (s & 1) ? xq.w : xq.y;
-                        mma16816(part[i][j], a, b0, b1);
-                    }
-                }
-                if (s == 3 || (s == 1 && group32)) {
-#pragma unroll
-                    for (int i = 0; i < T; i++) {
-                        const float sg = f16_bits_to_f(szv[d][i][0] & 0xffffu);
-                        const float sg8 = f16_bits_to_f(szv[d][i][1] & 0xffffu);
-#pragma unroll
-                        for (int j = 0; j < NT; j++) {
-                            acc[i][j][0] += part[i][j][0] * sg;
-                            acc[i][j][1] += part[i][j][1] * sg;
-                            acc[i][j][2] += part[i][j][2] * sg8;
-                            acc[i][j][3] += part[i][j][3] * sg8;
-                            part[i][j][0] = part[i][j][1] = part[i][j][2] = part[i][j][3] = 0.f;
-                        }
-                    }
-                }
-            }
+    } else {
+        // Wider batches need the registers for accumulators: one stage.
+        for (int c0 = warp; c0 < chunks; c0 += step) {
+            W4Stage<T, NT> cur;
+            w4_load(cur, c0, chunks, group, wt, szt, xr, live);
+            w4_compute(cur, c0, chunks, group32, szt, acc, part);
         }
     }
     grid_dep_launch();
