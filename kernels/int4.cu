@@ -31,7 +31,7 @@
 #define W4_ONE2 0x3f803f80u
 #define W4_FMA2 "fma.rn.bf16x2 %0, %1, %2, %3;"
 #endif
-#define W4_WARPS 8   // most warps of a block; they split the inputs of one unit
+#define W4_WARPS 8   // warps of a block; they split the inputs of one unit
 #define W4_CHUNK 64  // inputs per chunk
 
 #define W4_OUT_ACT 0       // y[r, row] in the activation dtype
@@ -105,12 +105,12 @@ struct W4Stage {
 };
 
 template <int T, int NT>
-__device__ __forceinline__ void w4_load(W4Stage<T, NT>& st, int c0, int warps, int chunks, int group,
+__device__ __forceinline__ void w4_load(W4Stage<T, NT>& st, int c0, int chunks, int group,
                                         const uint4* const (&wt)[T], const unsigned* const (&szt)[T],
                                         const uint4* const (&xr)[NT], const bool (&live)[NT]) {
 #pragma unroll
     for (int d = 0; d < W4_D; d++) {
-        const int c = c0 + d * warps;
+        const int c = c0 + d * W4_WARPS;
         if (c >= chunks) break;
         const int gi = c * W4_CHUNK / group;
 #pragma unroll
@@ -130,12 +130,12 @@ __device__ __forceinline__ void w4_load(W4Stage<T, NT>& st, int c0, int warps, i
 
 // acc += the stage's products; part holds each group's unscaled sums.
 template <int T, int NT>
-__device__ __forceinline__ void w4_compute(W4Stage<T, NT>& st, int c0, int warps, int chunks, bool group32,
+__device__ __forceinline__ void w4_compute(W4Stage<T, NT>& st, int c0, int chunks, bool group32,
                                            const unsigned* const (&szt)[T],
                                            float (&acc)[T][NT][4], float (&part)[T][NT][4]) {
 #pragma unroll
     for (int d = 0; d < W4_D; d++) {
-        const int c = c0 + d * warps;
+        const int c = c0 + d * W4_WARPS;
         if (c >= chunks) break;
 #pragma unroll
         for (int s = 0; s < 4; s++) {
@@ -181,10 +181,9 @@ __device__ __forceinline__ void w4_compute(W4Stage<T, NT>& st, int c0, int warps
 
 // y = x · wᵀ for the rows of T weight tiles (a "unit": one tile, or the
 // gate/up or rope pair an epilogue needs together) and up to 8·NT
-// activation rows starting at blockIdx.x · 8·NT. The block's warps (1 to
-// W4_WARPS: the host picks as many as let every block be resident at
-// once) take interleaved 64-input chunks, W4_D at a time; their sums are
-// added through shared memory.
+// activation rows starting at blockIdx.x · 8·NT. The 8 warps take
+// interleaved 64-input chunks, W4_D at a time; their sums are added
+// through shared memory.
 template <int T, int NT>
 __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
                                       const unsigned* sz, int k, int group, int mode, void* y,
@@ -223,23 +222,23 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = part[i][j][e] = 0.f;
 
-    const int warps = blockDim.x >> 5, step = warps * W4_D;
+    const int step = W4_WARPS * W4_D;
     if (NT == 1) {
         // Decode: bandwidth-bound, loads of the next stage in flight while
         // computing this one.
         W4Stage<T, NT> next;
-        w4_load(next, warp, warps, chunks, group, wt, szt, xr, live);
+        w4_load(next, warp, chunks, group, wt, szt, xr, live);
         for (int c0 = warp; c0 < chunks; c0 += step) {
             W4Stage<T, NT> cur = next;
-            if (c0 + step < chunks) w4_load(next, c0 + step, warps, chunks, group, wt, szt, xr, live);
-            w4_compute(cur, c0, warps, chunks, group32, szt, acc, part);
+            if (c0 + step < chunks) w4_load(next, c0 + step, chunks, group, wt, szt, xr, live);
+            w4_compute(cur, c0, chunks, group32, szt, acc, part);
         }
     } else {
         // Wider batches need the registers for accumulators: one stage.
         for (int c0 = warp; c0 < chunks; c0 += step) {
             W4Stage<T, NT> cur;
-            w4_load(cur, c0, warps, chunks, group, wt, szt, xr, live);
-            w4_compute(cur, c0, warps, chunks, group32, szt, acc, part);
+            w4_load(cur, c0, chunks, group, wt, szt, xr, live);
+            w4_compute(cur, c0, chunks, group32, szt, acc, part);
         }
     }
     grid_dep_launch();
@@ -251,13 +250,13 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
             for (int e = 0; e < 4; e++) red[warp][(i * NT + j) * 4 + e][lane] = acc[i][j][e];
     __syncthreads();
     // Warp w finishes fragment registers w, w + 8, ... of every tile.
-    for (int e = warp; e < NT * 4; e += warps) {
+    for (int e = warp; e < NT * 4; e += W4_WARPS) {
         float v[T];
 #pragma unroll
         for (int i = 0; i < T; i++) {
             float s = 0.f;
 #pragma unroll
-            for (int w = 0; w < warps; w++) s += red[w][i * NT * 4 + e][lane];
+            for (int w = 0; w < W4_WARPS; w++) s += red[w][i * NT * 4 + e][lane];
             v[i] = s;
         }
         const int j = e / 4, reg = e % 4;
@@ -275,7 +274,7 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
     }
 }
 
-// grid = (ceil(rows / (8 NT)), units), block = 32 * (1 to W4_WARPS). Units: n / 16
+// grid = (ceil(rows / (8 NT)), units), block = 32 * W4_WARPS. Units: n / 16
 // tiles (ACT), inter / 16 gate/up pairs (SWIGLU), or the QKV rope
 // and v pairs, (nq + 2 nkv) / 32 (QKV).
 #define W4_KERNEL(T, NT)                                                                          \

@@ -87,11 +87,8 @@ pub struct QkvEpilogue {
 
 /// Activation rows one block of the widest kernel covers (8 per n-tile).
 const MAX_ROWS_PER_BLOCK: usize = 32;
-/// W4_WARPS of kernels/int4.cu.
-const W4_MAX_WARPS: usize = 8;
-/// Warps of the int4 kernels an SM holds at once (registers: about 128 per
-/// thread in the decode builds).
-const W4_WARPS_PER_SM: usize = 16;
+/// 32 * W4_WARPS of kernels/int4.cu.
+const W4_THREADS: u32 = 256;
 /// W4_DQ_CHUNKS of kernels/int4.cu.
 const DEQUANT_CHUNKS: usize = 8;
 
@@ -133,7 +130,6 @@ impl CudaDevice {
             },
         };
         let grid = (rows.div_ceil(per_block) as u32, units as u32, 1);
-        let warps = self.w4_warps_per_block(grid.0 as usize * units);
         self.timed(
             || format!("{} {rows}x{}x{}", f.name, w.rows, w.cols),
             w.bytes(),
@@ -141,7 +137,7 @@ impl CudaDevice {
                 self.launch_raw(
                     f,
                     grid,
-                    32 * warps as u32,
+                    W4_THREADS,
                     &[
                         KArg::Ptr(x),
                         KArg::I32(rows as i32),
@@ -165,16 +161,6 @@ impl CudaDevice {
                 )
             },
         )
-    }
-
-    /// Warps per block (a power of two up to W4_MAX_WARPS) so that all
-    /// `blocks` are resident at once where possible: a block's warps split
-    /// its unit's inputs, and a second wave of blocks would leave most SMs
-    /// idle while it drains.
-    fn w4_warps_per_block(&self, blocks: usize) -> usize {
-        let fit = W4_WARPS_PER_SM * self.sm_count / blocks.max(1);
-        let pow2 = 1usize << fit.max(1).ilog2();
-        pow2.min(W4_MAX_WARPS)
     }
 
     /// Writes `w` dequantized (`[rows, cols]`, activation dtype) to `out`.
