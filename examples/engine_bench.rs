@@ -332,7 +332,6 @@ fn main() {
         threads: o.threads,
         device: o.device.parse().expect("--device"),
         quant: o.quant.parse().expect("--quant"),
-        ..Default::default()
     };
     let model_dir = match &o.random_from {
         Some(cfg) => random_model(cfg),

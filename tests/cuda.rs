@@ -312,7 +312,9 @@ fn int4_matches_the_same_weights_dequantized() {
                 matched.push(check_near_within(&what, &got[i], w, near));
                 check_near_within(&format!("{what} chunked"), &got_chunked[i], w, near);
             }
-            eprintln!("{name} {label}: identical to the dequantized model for {matched:?} of 16 steps");
+            eprintln!(
+                "{name} {label}: identical to the dequantized model for {matched:?} of 16 steps"
+            );
             let total: usize = matched.iter().sum();
             assert!(
                 3 * total >= matched.len() * 16,

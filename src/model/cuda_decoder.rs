@@ -215,12 +215,22 @@ impl Uploader<'_> {
                 .expect("every job ran")
         });
         jobs.iter()
-            .map(|(parts, _)| parts.iter().map(|_| results.next().expect("one per part")).collect())
+            .map(|(parts, _)| {
+                parts
+                    .iter()
+                    .map(|_| results.next().expect("one per part"))
+                    .collect()
+            })
             .collect()
     }
 
     /// Parts stacked row-wise into one device matrix: all int4 or all dense.
-    fn stack(&mut self, names: &[(String, usize)], cols: usize, parts: Vec<HostPart>) -> Result<Weight> {
+    fn stack(
+        &mut self,
+        names: &[(String, usize)],
+        cols: usize,
+        parts: Vec<HostPart>,
+    ) -> Result<Weight> {
         let w = if parts.iter().all(|p| matches!(p, HostPart::Int4(_))) {
             let hosts: Vec<W4Host> = parts
                 .into_iter()
@@ -263,7 +273,10 @@ impl Uploader<'_> {
         if !matches!(m.data, MatrixData::BF16(_) | MatrixData::F16(_)) {
             return Err(Error::new(
                 ErrorKind::Unsupported,
-                format!("{name}: {} weights are not supported on CUDA here", m.dtype_name()),
+                format!(
+                    "{name}: {} weights are not supported on CUDA here",
+                    m.dtype_name()
+                ),
             ));
         }
         let bits = raw_bits(&m);
@@ -273,7 +286,7 @@ impl Uploader<'_> {
         Ok(buf)
     }
 
-/// 1-D tensors concatenated.
+    /// 1-D tensors concatenated.
     fn vectors(&mut self, parts: &[(&str, usize)]) -> Result<DeviceBuffer<u16>> {
         let mut host = Vec::new();
         for &(name, len) in parts {

@@ -177,7 +177,11 @@ mod tests {
             let mut want = vec![0f32; cols];
             for r in 0..rows {
                 m.row_to_f32(r, &mut want);
-                assert_eq!(w.row_to_f32(r), want, "row {r} of [{rows}, {cols}] g{group}");
+                assert_eq!(
+                    w.row_to_f32(r),
+                    want,
+                    "row {r} of [{rows}, {cols}] g{group}"
+                );
             }
         }
     }
