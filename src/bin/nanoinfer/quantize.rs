@@ -6,7 +6,8 @@
 //! Round-to-nearest unless `--calib FILE` names calibration text: then AWQ
 //! searches activation-aware scales and clipping, and GPTQ runs GPTQ
 //! (`--act-order` for desc_act), on the first `--calib-tokens N` tokens
-//! (default 2048) of the file; `--damp F`: GPTQ's damping (default 0.01).
+//! (default 2048) of the file; `--damp F`: GPTQ's damping (default 0.01);
+//! `--awq-clip`: AWQ's clipping search too.
 
 use crate::args::Args;
 use crate::session_opts::quant_mode;
@@ -16,7 +17,7 @@ use serde_json::json;
 use std::path::Path;
 use std::time::Instant;
 
-pub const FLAGS: &[&str] = &["json", "act-order"];
+pub const FLAGS: &[&str] = &["json", "act-order", "awq-clip"];
 
 pub fn run(a: &Args) -> Result<(), String> {
     a.check_known(
@@ -58,8 +59,10 @@ pub fn run(a: &Args) -> Result<(), String> {
         return Err("--method must name a quantization (q8_0, awq, gptq)".to_string());
     }
     let calib_tokens: usize = a.parse_or("calib-tokens", DEFAULT_CALIB_TOKENS)?;
-    if a.get("calib").is_none() && (a.get("calib-tokens").is_some() || a.flag("act-order")) {
-        return Err("--calib-tokens and --act-order need --calib FILE".to_string());
+    if a.get("calib").is_none()
+        && (a.get("calib-tokens").is_some() || a.flag("act-order") || a.flag("awq-clip"))
+    {
+        return Err("--calib-tokens, --act-order and --awq-clip need --calib FILE".to_string());
     }
     let start = Instant::now();
     let mut opts = QuantizeOptions {
@@ -67,6 +70,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         ..Default::default()
     };
     opts.gptq.act_order = a.flag("act-order");
+    opts.awq.clip = a.flag("awq-clip");
     opts.gptq.damp = a.parse_or("damp", opts.gptq.damp)?;
     if let Some(path) = a.get("calib") {
         if !matches!(mode, QuantMode::Awq { .. } | QuantMode::Gptq { .. }) {
