@@ -207,6 +207,10 @@ impl LayerWeights {
     }
 }
 
+/// What [`CalibForward::layer`] calls before each stage: `(stage, its
+/// input [tokens, in], the block's weights)`.
+pub type StageHook<'h> = dyn FnMut(Stage, &[f32], &mut LayerWeights) -> Result<()> + 'h;
+
 /// Calls `f(i, chunk)` for the `chunk_len`-long chunks of `out` on the
 /// pool's threads; the first error wins.
 pub fn par_chunks(
@@ -335,7 +339,7 @@ impl<'a> CalibForward<'a> {
         &self,
         l: &mut LayerWeights,
         h: &mut [f32],
-        hook: &mut dyn FnMut(Stage, &[f32], &mut LayerWeights) -> Result<()>,
+        hook: &mut StageHook<'_>,
     ) -> Result<()> {
         let c = self.config;
         let n = self.tokens();

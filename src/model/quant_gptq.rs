@@ -111,7 +111,8 @@ pub fn gptq(
     let mut qp = vec![0u8; rows * cols];
     let mut zeros = vec![0u8; rows * ng];
     let mut scales = vec![0u16; rows * ng];
-    let tiles: Vec<Mutex<(&mut [f32], &mut [u8], &mut [u8], &mut [u16])>> = wp
+    type Tile<'a> = (&'a mut [f32], &'a mut [u8], &'a mut [u8], &'a mut [u16]);
+    let tiles: Vec<Mutex<Tile<'_>>> = wp
         .chunks_mut(TILE * cols)
         .zip(qp.chunks_mut(TILE * cols))
         .zip(zeros.chunks_mut(TILE * ng))

@@ -321,13 +321,11 @@ impl Int4 {
             Int4Format::Awq => {
                 let qw: Vec<i32> = (0..cols)
                     .flat_map(|i| {
-                        let q = q;
                         (0..rows / 8).map(move |c| pack8(|p| q[(8 * c + AWQ_ORDER[p]) * cols + i]))
                     })
                     .collect();
                 let qz: Vec<i32> = (0..ng)
                     .flat_map(|g| {
-                        let z = z;
                         (0..rows / 8).map(move |c| pack8(|p| z[(8 * c + AWQ_ORDER[p]) * ng + g]))
                     })
                     .collect();
@@ -338,15 +336,11 @@ impl Int4 {
                     bail_arg!("{name}: GPTQ packs 8 inputs per int32, in_features {cols} is not a multiple of 8");
                 }
                 let qw: Vec<i32> = (0..cols / 8)
-                    .flat_map(|r8| {
-                        let q = q;
-                        (0..rows).map(move |o| pack8(|p| q[o * cols + 8 * r8 + p]))
-                    })
+                    .flat_map(|r8| (0..rows).map(move |o| pack8(|p| q[o * cols + 8 * r8 + p])))
                     .collect();
                 let off = if v2 { 0 } else { 1 };
                 let qz: Vec<i32> = (0..ng)
                     .flat_map(|g| {
-                        let z = z;
                         (0..rows / 8).map(move |c| pack8(|p| z[(8 * c + p) * ng + g] - off))
                     })
                     .collect();
@@ -355,10 +349,7 @@ impl Int4 {
         };
         // scales [groups, out]
         let st: Vec<u8> = (0..ng)
-            .flat_map(|g| {
-                let s = s;
-                (0..rows).flat_map(move |o| s[o * ng + g].to_le_bytes())
-            })
+            .flat_map(|g| (0..rows).flat_map(move |o| s[o * ng + g].to_le_bytes()))
             .collect();
         let mut out = vec![
             ExportTensor {
