@@ -5,8 +5,12 @@ pub mod cuda_decoder;
 pub mod decoder;
 pub mod loader;
 pub mod quant;
+pub mod quant_awq;
+pub mod quant_calib;
 pub mod quant_checkpoint;
+pub mod quant_gptq;
 pub mod quant_int4;
+pub mod quant_linalg;
 pub mod quant_q8;
 pub mod runner;
 pub mod safetensors;
@@ -19,7 +23,9 @@ pub mod workspace;
 pub use config::{Architecture, ModelConfig};
 pub use decoder::{Decoder, ForwardBatch};
 pub use quant::{QuantMethod, QuantMode};
-pub use quant_checkpoint::{quantize_checkpoint, QuantizeReport};
+pub use quant_checkpoint::{
+    quantize_checkpoint, quantize_checkpoint_with, QuantizeOptions, QuantizeReport,
+};
 pub use runner::{ContextShape, CpuDecoder, DeviceDecoder, ForwardContext};
 pub use weights::{WeightDType, WeightSource};
 pub use workspace::{ForwardWorkspace, StepBuffers, WorkspacePlan, WorkspaceStats};

@@ -6,9 +6,15 @@
 
 use super::config::ModelConfig;
 use super::quant::{method_from_metadata, ExportTensor, QuantMethod, QuantMode};
+use super::quant_awq::{awq_layer, AwqOptions};
+use super::quant_calib::{CalibForward, Calibration, LayerWeights, Linear};
+use super::quant_gptq::{gptq_layer, GptqOptions};
+use super::quant_int4::{Int4, Int4Format};
 use super::safetensors::WeightFiles;
+use crate::backend::cpu::ThreadPool;
 use crate::tensor::DType;
 use crate::{bail_arg, Error, Result};
+use std::collections::HashMap;
 use std::path::Path;
 
 /// What [`quantize_checkpoint`] did.
@@ -22,20 +28,68 @@ pub struct QuantizeReport {
     pub files_copied: usize,
     pub bytes_in: u64,
     pub bytes_out: u64,
+    /// Calibration tokens the int4 quantizer used (0: round-to-nearest).
+    pub calibration_tokens: usize,
+}
+
+/// How [`quantize_checkpoint_with`] quantizes.
+#[derive(Debug, Clone, Default)]
+pub struct QuantizeOptions {
+    /// Calibration tokens: with `awq`, activation-aware scaling and
+    /// clipping; with `gptq`, GPTQ. `None`: round-to-nearest.
+    pub calibration: Option<Calibration>,
+    pub awq: AwqOptions,
+    /// GPTQ's damping and act-order (act-order needs calibration).
+    pub gptq: GptqOptions,
+    /// Threads of the calibrated quantizers (0: all cores).
+    pub threads: usize,
 }
 
 const EMBEDDING: &str = "model.embed_tokens.weight";
 const LM_HEAD: &str = "lm_head.weight";
 
 /// Writes `out_dir/model.safetensors` (plus copies of the other files of
-/// `model_dir`) quantized with `mode`.
+/// `model_dir`) quantized with `mode` by round-to-nearest.
 pub fn quantize_checkpoint(
     model_dir: &Path,
     out_dir: &Path,
     mode: QuantMode,
 ) -> Result<QuantizeReport> {
-    let Some(method) = mode.method()? else {
-        bail_arg!("choose a quantization method (q8_0, awq, gptq)");
+    quantize_checkpoint_with(model_dir, out_dir, mode, &QuantizeOptions::default())
+}
+
+/// [`quantize_checkpoint`] with options: calibrated AWQ / GPTQ.
+pub fn quantize_checkpoint_with(
+    model_dir: &Path,
+    out_dir: &Path,
+    mode: QuantMode,
+    opts: &QuantizeOptions,
+) -> Result<QuantizeReport> {
+    let calibrated = match (&opts.calibration, mode) {
+        (None, _) => {
+            if opts.gptq.act_order {
+                bail_arg!("GPTQ act-order needs calibration data");
+            }
+            None
+        }
+        (Some(_), QuantMode::Awq { group_size }) => Some(Int4::awq(group_size)?),
+        (Some(_), QuantMode::Gptq { group_size, sym }) => {
+            let mut f = Int4::gptq(group_size, sym)?;
+            f.format = Int4Format::Gptq {
+                sym,
+                desc_act: opts.gptq.act_order,
+                v2: false,
+            };
+            Some(f)
+        }
+        (Some(_), _) => bail_arg!("calibration applies to the int4 methods (awq, gptq) only"),
+    };
+    let method: Box<dyn QuantMethod> = match calibrated {
+        Some(f) => Box::new(f),
+        None => match mode.method()? {
+            Some(m) => m,
+            None => bail_arg!("choose a quantization method (q8_0, awq, gptq)"),
+        },
     };
     let same = match (model_dir.canonicalize(), out_dir.canonicalize()) {
         (Ok(a), Ok(b)) => a == b,
@@ -69,6 +123,13 @@ pub fn quantize_checkpoint(
         bytes_in: files.shards().iter().map(|s| s.file_len() as u64).sum(),
         ..Default::default()
     };
+    let mut replaced = match (&calibrated, &opts.calibration) {
+        (Some(format), Some(calib)) => {
+            report.calibration_tokens = calib.tokens();
+            calibrated_tensors(&files, &config, format, calib, opts)?
+        }
+        _ => HashMap::new(),
+    };
     report.files_copied = copy_side_files(model_dir, out_dir)?;
     if let Some(qc) = method.quantization_config() {
         write_quantization_config(model_dir, out_dir, qc)?;
@@ -78,6 +139,15 @@ pub fn quantize_checkpoint(
     names.sort_unstable();
     let mut out: Vec<ExportTensor> = Vec::with_capacity(names.len() + 64);
     for name in names {
+        if let Some((tensors, quantized)) = replaced.remove(name) {
+            out.extend(tensors);
+            if quantized {
+                report.quantized += 1;
+            } else {
+                report.kept += 1;
+            }
+            continue;
+        }
         let view = files.get(name).expect("listed tensor exists");
         let quantize = view.shape.len() == 2
             && name.ends_with(".weight")
@@ -125,6 +195,61 @@ pub fn quantize_checkpoint(
     })?;
     report.bytes_out = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
     Ok(report)
+}
+
+/// Tensors written by the calibrated int4 quantizers, by checkpoint name:
+/// `(tensors, quantized)`: every block's linears (packed), and for AWQ the
+/// norms (and v biases) the scales were folded into, in F32.
+fn calibrated_tensors(
+    files: &WeightFiles,
+    config: &ModelConfig,
+    format: &Int4,
+    calib: &Calibration,
+    opts: &QuantizeOptions,
+) -> Result<HashMap<String, (Vec<ExportTensor>, bool)>> {
+    let threads = match opts.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let pool = ThreadPool::new(threads);
+    let fwd = CalibForward::new(config, &pool, calib);
+    let mut h = fwd.embed(files, calib)?;
+    let awq = matches!(format.format, Int4Format::Awq);
+    let mut out = HashMap::new();
+    for i in 0..config.num_layers {
+        let mut l = LayerWeights::load(files, config, i)?;
+        let quantized = if awq {
+            awq_layer(&fwd, config, format, &opts.awq, &mut l, &mut h)?.0
+        } else {
+            gptq_layer(&fwd, config, format, &opts.gptq, &mut l, &mut h)?
+        };
+        for (li, q) in Linear::ALL.iter().zip(&quantized) {
+            let name = li.weight_name(i);
+            let tensors = format.pack(&name, q)?;
+            out.insert(name, (tensors, true));
+        }
+        if awq {
+            let p = format!("model.layers.{i}");
+            let mut vectors = vec![
+                ("input_layernorm.weight", &l.input_norm),
+                ("post_attention_layernorm.weight", &l.post_norm),
+            ];
+            if let Some(b) = &l.v_bias {
+                vectors.push(("self_attn.v_proj.bias", b));
+            }
+            for (name, v) in vectors {
+                let name = format!("{p}.{name}");
+                let t = ExportTensor {
+                    name: name.clone(),
+                    dtype: safetensors::Dtype::F32,
+                    shape: vec![v.len()],
+                    bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                };
+                out.insert(name, (vec![t], false));
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// `out_dir/config.json` = the model's config.json with `quantization_config` set.

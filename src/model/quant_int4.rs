@@ -202,7 +202,7 @@ impl Int4 {
     }
 
     /// Inputs per group of a matrix with `cols` inputs.
-    fn group_for(&self, cols: usize) -> usize {
+    pub fn group_for(&self, cols: usize) -> usize {
         self.group.unwrap_or(cols)
     }
 
@@ -219,9 +219,46 @@ impl Int4 {
         }
     }
 
+    /// Scale (rounded to f16) and zero of a group whose weights span `lo..=hi`,
+    /// in this format's round-to-nearest convention.
+    pub fn group_params(&self, lo: f32, hi: f32) -> Result<(f32, u8)> {
+        if !lo.is_finite() || !hi.is_finite() {
+            bail_arg!("weights must be finite to quantize");
+        }
+        let (scale, zero) = match self.format {
+            Int4Format::Awq => {
+                let s = f16_round(((hi - lo).max(1e-5)) / 15.0)?;
+                (s, (-(lo / s).round_ties_even()).clamp(0.0, 15.0))
+            }
+            Int4Format::Gptq { sym: true, .. } => {
+                let amax = lo.abs().max(hi.abs());
+                let amax = if amax == 0.0 { 1.0 } else { amax };
+                (f16_round(2.0 * amax / 15.0)?, 8.0)
+            }
+            Int4Format::Gptq { sym: false, v2, .. } => {
+                let (lo, hi) = (lo.min(0.0), hi.max(0.0));
+                let (lo, hi) = if lo == 0.0 && hi == 0.0 {
+                    (-1.0, 1.0)
+                } else {
+                    (lo, hi)
+                };
+                let s = f16_round((hi - lo) / 15.0)?;
+                let zmin = if v2 { 0.0 } else { 1.0 };
+                (s, (-(lo / s).round_ties_even()).clamp(zmin, 15.0))
+            }
+        };
+        Ok((scale, zero as u8))
+    }
+
     /// Round-to-nearest of `[rows, cols]` weights: `(q [rows, cols], zeros
     /// [rows, groups], scales [rows, groups] as f16 bits)`.
     pub fn rtn(&self, rows: usize, cols: usize, w: &[f32]) -> Result<(Vec<u8>, Vec<u8>, Vec<u16>)> {
+        let r = self.rtn_weights(rows, cols, w)?;
+        Ok((r.q, r.zeros, r.scales))
+    }
+
+    /// [`Int4::rtn`] as [`Int4Weights`].
+    pub fn rtn_weights(&self, rows: usize, cols: usize, w: &[f32]) -> Result<Int4Weights> {
         if w.len() != rows * cols {
             bail_arg!(
                 "matrix [{rows}, {cols}] needs {} values, got {}",
@@ -240,40 +277,113 @@ impl Int4 {
                 let wg = &w[r * cols + c0..r * cols + c1];
                 let lo = wg.iter().fold(f32::INFINITY, |a, &v| a.min(v));
                 let hi = wg.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
-                if !lo.is_finite() || !hi.is_finite() {
-                    bail_arg!("weights must be finite to quantize");
-                }
-                let (scale, zero) = match self.format {
-                    Int4Format::Awq => {
-                        let s = f16_round(((hi - lo).max(1e-5)) / 15.0)?;
-                        (s, (-(lo / s).round_ties_even()).clamp(0.0, 15.0))
-                    }
-                    Int4Format::Gptq { sym: true, .. } => {
-                        let amax = lo.abs().max(hi.abs());
-                        let amax = if amax == 0.0 { 1.0 } else { amax };
-                        (f16_round(2.0 * amax / 15.0)?, 8.0)
-                    }
-                    Int4Format::Gptq { sym: false, v2, .. } => {
-                        let (lo, hi) = (lo.min(0.0), hi.max(0.0));
-                        let (lo, hi) = if lo == 0.0 && hi == 0.0 {
-                            (-1.0, 1.0)
-                        } else {
-                            (lo, hi)
-                        };
-                        let s = f16_round((hi - lo) / 15.0)?;
-                        let zmin = if v2 { 0.0 } else { 1.0 };
-                        (s, (-(lo / s).round_ties_even()).clamp(zmin, 15.0))
-                    }
-                };
-                zeros[r * ng + g] = zero as u8;
+                let (scale, zero) = self.group_params(lo, hi)?;
+                zeros[r * ng + g] = zero;
                 scales[r * ng + g] = half::f16::from_f32(scale).to_bits();
-                let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
                 for (o, &v) in q[r * cols + c0..r * cols + c1].iter_mut().zip(wg) {
-                    *o = ((v * inv).round_ties_even() + zero).clamp(0.0, 15.0) as u8;
+                    *o = quantize_value(v, scale, zero);
                 }
             }
         }
-        Ok((q, zeros, scales))
+        Ok(Int4Weights {
+            rows,
+            cols,
+            group,
+            q,
+            zeros,
+            scales,
+            g_idx: None,
+        })
+    }
+
+    /// The checkpoint tensors of quantized weights `w` of layer `name`
+    /// (`X.weight`): `X.qweight`, `X.qzeros`, `X.scales` (and GPTQ's `X.g_idx`).
+    pub fn pack(&self, name: &str, w: &Int4Weights) -> Result<Vec<ExportTensor>> {
+        let p = prefix(name);
+        let (rows, cols, group) = (w.rows, w.cols, w.group);
+        if !rows.is_multiple_of(8) {
+            bail_arg!(
+                "{name}: {} packs 8 outputs per int32, out_features {rows} is not a multiple of 8",
+                self.label()
+            );
+        }
+        let ng = groups_per_row(cols, group);
+        if group != self.group_for(cols)
+            || w.q.len() != rows * cols
+            || w.zeros.len() != rows * ng
+            || w.scales.len() != rows * ng
+            || w.g_idx.as_ref().is_some_and(|g| g.len() != cols)
+        {
+            bail_arg!("{name}: quantized weights do not match [{rows}, {cols}] with group {group}");
+        }
+        let (q, z, s) = (&w.q, &w.zeros, &w.scales);
+        let (qweight, qzeros) = match self.format {
+            Int4Format::Awq => {
+                let qw: Vec<i32> = (0..cols)
+                    .flat_map(|i| {
+                        (0..rows / 8).map(move |c| pack8(|p| q[(8 * c + AWQ_ORDER[p]) * cols + i]))
+                    })
+                    .collect();
+                let qz: Vec<i32> = (0..ng)
+                    .flat_map(|g| {
+                        (0..rows / 8).map(move |c| pack8(|p| z[(8 * c + AWQ_ORDER[p]) * ng + g]))
+                    })
+                    .collect();
+                ((qw, vec![cols, rows / 8]), (qz, vec![ng, rows / 8]))
+            }
+            Int4Format::Gptq { v2, .. } => {
+                if !cols.is_multiple_of(8) {
+                    bail_arg!("{name}: GPTQ packs 8 inputs per int32, in_features {cols} is not a multiple of 8");
+                }
+                let qw: Vec<i32> = (0..cols / 8)
+                    .flat_map(|r8| (0..rows).map(move |o| pack8(|p| q[o * cols + 8 * r8 + p])))
+                    .collect();
+                let off = if v2 { 0 } else { 1 };
+                let qz: Vec<i32> = (0..ng)
+                    .flat_map(|g| {
+                        (0..rows / 8).map(move |c| pack8(|p| z[(8 * c + p) * ng + g] - off))
+                    })
+                    .collect();
+                ((qw, vec![cols / 8, rows]), (qz, vec![ng, rows / 8]))
+            }
+        };
+        // scales [groups, out]
+        let st: Vec<u8> = (0..ng)
+            .flat_map(|g| (0..rows).flat_map(move |o| s[o * ng + g].to_le_bytes()))
+            .collect();
+        let mut out = vec![
+            ExportTensor {
+                name: format!("{p}.qweight"),
+                dtype: safetensors::Dtype::I32,
+                shape: qweight.1,
+                bytes: i32_bytes(&qweight.0),
+            },
+            ExportTensor {
+                name: format!("{p}.qzeros"),
+                dtype: safetensors::Dtype::I32,
+                shape: qzeros.1,
+                bytes: i32_bytes(&qzeros.0),
+            },
+            ExportTensor {
+                name: format!("{p}.scales"),
+                dtype: safetensors::Dtype::F16,
+                shape: vec![ng, rows],
+                bytes: st,
+            },
+        ];
+        if let Int4Format::Gptq { .. } = self.format {
+            let g_idx: Vec<i32> = match &w.g_idx {
+                Some(g) => g.clone(),
+                None => (0..cols).map(|i| (i / group) as i32).collect(),
+            };
+            out.push(ExportTensor {
+                name: format!("{p}.g_idx"),
+                dtype: safetensors::Dtype::I32,
+                shape: vec![cols],
+                bytes: i32_bytes(&g_idx),
+            });
+        }
+        Ok(out)
     }
 
     /// The kernel matrix of RTN-quantized weights (what loading the exported
@@ -295,6 +405,69 @@ impl Int4 {
             data: MatrixData::Q4(m),
         })
     }
+}
+
+/// Quantized weights of one `[rows, cols]` matrix, before packing: what
+/// round-to-nearest or a calibrated quantizer (AWQ, GPTQ) produces.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Int4Weights {
+    pub rows: usize,
+    pub cols: usize,
+    /// Inputs per group (`cols` for one group per row).
+    pub group: usize,
+    /// `[rows, cols]`, values 0..=15.
+    pub q: Vec<u8>,
+    /// `[rows, groups]`.
+    pub zeros: Vec<u8>,
+    /// `[rows, groups]`, f16 bits.
+    pub scales: Vec<u16>,
+    /// GPTQ act-order: the group of each input; `None`: `i / group`.
+    pub g_idx: Option<Vec<i32>>,
+}
+
+impl Int4Weights {
+    /// Group of input `c`.
+    #[inline]
+    pub fn group_of(&self, c: usize) -> usize {
+        match &self.g_idx {
+            Some(g) => g[c] as usize,
+            None => c / self.group,
+        }
+    }
+
+    /// The weights these stand for, `w = (q − z) · s`, `[rows, cols]`.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let ng = groups_per_row(self.cols, self.group);
+        let mut out = vec![0f32; self.rows * self.cols];
+        for r in 0..self.rows {
+            for c in 0..self.cols {
+                let g = r * ng + self.group_of(c);
+                let s = half::f16::from_bits(self.scales[g]).to_f32();
+                out[r * self.cols + c] =
+                    (self.q[r * self.cols + c] as f32 - self.zeros[g] as f32) * s;
+            }
+        }
+        out
+    }
+}
+
+/// `clamp(round(v / scale) + zero, 0, 15)` (ties to even).
+#[inline]
+pub fn quantize_value(v: f32, scale: f32, zero: u8) -> u8 {
+    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    // Clamped first (no result changes: zero is 0..=15), so that adding and
+    // subtracting 1.5·2²³ rounds to even exactly; `round_ties_even` is a
+    // libm call without SSE4.1, and the calibrated searches call this a lot.
+    const MAGIC: f32 = 12_582_912.0;
+    let x = (v * inv).clamp(-32.0, 32.0);
+    let r = (x + MAGIC) - MAGIC;
+    (r + zero as f32).clamp(0.0, 15.0) as u8
+}
+
+/// `v` rounded onto the grid of `(scale, zero)`.
+#[inline]
+pub fn fake_quantize(v: f32, scale: f32, zero: u8) -> f32 {
+    (quantize_value(v, scale, zero) as f32 - zero as f32) * scale
 }
 
 fn f16_round(v: f32) -> Result<f32> {
@@ -366,89 +539,8 @@ impl QuantMethod for Int4 {
     }
 
     fn export(&self, name: &str, rows: usize, cols: usize, w: &[f32]) -> Result<Vec<ExportTensor>> {
-        let p = prefix(name);
-        if !rows.is_multiple_of(8) {
-            bail_arg!(
-                "{name}: {} packs 8 outputs per int32, out_features {rows} is not a multiple of 8",
-                self.label()
-            );
-        }
-        let (q, z, s) = self.rtn(rows, cols, w)?;
-        let group = self.group_for(cols);
-        let ng = groups_per_row(cols, group);
-        let (qweight, qzeros) = match self.format {
-            Int4Format::Awq => {
-                let qw: Vec<i32> = (0..cols)
-                    .flat_map(|i| {
-                        let q = &q;
-                        (0..rows / 8).map(move |c| pack8(|p| q[(8 * c + AWQ_ORDER[p]) * cols + i]))
-                    })
-                    .collect();
-                let qz: Vec<i32> = (0..ng)
-                    .flat_map(|g| {
-                        let z = &z;
-                        (0..rows / 8).map(move |c| pack8(|p| z[(8 * c + AWQ_ORDER[p]) * ng + g]))
-                    })
-                    .collect();
-                ((qw, vec![cols, rows / 8]), (qz, vec![ng, rows / 8]))
-            }
-            Int4Format::Gptq { v2, .. } => {
-                if !cols.is_multiple_of(8) {
-                    bail_arg!("{name}: GPTQ packs 8 inputs per int32, in_features {cols} is not a multiple of 8");
-                }
-                let qw: Vec<i32> = (0..cols / 8)
-                    .flat_map(|r8| {
-                        let q = &q;
-                        (0..rows).map(move |o| pack8(|p| q[o * cols + 8 * r8 + p]))
-                    })
-                    .collect();
-                let off = if v2 { 0 } else { 1 };
-                let qz: Vec<i32> = (0..ng)
-                    .flat_map(|g| {
-                        let z = &z;
-                        (0..rows / 8).map(move |c| pack8(|p| z[(8 * c + p) * ng + g] - off))
-                    })
-                    .collect();
-                ((qw, vec![cols / 8, rows]), (qz, vec![ng, rows / 8]))
-            }
-        };
-        // scales [groups, out]
-        let st: Vec<u8> = (0..ng)
-            .flat_map(|g| {
-                let s = &s;
-                (0..rows).flat_map(move |o| s[o * ng + g].to_le_bytes())
-            })
-            .collect();
-        let mut out = vec![
-            ExportTensor {
-                name: format!("{p}.qweight"),
-                dtype: safetensors::Dtype::I32,
-                shape: qweight.1,
-                bytes: i32_bytes(&qweight.0),
-            },
-            ExportTensor {
-                name: format!("{p}.qzeros"),
-                dtype: safetensors::Dtype::I32,
-                shape: qzeros.1,
-                bytes: i32_bytes(&qzeros.0),
-            },
-            ExportTensor {
-                name: format!("{p}.scales"),
-                dtype: safetensors::Dtype::F16,
-                shape: vec![ng, rows],
-                bytes: st,
-            },
-        ];
-        if let Int4Format::Gptq { .. } = self.format {
-            let g_idx: Vec<i32> = (0..cols).map(|i| (i / group) as i32).collect();
-            out.push(ExportTensor {
-                name: format!("{p}.g_idx"),
-                dtype: safetensors::Dtype::I32,
-                shape: vec![cols],
-                bytes: i32_bytes(&g_idx),
-            });
-        }
-        Ok(out)
+        let r = self.rtn_weights(rows, cols, w)?;
+        self.pack(name, &r)
     }
 
     fn stored_in(&self, files: &WeightFiles, name: &str) -> bool {
@@ -662,6 +754,27 @@ mod tests {
             let e = Int4::from_config(&bad).unwrap_err().to_string();
             assert!(e.contains(want), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn quantize_value_rounds_half_to_even_and_clamps() {
+        for i in -4000..4000 {
+            let v = i as f32 * 0.0625 + (i % 7) as f32 * 1e-3;
+            for (scale, zero) in [(0.5f32, 8u8), (0.125, 0), (1.0, 15), (3.0e-4, 3)] {
+                let want = ((v / scale).round_ties_even() + zero as f32).clamp(0.0, 15.0) as u8;
+                let inv = 1.0 / scale;
+                let want_inv = ((v * inv).round_ties_even() + zero as f32).clamp(0.0, 15.0) as u8;
+                assert_eq!(
+                    quantize_value(v, scale, zero),
+                    want_inv,
+                    "{v} / {scale} + {zero}"
+                );
+                assert!(want.abs_diff(want_inv) <= 1);
+            }
+        }
+        assert_eq!(quantize_value(2.5, 1.0, 0), 2);
+        assert_eq!(quantize_value(3.5, 1.0, 0), 4);
+        assert_eq!(quantize_value(-1e30, 1.0, 8), 0);
     }
 
     #[test]

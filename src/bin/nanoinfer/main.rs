@@ -29,6 +29,7 @@ const USAGE: &str = "usage:
                   [--memory-pool arena|slab|system] [--json]
   nanoinfer quantize --model DIR --out DIR --method q8_0|awq|gptq [--group-size 32|64|128]
                      [--lm-head q8_0|dense] [--sym true|false] [--json]
+                     [--calib FILE [--calib-tokens 2048] [--act-order] [--damp 0.01] [--awq-clip]]
   --device cuda runs on GPU 0 (bf16 unless --dtype f16); the CPU is the default.
   --quant q8_0 quantizes at load; --quant-group-size 32|64|128 (default 32) and
   --quant-lm-head q8_0|dense (default q8_0) refine it. --quant awq|gptq: int4
