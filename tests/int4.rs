@@ -6,8 +6,9 @@
 
 mod common;
 
+use common::dequant::{dequantized_copy, rows_of};
 use common::*;
-use nanoinfer::backend::cpu::{matmul, Matrix, MatrixData, ThreadPool};
+use nanoinfer::backend::cpu::{matmul, MatrixData, ThreadPool};
 use nanoinfer::engine::eval::{greedy_with_logits, perplexity};
 use nanoinfer::engine::{Model, ModelParams};
 use nanoinfer::model::quant_int4::Int4;
@@ -28,14 +29,6 @@ fn load(dir: &Path, quant: QuantMode) -> Arc<Model> {
 fn fixture_method(dir: &Path) -> Int4 {
     let text = std::fs::read_to_string(dir.join("quantization_config.json")).unwrap();
     Int4::from_config(&serde_json::from_str(&text).unwrap()).unwrap()
-}
-
-fn rows_of(m: &Matrix) -> Vec<f32> {
-    let mut out = vec![0f32; m.rows * m.cols];
-    for r in 0..m.rows {
-        m.row_to_f32(r, &mut out[r * m.cols..(r + 1) * m.cols]);
-    }
-    out
 }
 
 #[test]
@@ -278,70 +271,6 @@ fn malformed_int4_checkpoints_fail_naming_the_tensor() {
     }
 }
 
-/// Writes `dir`'s model with every int4 layer dequantized to F32 (the same
-/// weights the int4 kernels use, multiplied in f32).
-fn dequantized_copy(dir: &Path, model: &Model, out: &Path) {
-    std::fs::create_dir_all(out).unwrap();
-    for f in [
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "generation_config.json",
-    ] {
-        std::fs::copy(dir.join(f), out.join(f)).unwrap();
-    }
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    config
-        .as_object_mut()
-        .unwrap()
-        .remove("quantization_config");
-    std::fs::write(out.join("config.json"), config.to_string()).unwrap();
-    let method = model.config().quantization.expect("int4 checkpoint");
-    let files = WeightFiles::open(dir).unwrap();
-    let c = model.config();
-    let (d, i) = (c.hidden_size, c.intermediate_size);
-    let (nq, nkv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    for name in files.tensor_names() {
-        if !name.ends_with(".qzeros") && !name.ends_with(".scales") && !name.ends_with(".g_idx") {
-            if let Some(p) = name.strip_suffix(".qweight") {
-                let (rows, cols) = match p.rsplit('.').next().unwrap() {
-                    "q_proj" => (nq, d),
-                    "o_proj" => (d, nq),
-                    "k_proj" | "v_proj" => (nkv, d),
-                    "gate_proj" | "up_proj" => (i, d),
-                    "down_proj" => (d, i),
-                    other => panic!("unexpected layer {other}"),
-                };
-                let wname = format!("{p}.weight");
-                let m = method.load(&files, &wname, rows, cols).unwrap();
-                let bytes = rows_of(&m).iter().flat_map(|v| v.to_le_bytes()).collect();
-                tensors.push((wname, vec![rows, cols], bytes));
-            } else {
-                let v = files.get(name).unwrap();
-                let bytes = v
-                    .to_f32()
-                    .unwrap()
-                    .iter()
-                    .flat_map(|x| x.to_le_bytes())
-                    .collect();
-                tensors.push((name.to_string(), v.shape.to_vec(), bytes));
-            }
-        }
-    }
-    let views: Vec<_> = tensors
-        .iter()
-        .map(|(n, s, b)| {
-            (
-                n.clone(),
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
-                    .unwrap(),
-            )
-        })
-        .collect();
-    safetensors::tensor::serialize_to_file(views, None, &out.join("model.safetensors")).unwrap();
-}
-
 /// Perplexity of SmolLM2 quantized with round-to-nearest (group 128), AWQ
 /// and GPTQ format, against transformers' F32 figure (28.825). The issue's
 /// target is within 5% for AWQ-RTN g128; this checkpoint's weights are the
@@ -388,7 +317,8 @@ fn smollm2_rtn_g128_perplexity() {
         ));
         if label == "awq" {
             let deq = scratch_dir("smollm2-awq-f32");
-            dequantized_copy(&out, &model, &deq);
+            let method = model.config().quantization.expect("int4 checkpoint");
+            dequantized_copy(&out, model.config(), &method, &deq);
             let dense = load(&deq, QuantMode::None);
             assert_eq!(dense.decoder.weight_dtype_name(), "f32");
             let ppl_dense = perplexity(&dense, &tokens).unwrap();
