@@ -337,3 +337,12 @@ extern "C" __global__ void w4_dequant(const uint4* wq, const unsigned* sz, raw16
         *(uint4*)(out + base + (size_t)row * k + 8 * q) = v;
     }
 }
+
+// out[r, i] = x[r, perm[i]]: the activations of act-order (GPTQ desc_act)
+// weights in their packed input order. grid = rows, block = 256.
+extern "C" __global__ void w4_gather(const raw16* x, const unsigned* perm, raw16* out, int k) {
+    GRID_DEP_ENTER();
+    const raw16* src = x + (size_t)blockIdx.x * k;
+    raw16* dst = out + (size_t)blockIdx.x * k;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) dst[i] = src[perm[i]];
+}

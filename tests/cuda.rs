@@ -12,7 +12,12 @@ use common::dequant::dequantized_copy;
 use nanoinfer::backend::Device;
 use nanoinfer::engine::{Event, Model, ModelParams, RequestParams, Session, SessionParams};
 use nanoinfer::kv::KvBackendKind;
-use nanoinfer::model::{quantize_checkpoint, QuantMethod, QuantMode, WeightDType};
+use nanoinfer::model::quant_calib::Calibration;
+use nanoinfer::model::quant_gptq::GptqOptions;
+use nanoinfer::model::{
+    quantize_checkpoint, quantize_checkpoint_with, QuantMethod, QuantMode, QuantizeOptions,
+    WeightDType,
+};
 use nanoinfer::sampling::SamplingParams;
 use nanoinfer::ErrorKind;
 use serde_json::Value;
@@ -261,7 +266,9 @@ fn eight_b_shape_matches_transformers() {
 }
 
 /// Int4 checkpoints written by our quantizer (AWQ group 128, asymmetric
-/// GPTQ group 32), loaded as stored, against the same weights dequantized
+/// GPTQ group 32, and act-order GPTQ group 64 calibrated on seeded random
+/// tokens: its activations are gathered through `g_idx`'s permutation),
+/// loaded as stored, against the same weights dequantized
 /// into a bf16 model: greedy tokens and logprobs within near-ties (twice
 /// the margin of bf16 against transformers). The
 /// int4 kernels compute `Σ (q − z)·x` per group and scale in f32, the dense
@@ -276,18 +283,41 @@ fn int4_matches_the_same_weights_dequantized() {
     for name in MODELS {
         let dir = fx.join(name);
         let gold = golden(&dir);
-        for (label, mode) in [
-            ("awq-g128", QuantMode::Awq { group_size: 128 }),
+        let act_order = QuantizeOptions {
+            calibration: Some(Calibration {
+                seqs: vec![(0..256).map(|i| 3 + (i * 7919 % 4000) as u32).collect()],
+            }),
+            gptq: GptqOptions {
+                damp: 0.01,
+                act_order: true,
+            },
+            ..Default::default()
+        };
+        for (label, mode, opts) in [
+            ("awq-g128", QuantMode::Awq { group_size: 128 }, None),
             (
                 "gptq-g32",
                 QuantMode::Gptq {
                     group_size: 32,
                     sym: false,
                 },
+                None,
+            ),
+            (
+                "gptq-act-order-g64",
+                QuantMode::Gptq {
+                    group_size: 64,
+                    sym: true,
+                },
+                Some(&act_order),
             ),
         ] {
             let q = tmp.join(format!("{name}-{label}"));
-            quantize_checkpoint(&dir, &q, mode).unwrap();
+            match opts {
+                None => quantize_checkpoint(&dir, &q, mode).map(|_| ()),
+                Some(o) => quantize_checkpoint_with(&dir, &q, mode, o).map(|_| ()),
+            }
+            .unwrap();
             let int4 = load(&q);
             assert_eq!(int4.decoder.weight_dtype_name(), "int4");
             let method = int4.config().quantization.expect("an int4 checkpoint");

@@ -92,6 +92,9 @@ pub struct CudaDecoder {
     w4_mma_rows: usize,
     /// Elements of the largest int4 projection (the dequantization scratch).
     w4_max_elems: usize,
+    /// Widest input of an act-order int4 projection (0: none), for the
+    /// gathered-activation scratch.
+    w4_perm_cols: usize,
 }
 
 /// How rows of a prompt chunk attend (decode rows always use `attention`).
@@ -470,6 +473,12 @@ pub fn load(
         .filter_map(|w| w.int4().map(|m| m.rows * m.cols))
         .max()
         .unwrap_or(0);
+    let w4_perm_cols = layers
+        .iter()
+        .flat_map(|l| l.projections())
+        .filter_map(|w| w.int4().filter(|m| m.has_perm()).map(|m| m.cols))
+        .max()
+        .unwrap_or(0);
     let w4_mma_rows = std::env::var("NANOINFER_CUDA_W4_MMA_ROWS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -487,6 +496,7 @@ pub fn load(
         prefill: PrefillKernel::choose(dev.arch, config.head_dim),
         w4_mma_rows,
         w4_max_elems,
+        w4_perm_cols,
         config,
     }))
 }
@@ -518,6 +528,8 @@ struct Workspace {
     argmax_part: DeviceBuffer<u64>,
     /// Int4 weights dequantized for cuBLAS (batches above `w4_mma_rows`).
     w4_scratch: Option<DeviceBuffer<u16>>,
+    /// Activations gathered for act-order int4 weights.
+    w4_x: Option<DeviceBuffer<u16>>,
 }
 
 /// Sizes of the workspace buffers in elements, in field order.
@@ -526,6 +538,7 @@ struct WorkspaceSizes {
     f32s: [usize; 4],
     inputs: usize,
     w4_scratch: usize,
+    w4_x: usize,
 }
 
 /// Decode attention blocks to aim for per SM (two are resident at a time);
@@ -589,12 +602,13 @@ impl CudaDecoder {
             } else {
                 0
             },
+            w4_x: r * self.w4_perm_cols,
         }
     }
 
     fn workspace_bytes(&self, shape: &ContextShape) -> usize {
         let s = self.workspace_sizes(shape);
-        (s.act16.iter().sum::<usize>() + s.w4_scratch) * 2
+        (s.act16.iter().sum::<usize>() + s.w4_scratch + s.w4_x) * 2
             + s.f32s.iter().sum::<usize>() * 4
             + s.inputs * 4
     }
@@ -620,6 +634,10 @@ impl CudaDecoder {
             argmax: dev.alloc::<u32>(shape.max_logits_rows.max(1))?,
             argmax_part: dev.alloc::<u64>(shape.max_logits_rows.max(1) * ARGMAX_SPLITS)?,
             w4_scratch: match s.w4_scratch {
+                0 => None,
+                n => Some(dev.alloc::<u16>(n)?),
+            },
+            w4_x: match s.w4_x {
                 0 => None,
                 n => Some(dev.alloc::<u16>(n)?),
             },
@@ -1029,22 +1047,22 @@ impl CudaForward {
         w.int4().filter(|_| rows <= self.model.w4_mma_rows)
     }
 
-    /// The address of `w` as a dense matrix: int4 weights are dequantized
-    /// into the scratch first (large batches, for cuBLAS).
-    fn dense_ptr(&self, w: &Weight) -> Result<u64> {
-        match w {
-            Weight::Dense(b) => Ok(b.ptr()),
-            Weight::Int4(m) => {
-                let scratch = self.ws.w4_scratch.as_ref().ok_or_else(|| {
-                    Error::new(
-                        ErrorKind::Internal,
-                        "int4 batch above the kernel limit without a dequantization scratch",
-                    )
-                })?;
-                self.model.dev.w4_dequant(m, scratch.ptr())?;
-                Ok(scratch.ptr())
-            }
-        }
+    /// `m` dequantized into the scratch (large batches, for cuBLAS).
+    fn dequantized(&self, m: &W4Matrix) -> Result<u64> {
+        let scratch = self.ws.w4_scratch.as_ref().ok_or_else(|| {
+            Error::new(
+                ErrorKind::Internal,
+                "int4 batch above the kernel limit without a dequantization scratch",
+            )
+        })?;
+        self.model.dev.w4_dequant(m, scratch.ptr())?;
+        Ok(scratch.ptr())
+    }
+
+    /// The activations `m` multiplies (gathered for act-order weights).
+    fn w4_input(&self, x: u64, rows: usize, m: &W4Matrix) -> Result<u64> {
+        let scratch = self.ws.w4_x.as_ref().map_or(0, |b| b.ptr());
+        self.model.dev.w4_input(x, rows, m, scratch)
     }
 
     /// `y = x · wᵀ (+ bias)` in the activation dtype.
@@ -1060,9 +1078,15 @@ impl CudaForward {
         k: usize,
     ) -> Result<()> {
         let dev = &self.model.dev;
-        match self.w4_direct(w, rows) {
-            Some(m) => dev.w4_mm(x, rows, m, W4Out::Act { y })?,
-            None => dev.gemm(x, self.dense_ptr(w)?, y, rows, n, k, GemmDType::Act)?,
+        match w {
+            Weight::Dense(b) => dev.gemm(x, b.ptr(), y, rows, n, k, GemmDType::Act)?,
+            Weight::Int4(m) => {
+                let x = self.w4_input(x, rows, m)?;
+                match self.w4_direct(w, rows) {
+                    Some(m) => dev.w4_mm(x, rows, m, W4Out::Act { y })?,
+                    None => dev.gemm(x, self.dequantized(m)?, y, rows, n, k, GemmDType::Act)?,
+                }
+            }
         }
         match bias {
             None => Ok(()),
@@ -1132,6 +1156,7 @@ impl CudaForward {
             .filter(|_| layer.q_norm.is_none())
         {
             let (x, _) = self.projection_input(input, rows, false)?;
+            let x = self.w4_input(x, rows, m)?;
             let epilogue = QkvEpilogue {
                 qkv: ws.qkv.ptr(),
                 bias: layer.qkv_bias.as_ref().map_or(0, |b| b.ptr()),
@@ -1323,6 +1348,7 @@ impl CudaForward {
         let (d, inter) = (c.hidden_size, c.intermediate_size);
         if let Some(m) = self.w4_direct(&layer.gate_up, rows) {
             let (x, _) = self.projection_input(input, rows, false)?;
+            let x = self.w4_input(x, rows, m)?;
             return dev.w4_mm(x, rows, m, W4Out::SwiGlu { out: ws.act.ptr() });
         }
         let fused = layer.gate_up.dense().filter(|_| dev.gemv_fits(rows, d));

@@ -155,6 +155,7 @@ kernel_set!(
     w4_mm_t2_n2,
     w4_mm_t2_n4,
     w4_dequant,
+    w4_gather,
 );
 
 impl Kernels {

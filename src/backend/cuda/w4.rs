@@ -29,6 +29,8 @@ pub struct W4Host {
     pub words: Vec<u32>,
     /// `[tile][group][16]`.
     pub sz: Vec<u32>,
+    /// GPTQ act-order: packed input `i` multiplies activation `perm[i]`.
+    pub perm: Option<Vec<u32>>,
 }
 
 /// The input (offset in its chunk) that k-step `s` feeds lane quad `t`'s
@@ -50,9 +52,6 @@ fn nibble_position(lane: usize, s: usize, p: usize) -> (usize, usize) {
 
 /// Why a matrix cannot take the GPU int4 path, if it cannot.
 pub fn unsupported_reason(m: &Q4Matrix) -> Option<String> {
-    if m.perm().is_some() {
-        return Some("GPTQ act-order (desc_act) weights are not supported on CUDA yet".into());
-    }
     if !m.rows.is_multiple_of(TILE_ROWS) || !m.cols.is_multiple_of(CHUNK) {
         return Some(format!(
             "int4 matrix [{}, {}] on CUDA needs rows a multiple of {TILE_ROWS} and inputs a multiple of {CHUNK}",
@@ -111,11 +110,13 @@ impl W4Host {
             group: m.group,
             words,
             sz,
+            perm: m.perm().map(<[u32]>::to_vec),
         })
     }
 
     /// Row `r` dequantized from the packed layout, `(q − z) · s` in f32 (what
-    /// the kernels compute; a check of the layout without a GPU).
+    /// the kernels compute; a check of the layout without a GPU), in the
+    /// original input order.
     pub fn row_to_f32(&self, r: usize) -> Vec<f32> {
         let (chunks, groups) = (self.cols / CHUNK, self.cols.div_ceil(self.group));
         let (rt, j) = (r / TILE_ROWS, r % TILE_ROWS);
@@ -133,7 +134,8 @@ impl W4Host {
                         let e = self.sz[(rt * groups + col / self.group) * TILE_ROWS + j];
                         let scale = half::f16::from_bits(e as u16).to_f32();
                         let q = (word >> (4 * p)) & 0xF;
-                        out[col] = (q as f32 - (e >> 16 & 0xF) as f32) * scale;
+                        let dst = self.perm.as_ref().map_or(col, |p| p[col] as usize);
+                        out[dst] = (q as f32 - (e >> 16 & 0xF) as f32) * scale;
                     }
                 }
             }
@@ -152,6 +154,16 @@ mod tests {
     use super::*;
 
     fn random_q4(rows: usize, cols: usize, group: usize, seed: u64) -> Q4Matrix {
+        random_q4_perm(rows, cols, group, seed, None)
+    }
+
+    fn random_q4_perm(
+        rows: usize,
+        cols: usize,
+        group: usize,
+        seed: u64,
+        perm: Option<Vec<u32>>,
+    ) -> Q4Matrix {
         let mut state = seed;
         let mut next = move || {
             state = state
@@ -165,7 +177,7 @@ mod tests {
         let scales: Vec<f32> = (0..rows * ng)
             .map(|_| half::f16::from_f32((next() % 1000) as f32 * 1e-4 + 1e-3).to_f32())
             .collect();
-        Q4Matrix::from_quantized(rows, cols, group, &q, &zeros, &scales, None).unwrap()
+        Q4Matrix::from_quantized(rows, cols, group, &q, &zeros, &scales, perm).unwrap()
     }
 
     #[test]
@@ -183,6 +195,22 @@ mod tests {
                     "row {r} of [{rows}, {cols}] g{group}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn act_order_rows_dequantize_in_the_original_input_order() {
+        let (rows, cols) = (32, 128);
+        let perm: Vec<u32> = (0..cols as u32)
+            .map(|i| (i * 37 + 5) % cols as u32)
+            .collect();
+        let m = random_q4_perm(rows, cols, 32, 9, Some(perm.clone()));
+        let w = W4Host::pack(&m).unwrap();
+        assert_eq!(w.perm.as_deref(), Some(&perm[..]));
+        let mut want = vec![0f32; cols];
+        for r in 0..rows {
+            m.row_to_f32(r, &mut want);
+            assert_eq!(w.row_to_f32(r), want);
         }
     }
 

@@ -13,6 +13,8 @@ pub struct W4Matrix {
     pub group: usize,
     words: DeviceBuffer<u32>,
     sz: DeviceBuffer<u32>,
+    /// GPTQ act-order: the activations are gathered through it first.
+    perm: Option<DeviceBuffer<u32>>,
 }
 
 impl W4Matrix {
@@ -34,6 +36,20 @@ impl W4Matrix {
                 p.group
             );
         }
+        if parts.iter().any(|p| p.perm != first.perm) {
+            crate::bail_model!(
+                "int4 matrices stacked for one projection have different act-order (g_idx) \
+                 permutations; they share their input, so the CUDA kernels need one"
+            );
+        }
+        let perm = match &first.perm {
+            Some(p) => {
+                let mut buf = dev.alloc::<u32>(p.len())?;
+                dev.upload(p, &mut buf)?;
+                Some(buf)
+            }
+            None => None,
+        };
         let n_words: usize = parts.iter().map(|p| p.words.len()).sum();
         let n_sz: usize = parts.iter().map(|p| p.sz.len()).sum();
         let mut words = dev.alloc::<u32>(n_words)?;
@@ -51,11 +67,16 @@ impl W4Matrix {
             group: first.group,
             words,
             sz,
+            perm,
         })
     }
 
     pub fn bytes(&self) -> usize {
-        self.words.bytes() + self.sz.bytes()
+        self.words.bytes() + self.sz.bytes() + self.perm.as_ref().map_or(0, |p| p.bytes())
+    }
+
+    pub fn has_perm(&self) -> bool {
+        self.perm.is_some()
     }
 }
 
@@ -161,6 +182,24 @@ impl CudaDevice {
                 )
             },
         )
+    }
+
+    /// The activations `w` multiplies: `x` itself, or for act-order weights
+    /// `x[rows, cols]` gathered through the permutation into `scratch`.
+    pub fn w4_input(&self, x: u64, rows: usize, w: &W4Matrix, scratch: u64) -> Result<u64> {
+        let Some(perm) = &w.perm else { return Ok(x) };
+        self.launch(
+            &self.kernels.w4_gather,
+            (rows as u32, 1, 1),
+            256,
+            &[
+                KArg::Ptr(x),
+                KArg::Ptr(perm.ptr()),
+                KArg::Ptr(scratch),
+                KArg::I32(w.cols as i32),
+            ],
+        )?;
+        Ok(scratch)
     }
 
     /// Writes `w` dequantized (`[rows, cols]`, activation dtype) to `out`.
