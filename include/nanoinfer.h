@@ -137,8 +137,9 @@ typedef struct ni_model_params {
      */
     ni_quant quant;
     /**
-     * Inputs per scale for `NI_QUANT_Q8_0`: a positive multiple of 4; 0
-     * (default) = 32. Ignored for `NI_QUANT_NONE`.
+     * Inputs per scale: for `NI_QUANT_Q8_0` a positive multiple of 4, 0
+     * (default) = 32; for `NI_QUANT_AWQ`/`NI_QUANT_GPTQ` 32, 64 or 128, 0 =
+     * 128. Ignored for `NI_QUANT_NONE`.
      */
     uint32_t quant_group_size;
     /**
@@ -716,6 +717,18 @@ typedef struct ni_event {
  * (the CLI's `--quant q8_0`). Embeddings and norms stay in higher precision.
  */
 #define NI_QUANT_Q8_0 1
+
+/**
+ * Int4 AWQ round-to-nearest (asymmetric, scale and zero per
+ * `quant_group_size` inputs, default 128; the CLI's `--quant awq`). Runs on
+ * the CPU and CUDA int4 kernels; the LM head and embeddings stay dense.
+ */
+#define NI_QUANT_AWQ 2
+
+/**
+ * Int4 GPTQ-format symmetric round-to-nearest (the CLI's `--quant gptq`).
+ */
+#define NI_QUANT_GPTQ 3
 
 /**
  * vLLM-style paged blocks with hash-chained prefix reuse (default).

@@ -501,6 +501,22 @@ fn quantization_params_match_the_engine_and_old_struct_sizes_still_load() {
     p.quant_group_size = 64;
     p.quant_lm_head = false;
     assert_eq!(tiny_generate_ffi(&p, &prompt), q8_64);
+    // Int4 at load: AWQ (group 128 by default) and symmetric GPTQ.
+    let awq = tiny_generate_engine(QuantMode::Awq { group_size: 128 }, &prompt);
+    let gptq_64 = tiny_generate_engine(
+        QuantMode::Gptq {
+            group_size: 64,
+            sym: true,
+        },
+        &prompt,
+    );
+    assert_ne!(dense.1, awq.1, "AWQ must change the logprobs");
+    p.quant = NI_QUANT_AWQ;
+    p.quant_group_size = 0;
+    assert_eq!(tiny_generate_ffi(&p, &prompt), awq);
+    p.quant = NI_QUANT_GPTQ;
+    p.quant_group_size = 64;
+    assert_eq!(tiny_generate_ffi(&p, &prompt), gptq_64);
 
     // A caller built against the header before the quant fields existed
     // passes the smaller struct_size: accepted, the new fields default.

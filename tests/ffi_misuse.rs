@@ -668,6 +668,14 @@ fn bad_quantization_params_are_refused() {
             NI_ERR_INVALID_ARGUMENT,
             &["group size", "30"],
         );
+        p.quant = NI_QUANT_AWQ;
+        p.quant_group_size = 48;
+        assert_err(
+            ni_model_load(path.as_ptr(), &p, &mut model),
+            NI_ERR_INVALID_ARGUMENT,
+            &["group size", "48"],
+        );
+        p.quant = NI_QUANT_Q8_0;
         p.quant_group_size = 0;
         p.struct_size += 8;
         assert_err(

@@ -34,6 +34,12 @@ pub const NI_QUANT_NONE: ni_quant = 0;
 /// Int8 weights with one f32 scale per `quant_group_size` inputs of a row
 /// (the CLI's `--quant q8_0`). Embeddings and norms stay in higher precision.
 pub const NI_QUANT_Q8_0: ni_quant = 1;
+/// Int4 AWQ round-to-nearest (asymmetric, scale and zero per
+/// `quant_group_size` inputs, default 128; the CLI's `--quant awq`). Runs on
+/// the CPU and CUDA int4 kernels; the LM head and embeddings stay dense.
+pub const NI_QUANT_AWQ: ni_quant = 2;
+/// Int4 GPTQ-format symmetric round-to-nearest (the CLI's `--quant gptq`).
+pub const NI_QUANT_GPTQ: ni_quant = 3;
 
 /// Reports load progress in [0, 1]; return false to cancel the load (which
 /// then fails with `NI_ERR_CANCELLED`). Called on the loading thread, during
@@ -63,8 +69,9 @@ pub struct ni_model_params {
     /// `NI_QUANT_NONE`. Appended after ABI 1's first release: a caller built
     /// with the older, smaller struct still loads (unquantized).
     pub quant: ni_quant,
-    /// Inputs per scale for `NI_QUANT_Q8_0`: a positive multiple of 4; 0
-    /// (default) = 32. Ignored for `NI_QUANT_NONE`.
+    /// Inputs per scale: for `NI_QUANT_Q8_0` a positive multiple of 4, 0
+    /// (default) = 32; for `NI_QUANT_AWQ`/`NI_QUANT_GPTQ` 32, 64 or 128, 0 =
+    /// 128. Ignored for `NI_QUANT_NONE`.
     pub quant_group_size: u32,
     /// Whether `NI_QUANT_Q8_0` quantizes the LM head too (a tied head gets its
     /// own int8 copy); default true, as the CLI does.
@@ -150,6 +157,13 @@ fn path_from_bytes(bytes: &[u8]) -> PathBuf {
     String::from_utf8_lossy(bytes).into_owned().into()
 }
 
+fn int4_group(p: &ni_model_params) -> usize {
+    match p.quant_group_size {
+        0 => crate::model::quant::INT4_DEFAULT_GROUP_SIZE,
+        g => g as usize,
+    }
+}
+
 fn quant_mode(p: &ni_model_params) -> Result<QuantMode> {
     Ok(match p.quant {
         NI_QUANT_NONE => QuantMode::None,
@@ -159,6 +173,13 @@ fn quant_mode(p: &ni_model_params) -> Result<QuantMode> {
                 g => g as usize,
             },
             lm_head: p.quant_lm_head,
+        },
+        NI_QUANT_AWQ => QuantMode::Awq {
+            group_size: int4_group(p),
+        },
+        NI_QUANT_GPTQ => QuantMode::Gptq {
+            group_size: int4_group(p),
+            sym: true,
         },
         q => bail_arg!("model params: quant {q} is not an NI_QUANT_* value"),
     })

@@ -39,6 +39,11 @@ const (
 	// QuantQ8_0: int8 weights with one f32 scale per QuantGroupSize inputs
 	// (the CLI's --quant q8_0); embeddings and norms stay dense.
 	QuantQ8_0 Quant = C.NI_QUANT_Q8_0
+	// QuantAWQ: int4 AWQ round-to-nearest, scale and zero per QuantGroupSize
+	// inputs (the CLI's --quant awq); runs on the CPU and CUDA int4 kernels.
+	QuantAWQ Quant = C.NI_QUANT_AWQ
+	// QuantGPTQ: int4 GPTQ-format symmetric round-to-nearest (--quant gptq).
+	QuantGPTQ Quant = C.NI_QUANT_GPTQ
 )
 
 // ModelOptions tunes LoadModel. The zero value loads on the CPU with the
@@ -49,8 +54,8 @@ type ModelOptions struct {
 	Threads int
 	// Quant quantizes the dense weights at load; the zero value keeps them.
 	Quant Quant
-	// QuantGroupSize is the inputs per scale for QuantQ8_0, a positive
-	// multiple of 4; 0 = 32.
+	// QuantGroupSize is the inputs per scale: for QuantQ8_0 a positive
+	// multiple of 4, 0 = 32; for QuantAWQ/QuantGPTQ 32, 64 or 128, 0 = 128.
 	QuantGroupSize int
 	// QuantDenseLMHead keeps the LM head dense under QuantQ8_0 (by default
 	// it is quantized too, as the CLI does).

@@ -421,6 +421,11 @@ func TestQuantization(t *testing.T) {
 	if !slices.Equal(q8, q8b) {
 		t.Fatalf("Q8_0 is not deterministic: %v vs %v", q8, q8b)
 	}
+	_, awq := tinyLogprobs(t, ModelOptions{Quant: QuantAWQ})
+	_, gptq := tinyLogprobs(t, ModelOptions{Quant: QuantGPTQ, QuantGroupSize: 32})
+	if slices.Equal(dense, awq) || slices.Equal(awq, gptq) {
+		t.Fatalf("int4 quantization had no effect: dense %v awq %v gptq %v", dense, awq, gptq)
+	}
 	_, err := LoadModel(filepath.Join("..", "..", "..", "tests", "data", "tiny-llama3"), &ModelOptions{Quant: QuantQ8_0, QuantGroupSize: 30})
 	if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), "30") {
 		t.Fatalf("group size 30: %v", err)

@@ -11,6 +11,10 @@ public enum Quant: UInt32 {
     case none = 0
     /// Int8 weights, one f32 scale per `quantGroupSize` inputs.
     case q8_0 = 1
+    /// Int4 AWQ round-to-nearest, scale and zero per `quantGroupSize` inputs.
+    case awq = 2
+    /// Int4 GPTQ-format symmetric round-to-nearest.
+    case gptq = 3
 }
 
 public struct ModelOptions {
@@ -18,7 +22,8 @@ public struct ModelOptions {
     /// CPU kernel threads; 0 = all cores.
     public var threads: Int
     public var quant: Quant = .none
-    /// Inputs per scale for `.q8_0`: a positive multiple of 4; 0 = 32.
+    /// Inputs per scale: `.q8_0` a positive multiple of 4, 0 = 32; `.awq`,
+    /// `.gptq` 32, 64 or 128, 0 = 128.
     public var quantGroupSize: Int = 0
     /// Quantize the LM head too under `.q8_0` (the default, as the CLI does).
     public var quantLMHead: Bool = true
