@@ -23,8 +23,11 @@ fn scratch(tag: &str) -> PathBuf {
     std::env::temp_dir().join(format!("nanoinfer-index-fuzz-{tag}-{}", std::process::id()))
 }
 
-/// The tensors of a committed tiny model: (name, shape), sorted by name.
-fn real_tensors(model: &str) -> Vec<(String, Vec<u64>)> {
+/// A tensor's name and shape.
+type Tensor = (String, Vec<u64>);
+
+/// The tensors of a committed tiny model, sorted by name.
+fn real_tensors(model: &str) -> Vec<Tensor> {
     let bytes = std::fs::read(
         root()
             .join("tests/data")
@@ -51,7 +54,7 @@ fn real_tensors(model: &str) -> Vec<(String, Vec<u64>)> {
 
 /// A shard header holding `tensors` in `dtype`, offsets packed in order;
 /// returns (header JSON, data bytes).
-fn shard_header(tensors: &[(String, Vec<u64>)], dtype: &str, meta: bool) -> (Vec<u8>, usize) {
+fn shard_header(tensors: &[Tensor], dtype: &str, meta: bool) -> (Vec<u8>, usize) {
     let size = match dtype {
         "F32" => 4,
         _ => 2,
@@ -80,13 +83,13 @@ struct SeedSpec {
     config: u8,
     shards: usize,
     dtype: &'static str,
-    tweak: fn(&mut Map<String, Value>, &mut Vec<Vec<(String, Vec<u64>)>>),
+    tweak: fn(&mut Map<String, Value>, &mut Vec<Vec<Tensor>>),
 }
 
 fn make_seed(s: &SeedSpec) -> Vec<u8> {
     let tensors = real_tensors(s.model);
     let per = tensors.len().div_ceil(s.shards);
-    let mut lists: Vec<Vec<(String, Vec<u64>)>> = tensors.chunks(per).map(|c| c.to_vec()).collect();
+    let mut lists: Vec<Vec<Tensor>> = tensors.chunks(per).map(|c| c.to_vec()).collect();
     let mut map = Map::new();
     for (i, list) in lists.iter().enumerate() {
         for (name, _) in list {
@@ -114,7 +117,7 @@ fn make_seed(s: &SeedSpec) -> Vec<u8> {
 }
 
 fn seed_specs() -> Vec<SeedSpec> {
-    fn none(_: &mut Map<String, Value>, _: &mut Vec<Vec<(String, Vec<u64>)>>) {}
+    fn none(_: &mut Map<String, Value>, _: &mut Vec<Vec<Tensor>>) {}
     vec![
         SeedSpec {
             name: "llama3-2-shards-f32",
