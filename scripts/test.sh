@@ -15,6 +15,21 @@ cargo test --release
 echo "== one-minute soak through the C ABI (scripts/soak.sh for the full one)" >&2
 NANOINFER_SOAK_SECS=60 NANOINFER_SOAK_RSS_CSV="${TMPDIR:-/tmp}/nanoinfer-ci-soak-rss.csv" \
   cargo test --release --test engine_soak soak_timed_through_the_c_abi -- --ignored --nocapture
+echo "== C/C++ examples under AddressSanitizer, LeakSanitizer and UBSan" >&2
+cargo build --release --lib
+lib=${CARGO_TARGET_DIR:-$PWD/target}/release
+asan=$(mktemp -d "${TMPDIR:-/tmp}/nanoinfer-asan.XXXXXX")
+ln -s "$lib/libnanoinfer.so" "$asan/libnanoinfer.so.1"  # the SONAME the examples load
+san=(-g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -Iinclude)
+cc -std=c11 "${san[@]}" examples-c/chat/chat.c -o "$asan/chat" -L"$lib" -lnanoinfer -Wl,-rpath,"$asan"
+c++ -std=c++17 "${san[@]}" examples-c/batch/batch.cpp -o "$asan/batch" -L"$lib" -lnanoinfer -Wl,-rpath,"$asan" -pthread
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1
+"$asan/chat" models/SmolLM2-135M-Instruct "What is the capital of France?" --max-tokens 24 --threads 2 >"$asan/chat.out"
+grep -q Paris "$asan/chat.out" || { echo "ASan chat example: unexpected reply: $(cat "$asan/chat.out")" >&2; exit 1; }
+"$asan/batch" models/SmolLM2-135M-Instruct --threads 2 >"$asan/batch.out"
+grep -q "(.* tokens, cancelled)" "$asan/batch.out" || { echo "ASan batch example: no cancelled request" >&2; exit 1; }
+unset ASAN_OPTIONS UBSAN_OPTIONS
+rm -rf "$asan"
 echo "== scripts/check_kernels.py (CUDA kernels compile with NVRTC)" >&2
 python3 scripts/check_kernels.py
 echo "== scripts/test_packaging.sh" >&2
