@@ -30,6 +30,12 @@ grep -q Paris "$asan/chat.out" || { echo "ASan chat example: unexpected reply: $
 grep -q "(.* tokens, cancelled)" "$asan/batch.out" || { echo "ASan batch example: no cancelled request" >&2; exit 1; }
 unset ASAN_OPTIONS UBSAN_OPTIONS
 rm -rf "$asan"
+if [ -n "${NANOINFER_CI_FUZZ_SECS:-}" ]; then
+  # Opt-in (see TESTING.md, "CI quick versions"): installs nightly and
+  # cargo-fuzz when missing, then a cold ASan build of the targets.
+  echo "== libFuzzer smoke: ${NANOINFER_CI_FUZZ_SECS} s per target" >&2
+  bash scripts/fuzz.sh "$NANOINFER_CI_FUZZ_SECS"
+fi
 echo "== scripts/check_kernels.py (CUDA kernels compile with NVRTC)" >&2
 python3 scripts/check_kernels.py
 echo "== scripts/test_packaging.sh" >&2
