@@ -267,6 +267,8 @@ fn mixed_faults_and_cancellations_keep_the_contract() {
             pool_failure_steps: pick(2),
             kv_exhausted_steps: pick(4),
             forward_error_steps: pick(2),
+            swap_out_failure_steps: pick(3),
+            swap_in_failure_steps: pick(3),
         };
         let what = format!("seed {seed}: {plan:?}");
         let mut s = Session::new(m.model.clone(), sp).unwrap();
@@ -334,6 +336,7 @@ fn faults_through_the_c_abi_end_requests_with_error_events() {
         forward_error_steps: vec![1],
         pool_failure_steps: vec![4],
         kv_exhausted_steps: vec![6],
+        ..Default::default()
     };
     // SAFETY: a live session handle.
     unsafe { debug_inject_faults(session, plan) }.unwrap();
@@ -372,5 +375,152 @@ fn faults_through_the_c_abi_end_requests_with_error_events() {
         assert!(debug_inject_faults(std::ptr::null_mut(), FaultPlan::default()).is_err());
         ni_session_free(session);
         ni_model_free(model);
+    }
+}
+
+/// Seven requests for the swap tests: five random ones, and two that share
+/// a 24-token prefix with the first (so a swapped request can come back
+/// with part of its KV supplied by the prefix cache).
+fn swap_workload() -> Vec<RequestParams> {
+    let mut reqs = workload();
+    let prefix = reqs[0].prompt[..24.min(reqs[0].prompt.len())].to_vec();
+    for (i, tail) in random_prompts(12, 2, 4, 12, 128).into_iter().enumerate() {
+        let mut prompt = prefix.clone();
+        prompt.extend(tail);
+        reqs.push(request(prompt, 10 + 3 * i as u32));
+    }
+    reqs
+}
+
+/// A KV cache just large enough for the largest request, with swap
+/// preemption: most steps preempt, swap out or swap in.
+fn swap_params(kv: KvBackendKind, reqs: &[RequestParams]) -> SessionParams {
+    let need = reqs
+        .iter()
+        .map(|r| r.prompt.len() + r.sampling.max_tokens as usize)
+        .max()
+        .unwrap();
+    SessionParams {
+        kv_capacity_tokens: need + 8,
+        ..params(kv, MemoryPoolKind::Arena, PreemptionMode::Swap)
+    }
+}
+
+/// Runs `reqs` under `plan` (event contract and idle checks in `run_all`);
+/// every request must finish with its solo output and no swapped KV may be
+/// left in host memory. The session then serves again, still under the
+/// plan, with the same results.
+fn run_swap_plan(
+    m: &Arc<Model>,
+    sp: &SessionParams,
+    plan: FaultPlan,
+    reqs: &[RequestParams],
+    reference: &[Outcome],
+) -> (
+    nanoinfer::engine::FaultCounts,
+    nanoinfer::engine::SessionStats,
+) {
+    let what = format!(
+        "{:?}, prefix caching {}: {plan:?}",
+        sp.kv_backend, sp.prefix_caching
+    );
+    let mut s = Session::new(m.clone(), sp.clone()).unwrap();
+    s.inject_faults(plan);
+    for round in 0..2 {
+        let outcomes = run_all(&mut s, reqs);
+        for (i, (o, r)) in outcomes.iter().zip(reference).enumerate() {
+            assert_eq!(
+                o.finish,
+                Some(FinishReason::Length),
+                "{what}: round {round}: request {i}"
+            );
+            assert_eq!(
+                o.tokens, r.tokens,
+                "{what}: round {round}: request {i} differs from running alone"
+            );
+        }
+        assert_eq!(
+            s.swapped_host_tokens(),
+            0,
+            "{what}: swapped KV left in host memory at idle"
+        );
+    }
+    (s.injected_faults(), s.stats())
+}
+
+/// A swap-out or swap-in that fails (the copy breaking off midway, the
+/// slots of a failed swap-in left holding NaN) at any step, or at every
+/// step: the request's KV is recomputed instead, so every request still
+/// ends with exactly one terminal event and its solo output; nothing leaks
+/// (KV at idle, host swap space) and the session keeps serving.
+#[test]
+fn swap_failures_at_any_step_fall_back_to_recompute() {
+    let m = default_tiny();
+    let reqs = swap_workload();
+    let reference: Vec<Outcome> = reqs.iter().map(|r| run_alone(&m.model, r)).collect();
+    let (paged, token) = (KvBackendKind::Paged, KvBackendKind::Token);
+    for (kv, prefix_caching) in [(paged, true), (token, true), (paged, false), (token, false)] {
+        let sp = SessionParams {
+            prefix_caching,
+            ..swap_params(kv, &reqs)
+        };
+        let (_, clean) = run_swap_plan(&m.model, &sp, FaultPlan::default(), &reqs, &reference);
+        assert!(
+            clean.swapped_out_tokens > 0 && clean.swapped_in_tokens > 0,
+            "{kv:?}: the workload does not swap: {clean:?}"
+        );
+        let steps = clean.steps / 2;
+        let every: Vec<u64> = (0..4 * clean.steps).collect();
+        let mut plans = vec![];
+        for step in 0..steps {
+            plans.push(FaultPlan {
+                swap_out_failure_steps: vec![step],
+                ..Default::default()
+            });
+            plans.push(FaultPlan {
+                swap_in_failure_steps: vec![step],
+                ..Default::default()
+            });
+        }
+        plans.push(FaultPlan {
+            swap_out_failure_steps: every.clone(),
+            ..Default::default()
+        });
+        plans.push(FaultPlan {
+            swap_in_failure_steps: every.clone(),
+            ..Default::default()
+        });
+        plans.push(FaultPlan {
+            swap_out_failure_steps: every.clone(),
+            swap_in_failure_steps: every.clone(),
+            ..Default::default()
+        });
+        let (mut out_hit, mut in_hit) = (0, 0);
+        for plan in plans {
+            let all_out = plan.swap_out_failure_steps.len() > 1;
+            let all_in = plan.swap_in_failure_steps.len() > 1;
+            let (counts, st) = run_swap_plan(&m.model, &sp, plan.clone(), &reqs, &reference);
+            out_hit += (counts.swap_out_failures > 0) as usize;
+            in_hit += (counts.swap_in_failures > 0) as usize;
+            // Every swap-out failed: nothing was ever swapped in.
+            if all_out {
+                assert!(counts.swap_out_failures > 0, "{kv:?} {plan:?}");
+                assert_eq!(st.swapped_out_tokens, 0, "{kv:?} {plan:?}");
+                assert_eq!(st.swapped_in_tokens, 0, "{kv:?} {plan:?}");
+            }
+            if all_in && !all_out {
+                assert!(counts.swap_in_failures > 0, "{kv:?} {plan:?}");
+                assert_eq!(st.swapped_in_tokens, 0, "{kv:?} {plan:?}");
+            }
+        }
+        eprintln!(
+            "{kv:?}, prefix caching {prefix_caching}: {steps} steps, {} tokens swapped out, {} in; \
+             swap-out faults hit {out_hit} runs, swap-in faults {in_hit}",
+            clean.swapped_out_tokens, clean.swapped_in_tokens
+        );
+        assert!(
+            out_hit >= 3 && in_hit >= 3,
+            "{kv:?}: swaps rarely met the faults"
+        );
     }
 }

@@ -182,6 +182,8 @@ pub fn session_ops(model: &Arc<Model>, data: &[u8]) {
             pool_failure_steps: steps(pool_faults, &mut inp),
             kv_exhausted_steps: steps(inp.range(0, 6), &mut inp),
             forward_error_steps: steps(inp.range(0, 3), &mut inp),
+            swap_out_failure_steps: steps(inp.range(0, 4), &mut inp),
+            swap_in_failure_steps: steps(inp.range(0, 4), &mut inp),
         }
     } else {
         FaultPlan::default()

@@ -21,6 +21,13 @@ pub struct FaultPlan {
     /// The forward pass of each of these steps (if it runs one) returns an
     /// error instead of running.
     pub forward_error_steps: Vec<u64>,
+    /// During each of these steps every swap-out (a swap preemption saving
+    /// a request's KV to host memory) fails after copying part of it.
+    pub swap_out_failure_steps: Vec<u64>,
+    /// During each of these steps every swap-in (restoring saved KV into
+    /// the cache) fails after overwriting the first half of its slots with
+    /// NaN, as a copy that broke off midway leaves them undefined.
+    pub swap_in_failure_steps: Vec<u64>,
 }
 
 impl FaultPlan {
@@ -30,6 +37,8 @@ impl FaultPlan {
             &self.pool_failure_steps,
             &self.kv_exhausted_steps,
             &self.forward_error_steps,
+            &self.swap_out_failure_steps,
+            &self.swap_in_failure_steps,
         ]
         .into_iter()
         .flatten()
@@ -45,6 +54,8 @@ pub struct FaultCounts {
     pub pool_failures: u64,
     pub kv_exhaustions: u64,
     pub forward_errors: u64,
+    pub swap_out_failures: u64,
+    pub swap_in_failures: u64,
 }
 
 /// A plan being carried out by one session.
@@ -53,6 +64,10 @@ pub(crate) struct FaultState {
     plan: FaultPlan,
     /// True during a step listed in `kv_exhausted_steps`.
     kv_exhausted: bool,
+    /// True during a step listed in `swap_out_failure_steps`.
+    swap_out_fails: bool,
+    /// True during a step listed in `swap_in_failure_steps`.
+    swap_in_fails: bool,
     pub(crate) counts: FaultCounts,
 }
 
@@ -65,12 +80,38 @@ impl FaultState {
         FaultState {
             plan,
             kv_exhausted: false,
+            swap_out_fails: false,
+            swap_in_fails: false,
             counts: FaultCounts::default(),
         }
     }
 
     pub(crate) fn begin_step(&mut self, step: u64) {
         self.kv_exhausted = self.plan.kv_exhausted_steps.contains(&step);
+        self.swap_out_fails = self.plan.swap_out_failure_steps.contains(&step);
+        self.swap_in_fails = self.plan.swap_in_failure_steps.contains(&step);
+    }
+
+    /// The error this swap-out must end with, if any (and counts it).
+    pub(crate) fn swap_out_error(&mut self, step: u64) -> Option<Error> {
+        self.swap_out_fails.then(|| {
+            self.counts.swap_out_failures += 1;
+            Error::new(
+                ErrorKind::Internal,
+                format!("injected fault: a swap-out in step {step} failed"),
+            )
+        })
+    }
+
+    /// The error this swap-in must end with, if any (and counts it).
+    pub(crate) fn swap_in_error(&mut self, step: u64) -> Option<Error> {
+        self.swap_in_fails.then(|| {
+            self.counts.swap_in_failures += 1;
+            Error::new(
+                ErrorKind::Internal,
+                format!("injected fault: a swap-in in step {step} failed"),
+            )
+        })
     }
 
     /// Whether this KV allocation must fail (and counts it).

@@ -544,6 +544,13 @@ impl Session {
         self.faults.as_ref().map(|f| f.counts).unwrap_or_default()
     }
 
+    /// TESTING ONLY: KV tokens that swapped-out requests hold in host memory.
+    #[doc(hidden)]
+    pub fn swapped_host_tokens(&self) -> usize {
+        let held = self.requests.values().filter_map(|r| r.swapped.as_ref());
+        held.map(|(n, _)| n).sum()
+    }
+
     /// `kv.allocate`, unless an injected fault says the cache is exhausted.
     fn kv_allocate(&mut self, id: RequestId, total: usize) -> bool {
         if let Some(f) = self.faults.as_mut() {

@@ -21,9 +21,15 @@ pub fn scratch_dir() -> &'static Path {
     })
 }
 
-/// The repository root (fuzz/ is one level down).
+/// The repository root: the manifest's directory in the normal test suite,
+/// its parent in the fuzz crate (fuzz/).
 pub fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    if manifest.join("fuzz_targets").is_dir() {
+        manifest.join("..")
+    } else {
+        manifest
+    }
 }
 
 /// The tokenizers under test, loaded once: the two small test tokenizers

@@ -2,6 +2,7 @@
 
 use super::{PreemptionMode, Session};
 use crate::engine::request::{Event, FinishReason, RequestId};
+use crate::{Error, ErrorKind, Result};
 
 /// Fewest tokens a deferred admission must expect to gain from a prefix
 /// that another request is computing; below that, starting now is cheaper
@@ -186,21 +187,45 @@ impl Session {
     fn preempt(&mut self, id: RequestId) {
         self.stats.preemptions += 1;
         self.running.retain(|&r| r != id);
-        let req = self.requests.get_mut(&id).expect("running request exists");
-        if self.params.preemption == PreemptionMode::Swap && req.computed > 0 {
-            let mapping = self.kv.mapping(id);
-            let slots: Vec<u32> = (0..req.computed).map(|p| mapping.slot(p) as u32).collect();
-            let mut saved = Vec::with_capacity(req.computed * self.ctx.kv_values_per_slot());
+        let computed = self.requests[&id].computed;
+        if self.params.preemption == PreemptionMode::Swap && computed > 0 {
             // On failure the KV is recomputed instead: slower, never wrong.
-            if self.ctx.save_kv(&slots, &mut saved).is_ok() {
-                self.stats.swapped_out_tokens += req.computed as u64;
-                req.swapped = Some((req.computed, saved));
+            if let Ok(saved) = self.swap_out(id, computed) {
+                self.stats.swapped_out_tokens += computed as u64;
+                let req = self.requests.get_mut(&id).expect("running request exists");
+                req.swapped = Some((computed, saved));
             }
         }
         self.kv.release(id);
+        let req = self.requests.get_mut(&id).expect("running request exists");
         req.in_kv = false;
         req.computed = 0;
         self.waiting.push(id);
+    }
+
+    /// Copies the KV of positions `0..n` of running request `id` to host
+    /// memory. A host that cannot hold it is an error, not an abort.
+    fn swap_out(&mut self, id: RequestId, n: usize) -> Result<Vec<f32>> {
+        let mapping = self.kv.mapping(id);
+        let slots: Vec<u32> = (0..n).map(|p| mapping.slot(p) as u32).collect();
+        let values = n.saturating_mul(self.ctx.kv_values_per_slot());
+        let mut saved = Vec::new();
+        saved.try_reserve_exact(values).map_err(|_| {
+            Error::new(
+                ErrorKind::OutOfMemory,
+                format!(
+                    "swap-out of {n} tokens: cannot allocate {values} f32 values of host memory"
+                ),
+            )
+        })?;
+        let step = self.stats.steps;
+        if let Some(e) = self.faults.as_mut().and_then(|f| f.swap_out_error(step)) {
+            // A copy that broke off midway.
+            self.ctx.save_kv(&slots[..slots.len() / 2], &mut saved)?;
+            return Err(e);
+        }
+        self.ctx.save_kv(&slots, &mut saved)?;
+        Ok(saved)
     }
 
     /// Restores swapped KV after `allocate` gave the request room again.
@@ -211,22 +236,36 @@ impl Session {
         let Some((n, data)) = req.swapped.take() else {
             return;
         };
-        if n <= req.computed {
+        let from = req.computed;
+        if n <= from {
             return;
         }
         let per_slot = self.ctx.kv_values_per_slot();
         let mapping = self.kv.mapping(id);
-        let slots: Vec<u32> = (req.computed..n).map(|p| mapping.slot(p) as u32).collect();
+        let slots: Vec<u32> = (from..n).map(|p| mapping.slot(p) as u32).collect();
         if self
-            .ctx
-            .restore_kv(&slots, &data[req.computed * per_slot..n * per_slot])
+            .restore_kv(&slots, &data[from * per_slot..n * per_slot])
             .is_err()
         {
-            // The positions are recomputed instead.
+            // The positions are recomputed instead (which overwrites
+            // whatever the failed copy left in their slots).
             return;
         }
-        self.stats.swapped_in_tokens += (n - req.computed) as u64;
+        self.stats.swapped_in_tokens += (n - from) as u64;
+        let req = self.requests.get_mut(&id).expect("exists");
         req.computed = n;
         self.kv.commit(id, &req.tokens[..n]);
+    }
+
+    /// `ctx.restore_kv`, unless an injected fault makes it break off midway.
+    fn restore_kv(&mut self, slots: &[u32], data: &[f32]) -> Result<()> {
+        let step = self.stats.steps;
+        if let Some(e) = self.faults.as_mut().and_then(|f| f.swap_in_error(step)) {
+            let half = slots.len() / 2;
+            let garbage = vec![f32::NAN; half * self.ctx.kv_values_per_slot()];
+            self.ctx.restore_kv(&slots[..half], &garbage)?;
+            return Err(e);
+        }
+        self.ctx.restore_kv(slots, data)
     }
 }
