@@ -1603,7 +1603,19 @@ impl ForwardContext for CudaForward {
     }
 
     fn save_kv(&mut self, slots: &[u32], out: &mut Vec<f32>) -> Result<()> {
-        let mut bits = vec![0u16; slots.len() * self.kv_values_per_slot()];
+        let n = slots.len() * self.kv_values_per_slot();
+        // A host that cannot hold the swapped KV gets an error (the engine
+        // recomputes instead), not an abort.
+        let no_memory = |_| {
+            Error::new(
+                ErrorKind::OutOfMemory,
+                format!("no host memory for {n} swapped KV values"),
+            )
+        };
+        let mut bits = Vec::new();
+        bits.try_reserve_exact(n).map_err(no_memory)?;
+        bits.resize(n, 0u16);
+        out.try_reserve(n).map_err(no_memory)?;
         self.copy_slots(slots, &mut bits, true)?;
         let act = self.model.dev.act;
         out.extend(bits.iter().map(|&b| act.decode(b)));
