@@ -12,7 +12,7 @@ use super::{ForwardBatch, ModelConfig, WeightDType, WeightSource};
 use crate::backend::cpu::{Matrix, MatrixData};
 use crate::backend::cuda::{
     ActDType, CudaDevice, DeviceBuffer, GemmDType, GemvFamily, GemvOut, Graph, KArg, QkvEpilogue,
-    W4Host, W4Matrix, W4Out,
+    Staging, W4Host, W4Matrix, W4Out,
 };
 use crate::backend::Device;
 use crate::memory::DeviceMemory;
@@ -85,6 +85,8 @@ pub struct CudaDecoder {
     /// Bytes of weights on the device.
     resident_bytes: usize,
     load_seconds: f64,
+    /// Whether the weights came through pinned staging buffers.
+    load_pinned: bool,
     prefill: PrefillKernel,
     /// Int4 projections of batches up to this many rows run through the
     /// int4 kernels (weights read once per 32 rows); larger batches
@@ -143,6 +145,8 @@ struct Uploader<'a> {
     stored: Option<&'a dyn QuantMethod>,
     /// Quantization applied at load (`--quant awq|gptq`).
     method: Option<&'a dyn QuantMethod>,
+    /// Pinned buffers the weights go through (None: plain pageable copies).
+    staging: Option<Staging>,
     bytes: usize,
 }
 
@@ -242,7 +246,7 @@ impl Uploader<'_> {
                     HostPart::Dense(_) => unreachable!("all int4"),
                 })
                 .collect();
-            Weight::Int4(W4Matrix::upload(self.dev, &hosts)?)
+            Weight::Int4(W4Matrix::upload(self.dev, &hosts, self.staging.as_mut())?)
         } else if parts.iter().all(|p| matches!(p, HostPart::Dense(_))) {
             let total: usize = names.iter().map(|p| p.1).sum();
             let mut buf = self.dev.alloc::<u16>(total * cols)?;
@@ -252,7 +256,8 @@ impl Uploader<'_> {
                     unreachable!("all dense")
                 };
                 let bits = raw_bits(m);
-                self.dev.upload_at(bits, &mut buf, offset)?;
+                self.dev
+                    .upload_with(self.staging.as_mut(), bits, &mut buf, offset)?;
                 offset += bits.len();
             }
             Weight::Dense(buf)
@@ -284,7 +289,8 @@ impl Uploader<'_> {
         }
         let bits = raw_bits(&m);
         let mut buf = self.dev.alloc::<u16>(bits.len())?;
-        self.dev.upload(bits, &mut buf)?;
+        self.dev
+            .upload_with(self.staging.as_mut(), bits, &mut buf, 0)?;
         self.bytes += buf.bytes();
         Ok(buf)
     }
@@ -392,6 +398,12 @@ pub fn load(
         act,
         stored: c.quantization.as_ref().map(|q| q as &dyn QuantMethod),
         method: method.as_deref(),
+        // NANOINFER_CUDA_PINNED=0: plain pageable copies (for comparison).
+        staging: if std::env::var("NANOINFER_CUDA_PINNED").map_or(true, |v| v != "0") {
+            dev.staging()
+        } else {
+            None
+        },
         bytes: 0,
     };
     let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
@@ -467,6 +479,7 @@ pub fn load(
     dev.upload(&c.rope_inv_freq(), &mut inv_freq)?;
     dev.synchronize()?;
     let resident_bytes = up.bytes;
+    let load_pinned = up.staging.is_some();
     let w4_max_elems = layers
         .iter()
         .flat_map(|l| l.projections())
@@ -493,6 +506,7 @@ pub fn load(
         inv_freq,
         resident_bytes,
         load_seconds: start.elapsed().as_secs_f64(),
+        load_pinned,
         prefill: PrefillKernel::choose(dev.arch, config.head_dim),
         w4_mma_rows,
         w4_max_elems,
@@ -729,7 +743,7 @@ impl DeviceDecoder for CudaDecoder {
     }
     fn summary(&self) -> String {
         format!(
-            "{} (sm_{}{}, {} SMs), {} weights, {} activations, {:.2} GB of weights loaded in {:.2} s ({:.2} GB/s)",
+            "{} (sm_{}{}, {} SMs), {} weights, {} activations, {:.2} GB of weights loaded in {:.2} s ({:.2} GB/s{})",
             self.dev.name,
             self.dev.arch.0,
             self.dev.arch.1,
@@ -738,7 +752,12 @@ impl DeviceDecoder for CudaDecoder {
             self.dev.act.name(),
             self.resident_bytes as f64 / 1e9,
             self.load_seconds,
-            self.resident_bytes as f64 / 1e9 / self.load_seconds.max(1e-9)
+            self.resident_bytes as f64 / 1e9 / self.load_seconds.max(1e-9),
+            if self.load_pinned {
+                ", pinned staging"
+            } else {
+                ""
+            }
         )
     }
 }

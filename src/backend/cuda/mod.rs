@@ -9,11 +9,13 @@
 mod gemm;
 mod kernels;
 mod profile;
+mod staging;
 mod w4;
 mod w4_ops;
 
 pub use gemm::GemmDType;
 pub use kernels::{Kernel, KernelCache, Kernels};
+pub use staging::Staging;
 pub use w4::{unsupported_reason as w4_unsupported_reason, W4Host};
 pub use w4_ops::{QkvEpilogue, W4Matrix, W4Out};
 
@@ -343,16 +345,7 @@ impl CudaDevice {
         dst: &mut DeviceBuffer<T>,
         offset: usize,
     ) -> Result<()> {
-        if offset + host.len() > dst.len() {
-            return Err(Error::new(
-                ErrorKind::Internal,
-                format!(
-                    "upload of {} elements at {offset} overflows a buffer of {}",
-                    host.len(),
-                    dst.len()
-                ),
-            ));
-        }
+        self.check_upload(host.len(), dst.len(), offset)?;
         if host.is_empty() {
             return Ok(());
         }
@@ -360,6 +353,16 @@ impl CudaDevice {
         self.stream
             .memcpy_htod(host, &mut view)
             .map_err(|e| cuda_error("host-to-device copy", e))
+    }
+
+    fn check_upload(&self, len: usize, capacity: usize, offset: usize) -> Result<()> {
+        if offset + len > capacity {
+            return Err(Error::new(
+                ErrorKind::Internal,
+                format!("upload of {len} elements at {offset} overflows a buffer of {capacity}"),
+            ));
+        }
+        Ok(())
     }
 
     /// Copies the first `host.len()` elements of `src` to `host`; waits for

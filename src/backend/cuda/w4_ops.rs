@@ -3,7 +3,7 @@
 //! activation dtype for cuBLAS on large ones.
 
 use super::w4::{W4Host, CHUNK, TILE_ROWS};
-use super::{CudaDevice, DeviceBuffer, KArg};
+use super::{CudaDevice, DeviceBuffer, KArg, Staging};
 use crate::Result;
 
 /// An int4 matrix on the device, in the layout of [`W4Host`].
@@ -20,7 +20,11 @@ pub struct W4Matrix {
 impl W4Matrix {
     /// Uploads parts stacked row-wise (each part's rows are whole tiles, so
     /// stacking is concatenation); all parts share `cols` and `group`.
-    pub fn upload(dev: &CudaDevice, parts: &[W4Host]) -> Result<W4Matrix> {
+    pub fn upload(
+        dev: &CudaDevice,
+        parts: &[W4Host],
+        mut staging: Option<&mut Staging>,
+    ) -> Result<W4Matrix> {
         let first = &parts[0];
         if let Some(p) = parts
             .iter()
@@ -56,8 +60,8 @@ impl W4Matrix {
         let mut sz = dev.alloc::<u32>(n_sz)?;
         let (mut wo, mut so) = (0, 0);
         for p in parts {
-            dev.upload_at(&p.words, &mut words, wo)?;
-            dev.upload_at(&p.sz, &mut sz, so)?;
+            dev.upload_with(staging.as_deref_mut(), &p.words, &mut words, wo)?;
+            dev.upload_with(staging.as_deref_mut(), &p.sz, &mut sz, so)?;
             wo += p.words.len();
             so += p.sz.len();
         }
