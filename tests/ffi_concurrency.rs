@@ -10,7 +10,7 @@ mod engine_common;
 mod ffi_common;
 
 use engine_common::{random_prompts, write_tiny_llama, TempDir, TestRng, TinySpec};
-use ffi_common::{add_tokens, collect, ok, run_to_completion, stats, Collected};
+use ffi_common::{add_tokens, collect, load_model_at, ok, run_to_completion, stats, Collected};
 use nanoinfer::ffi::*;
 use std::collections::BTreeMap;
 use std::ptr;
@@ -45,17 +45,7 @@ unsafe impl<T> Sync for Handle<T> {}
 /// A tiny random Llama loaded through `ni_model_load` with 2 kernel threads.
 fn load_tiny(dir: &TempDir) -> *mut ni_model {
     write_tiny_llama(dir.path(), &TinySpec::default());
-    let path = std::ffi::CString::new(dir.path().to_str().unwrap()).unwrap();
-    let mut params = std::mem::MaybeUninit::<ni_model_params>::uninit();
-    let mut model = ptr::null_mut();
-    // SAFETY: valid pointers; params is initialised by ni_model_params_init.
-    unsafe {
-        ni_model_params_init(params.as_mut_ptr());
-        let mut params = params.assume_init();
-        params.n_threads = 2;
-        ok(ni_model_load(path.as_ptr(), &params, &mut model));
-    }
-    model
+    load_model_at(dir.path())
 }
 
 fn new_session(model: *mut ni_model, kv_capacity: u64, max_seqs: u32) -> *mut ni_session {

@@ -11,6 +11,7 @@
 #[path = "../fuzz/fuzz_targets/parsers_driver.rs"]
 mod parsers_driver;
 
+use nanoinfer::sampling::rng::SplitMix64;
 use std::cell::Cell;
 use std::path::PathBuf;
 use std::sync::Once;
@@ -46,26 +47,10 @@ fn seeds(target: &str) -> Vec<Vec<u8>> {
     paths.iter().map(|p| std::fs::read(p).unwrap()).collect()
 }
 
-/// SplitMix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
 /// Bytes that often matter to parsers.
 const INTERESTING: &[u8] = b"\0\xff\x7f\x80{}[]\":,\\0123456789-.eE\n ";
 
-fn mutate(rng: &mut Rng, data: &mut Vec<u8>, other: &[u8]) {
+fn mutate(rng: &mut SplitMix64, data: &mut Vec<u8>, other: &[u8]) {
     for _ in 0..1 + rng.below(4) {
         let len = data.len();
         match rng.below(7) {
@@ -77,7 +62,7 @@ fn mutate(rng: &mut Rng, data: &mut Vec<u8>, other: &[u8]) {
                 let b = if rng.below(2) == 0 {
                     INTERESTING[rng.below(INTERESTING.len())]
                 } else {
-                    rng.next() as u8
+                    rng.next_u64() as u8
                 };
                 data.insert(rng.below(len + 1), b);
             }
@@ -105,7 +90,7 @@ fn mutate(rng: &mut Rng, data: &mut Vec<u8>, other: &[u8]) {
                 let i = rng.below(len);
                 data[i] = INTERESTING[rng.below(INTERESTING.len())];
             }
-            _ => data.push(rng.next() as u8),
+            _ => data.push(rng.next_u64() as u8),
         }
     }
 }
@@ -114,7 +99,7 @@ fn mutate(rng: &mut Rng, data: &mut Vec<u8>, other: &[u8]) {
 fn smoke(target: &str, n: usize, run: fn(&[u8])) {
     quiet_caught_panics();
     let seeds = seeds(target);
-    let mut rng = Rng(target.len() as u64 * 1_000_003);
+    let mut rng = SplitMix64::new(target.len() as u64 * 1_000_003);
     let inputs = seeds.iter().cloned().chain((0..n).map(|i| {
         let mut d = seeds[i % seeds.len()].clone();
         let other = &seeds[rng.below(seeds.len())];

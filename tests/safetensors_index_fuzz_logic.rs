@@ -12,6 +12,7 @@
 mod index_driver;
 
 use index_driver::{encode, shard_name, ShardPart};
+use nanoinfer::sampling::rng::SplitMix64;
 use serde_json::{json, Map, Value};
 use std::path::PathBuf;
 
@@ -267,25 +268,9 @@ fn committed_seeds_pass() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// SplitMix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
 /// A few libFuzzer-like mutations, plus structure-aware ones (digits in the
 /// JSON, the explicit header length flag, the data length, whole parts).
-fn mutate(rng: &mut Rng, data: &mut Vec<u8>) {
+fn mutate(rng: &mut SplitMix64, data: &mut Vec<u8>) {
     for _ in 0..1 + rng.below(4) {
         let len = data.len();
         match rng.below(9) {
@@ -295,7 +280,7 @@ fn mutate(rng: &mut Rng, data: &mut Vec<u8>) {
             }
             1 => {
                 let i = rng.below(len + 1);
-                data.insert(i, rng.next() as u8);
+                data.insert(i, rng.next_u64() as u8);
             }
             2 if len > 1 => {
                 let i = rng.below(len);
@@ -329,7 +314,7 @@ fn mutate(rng: &mut Rng, data: &mut Vec<u8>) {
                     let at = seps[rng.below(seps.len())] + index_driver::SEP.len();
                     for k in 0..1 + rng.below(13) {
                         if at + k < data.len() {
-                            data[at + k] = rng.next() as u8;
+                            data[at + k] = rng.next_u64() as u8;
                         }
                     }
                 }
@@ -349,7 +334,7 @@ fn mutate(rng: &mut Rng, data: &mut Vec<u8>) {
                 }
             }
             7 => {
-                data[0] = rng.next() as u8;
+                data[0] = rng.next_u64() as u8;
             }
             _ if len > 0 => {
                 let i = rng.below(len);
@@ -375,7 +360,7 @@ fn sep_positions(data: &[u8]) -> Vec<usize> {
 fn mutated_seeds_never_panic() {
     let dir = scratch("mutated");
     let seeds: Vec<Vec<u8>> = seed_specs().iter().map(make_seed).collect();
-    let mut rng = Rng(7);
+    let mut rng = SplitMix64::new(7);
     let (mut opened, mut loaded, n) = (0, 0, 1500);
     for i in 0..n {
         let mut data = seeds[i % seeds.len()].clone();

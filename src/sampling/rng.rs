@@ -20,6 +20,12 @@ impl SplitMix64 {
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
     }
+
+    /// An index in `0..n` (`0` for `n == 0`); modulo-reduced, so slightly
+    /// biased: for test inputs and benchmarks, not for sampling.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n.max(1) as u64) as usize
+    }
 }
 
 /// xoshiro256** generator.

@@ -49,7 +49,12 @@ pub fn ok(status: ni_status) {
 }
 
 pub fn load_model() -> *mut ni_model {
-    let path = CString::new(model_dir().to_str().unwrap()).unwrap();
+    load_model_at(&model_dir())
+}
+
+/// The model in `dir` through `ni_model_load`, 2 kernel threads.
+pub fn load_model_at(dir: &std::path::Path) -> *mut ni_model {
+    let path = CString::new(dir.to_str().unwrap()).unwrap();
     let mut params = std::mem::MaybeUninit::<ni_model_params>::uninit();
     let mut model = ptr::null_mut();
     // SAFETY: valid pointers; params is initialised by ni_model_params_init.

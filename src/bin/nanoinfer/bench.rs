@@ -17,6 +17,7 @@ use nanoinfer::engine::eval::SingleSequence;
 use nanoinfer::engine::Model;
 use nanoinfer::memory::MemoryPoolKind;
 use nanoinfer::model::ModelConfig;
+use nanoinfer::sampling::rng::SplitMix64;
 use serde_json::json;
 use std::time::Instant;
 
@@ -185,14 +186,14 @@ impl<'m> Bench<'m> {
         pool: MemoryPoolKind,
     ) -> Result<Self, String> {
         let c = model.config();
-        let mut rng = SplitMix64(seed);
+        let mut rng = SplitMix64::new(seed);
         Ok(Bench {
             model,
             seq: SingleSequence::with_pool(model, capacity, max_rows.min(capacity), pool)
                 .map_err(|e| e.to_string())?,
             logits: vec![0.0; c.vocab_size],
             tokens: (0..capacity)
-                .map(|_| (rng.next() % c.vocab_size as u64) as u32)
+                .map(|_| rng.below(c.vocab_size) as u32)
                 .collect(),
         })
     }
@@ -295,19 +296,6 @@ fn pp_flops_per_token(c: &ModelConfig, p: usize) -> f64 {
     2.0 * layer_params(c) as f64 + attn + head
 }
 
-/// A tiny deterministic generator for benchmark token ids.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -355,13 +343,5 @@ mod tests {
         assert!((s.mean - 2.5).abs() < 1e-12);
         assert!((s.stddev - (5.0f64 / 3.0).sqrt()).abs() < 1e-12);
         assert_eq!(stats(&[7.0]).stddev, 0.0);
-    }
-
-    #[test]
-    fn random_tokens_are_reproducible() {
-        let (mut a, mut b) = (SplitMix64(5), SplitMix64(5));
-        let xs: Vec<u64> = (0..8).map(|_| a.next()).collect();
-        assert_eq!(xs, (0..8).map(|_| b.next()).collect::<Vec<_>>());
-        assert_ne!(xs[0], xs[1]);
     }
 }
