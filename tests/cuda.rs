@@ -350,6 +350,20 @@ fn int4_matches_the_same_weights_dequantized() {
                 3 * total >= matched.len() * 16,
                 "{name} {label}: too few tokens identical: {matched:?}"
             );
+            // f16 activations (the kernels' other build: 1024.0 magic, f16 MMAs).
+            let int4_f16 = load_as(&q, WeightDType::F16);
+            let dense_f16 = load_as(&dense_dir, WeightDType::F16);
+            let got = run(&int4_f16, SessionParams::default(), &reqs);
+            let want = run(&dense_f16, SessionParams::default(), &reqs);
+            let matched: Vec<usize> = want
+                .iter()
+                .enumerate()
+                .map(|(i, w)| {
+                    let what = format!("{name} {label} f16 prompt {i}");
+                    check_near_within(&what, &got[i], w, near)
+                })
+                .collect();
+            eprintln!("{name} {label} f16: identical for {matched:?} of 16 steps");
         }
     }
     std::fs::remove_dir_all(&tmp).unwrap();
