@@ -9,7 +9,7 @@
 use super::quant::{QuantMethod, QuantMode};
 use super::runner::{validate_batch, ContextShape, DeviceDecoder, ForwardContext};
 use super::{ForwardBatch, ModelConfig, WeightDType, WeightSource};
-use crate::backend::cpu::{Matrix, MatrixData};
+use crate::backend::cpu::{Matrix, MatrixData, ThreadPool};
 use crate::backend::cuda::{
     ActDType, CudaDevice, DeviceBuffer, GemmDType, GemvFamily, GemvOut, Graph, KArg, QkvEpilogue,
     Staging, W4Host, W4Matrix, W4Out,
@@ -18,7 +18,7 @@ use crate::backend::Device;
 use crate::memory::DeviceMemory;
 use crate::{bail_arg, Error, ErrorKind, Result};
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// A projection's weights `[rows, cols]` on the device.
@@ -193,28 +193,21 @@ impl Uploader<'_> {
     /// The host parts of several projections, `jobs[i]` = its parts
     /// `(name, rows)` over `cols` inputs, made on all cores (int4 repacking
     /// and quantization at load are CPU-heavy).
-    fn host_parts(&self, jobs: &[(Vec<(String, usize)>, usize)]) -> Result<Vec<Vec<HostPart>>> {
+    fn host_parts(
+        &self,
+        pool: &ThreadPool,
+        jobs: &[(Vec<(String, usize)>, usize)],
+    ) -> Result<Vec<Vec<HostPart>>> {
         let flat: Vec<(&str, usize, usize)> = jobs
             .iter()
             .flat_map(|(parts, cols)| parts.iter().map(move |(n, r)| (n.as_str(), *r, *cols)))
             .collect();
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        let results: Vec<std::sync::Mutex<Option<Result<HostPart>>>> =
-            flat.iter().map(|_| std::sync::Mutex::new(None)).collect();
-        let threads = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(flat.len());
-        std::thread::scope(|scope| {
-            for _ in 0..threads {
-                scope.spawn(|| loop {
-                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let Some(&(name, rows, cols)) = flat.get(i) else {
-                        break;
-                    };
-                    let part = self.host_part(name, rows, cols);
-                    *results[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(part);
-                });
-            }
+        let results: Vec<Mutex<Option<Result<HostPart>>>> =
+            flat.iter().map(|_| Mutex::new(None)).collect();
+        pool.run(flat.len(), &|i| {
+            let (name, rows, cols) = flat[i];
+            *results[i].lock().unwrap_or_else(|p| p.into_inner()) =
+                Some(self.host_part(name, rows, cols));
         });
         let mut results = results.into_iter().map(|m| {
             m.into_inner()
@@ -408,6 +401,7 @@ pub fn load(
     };
     let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
     let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
+    let pool = ThreadPool::new(std::thread::available_parallelism().map_or(1, |n| n.get()));
     let mut layers = Vec::with_capacity(c.num_layers);
     for first in (0..c.num_layers).step_by(LOAD_LAYERS_AT_ONCE) {
         let span = first..(first + LOAD_LAYERS_AT_ONCE).min(c.num_layers);
@@ -436,7 +430,7 @@ pub fn load(
                 ]
             })
             .collect();
-        let mut host = up.host_parts(&jobs)?.into_iter();
+        let mut host = up.host_parts(&pool, &jobs)?.into_iter();
         let mut jobs = jobs.iter();
         for i in span {
             let mut next = || {
@@ -1101,9 +1095,10 @@ impl CudaForward {
             Weight::Dense(b) => dev.gemm(x, b.ptr(), y, rows, n, k, GemmDType::Act)?,
             Weight::Int4(m) => {
                 let x = self.w4_input(x, rows, m)?;
-                match self.w4_direct(w, rows) {
-                    Some(m) => dev.w4_mm(x, rows, m, W4Out::Act { y })?,
-                    None => dev.gemm(x, self.dequantized(m)?, y, rows, n, k, GemmDType::Act)?,
+                if rows <= self.model.w4_mma_rows {
+                    dev.w4_mm(x, rows, m, W4Out::Act { y })?
+                } else {
+                    dev.gemm(x, self.dequantized(m)?, y, rows, n, k, GemmDType::Act)?
                 }
             }
         }

@@ -16,7 +16,7 @@ mod w4_ops;
 pub use gemm::GemmDType;
 pub use kernels::{Kernel, KernelCache, Kernels};
 pub use staging::Staging;
-pub use w4::{unsupported_reason as w4_unsupported_reason, W4Host};
+pub use w4::W4Host;
 pub use w4_ops::{QkvEpilogue, W4Matrix, W4Out};
 
 use crate::{Error, ErrorKind, Result};
@@ -595,15 +595,14 @@ const SYNC_FREE_BYTES: usize = 64 << 20;
 
 impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
-        let big = self.bytes() >= SYNC_FREE_BYTES;
-        let stream = self.slice.stream().clone();
-        // SAFETY: `slice` is taken once, here, and never used again.
-        drop(unsafe { std::mem::ManuallyDrop::take(&mut self.slice) });
         // cudarc frees on the stream (cuMemFreeAsync): a large buffer (a
         // session's KV cache) only returns to the device's pool once its
         // stream gets there, and until then another model's budget, which
         // trims the pool, would still count it as used.
-        if big {
+        let wait_for = (self.bytes() >= SYNC_FREE_BYTES).then(|| self.slice.stream().clone());
+        // SAFETY: `slice` is taken once, here, and never used again.
+        drop(unsafe { std::mem::ManuallyDrop::take(&mut self.slice) });
+        if let Some(stream) = wait_for {
             let _ = stream.synchronize();
         }
     }

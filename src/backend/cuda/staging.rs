@@ -18,8 +18,6 @@ pub struct Staging {
     /// Completion of the device copy out of each buffer.
     done: [Option<CudaEvent>; 2],
     next: usize,
-    /// Bytes uploaded through it.
-    pub bytes: usize,
 }
 
 impl Drop for Staging {
@@ -42,7 +40,6 @@ impl CudaDevice {
             bufs: [a, b],
             done: [None, None],
             next: 0,
-            bytes: 0,
         })
     }
 
@@ -108,7 +105,6 @@ impl CudaDevice {
             );
             at += chunk.len() as u64;
         }
-        st.bytes += bytes.len();
         Ok(())
     }
 }

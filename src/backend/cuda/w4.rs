@@ -51,7 +51,7 @@ fn nibble_position(lane: usize, s: usize, p: usize) -> (usize, usize) {
 }
 
 /// Why a matrix cannot take the GPU int4 path, if it cannot.
-pub fn unsupported_reason(m: &Q4Matrix) -> Option<String> {
+fn unsupported_reason(m: &Q4Matrix) -> Option<String> {
     if !m.rows.is_multiple_of(TILE_ROWS) || !m.cols.is_multiple_of(CHUNK) {
         return Some(format!(
             "int4 matrix [{}, {}] on CUDA needs rows a multiple of {TILE_ROWS} and inputs a multiple of {CHUNK}",

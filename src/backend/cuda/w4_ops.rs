@@ -96,8 +96,8 @@ pub enum W4Out {
     Qkv(QkvEpilogue),
 }
 
-/// The QKV epilogue's buffers and shape.
-#[derive(Debug, Clone, Copy)]
+/// The QKV epilogue's buffers and shape (all zero for other epilogues).
+#[derive(Debug, Clone, Copy, Default)]
 pub struct QkvEpilogue {
     pub qkv: u64,
     pub bias: u64,
@@ -142,17 +142,7 @@ impl CudaDevice {
         };
         let e = match out {
             W4Out::Qkv(e) => e,
-            _ => QkvEpilogue {
-                qkv: 0,
-                bias: 0,
-                rope_cs: 0,
-                slots: 0,
-                k_cache: 0,
-                v_cache: 0,
-                nq: 0,
-                nkv: 0,
-                head_dim: 0,
-            },
+            _ => QkvEpilogue::default(),
         };
         let grid = (rows.div_ceil(per_block) as u32, units as u32, 1);
         self.timed(
