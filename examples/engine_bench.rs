@@ -6,8 +6,10 @@
 //! cargo run --release --example engine_bench -- --model DIR [--threads 2] [--dtype bf16]
 //!     [--device cpu|cuda] [--quant none|awq|gptq|q8_0] [--concurrency 1,4,16,64] [--decode-tokens 64] [--prompt-len 16]
 //!     [--prefix-requests 32] [--prefix-len 1000] [--suffix-len 16] [--skip-decode] [--skip-prefix]
-//!     [--offline N [--max-batched-tokens 512] [--max-seqs 64]]
+//!     [--offline N [--max-batched-tokens 512] [--max-seqs 64]] [--sampling greedy|device|host]
 //! ```
+//! `--sampling device|host` samples with temperature 0.8, top-k 50, top-p 0.95
+//! and repetition penalty 1.1 on the device (a GPU) or on the host.
 //! `--offline N` adds N requests of `--prompt-len` prompt and `--decode-tokens`
 //! output tokens at once and reports output tokens per second of wall time
 //! until the last one finishes (vLLM's offline throughput), then exits.
@@ -45,6 +47,9 @@ struct Opts {
     /// Build a random-weight model with this directory's config.json
     /// instead of loading `model` (same shapes, so the same speed).
     random_from: Option<PathBuf>,
+    /// `greedy`, or `device` / `host`: temperature 0.8, top-k 50, top-p
+    /// 0.95 and repetition penalty 1.1, sampled on the device or the host.
+    sampling: String,
 }
 
 fn parse() -> Result<Opts, String> {
@@ -66,6 +71,7 @@ fn parse() -> Result<Opts, String> {
         max_batched_tokens: 512,
         max_seqs: 64,
         random_from: None,
+        sampling: "greedy".into(),
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -95,6 +101,9 @@ fn parse() -> Result<Opts, String> {
             "--offline" => o.offline = num(v)?,
             "--max-batched-tokens" => o.max_batched_tokens = num(v)?,
             "--max-seqs" => o.max_seqs = num(v)?,
+            "--sampling" if ["greedy", "device", "host"].contains(&v.as_str()) => {
+                o.sampling = v.clone()
+            }
             _ => return Err(format!("unknown option {flag}")),
         }
         i += 2;
@@ -114,23 +123,37 @@ fn tokens(seed: &mut u64, n: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-fn request(prompt: Vec<u32>, max_tokens: u32) -> RequestParams {
+fn request(o: &Opts, prompt: Vec<u32>, max_tokens: u32) -> RequestParams {
+    let mut sampling = SamplingParams {
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    if o.sampling != "greedy" {
+        sampling.temperature = 0.8;
+        sampling.top_k = 50;
+        sampling.top_p = 0.95;
+        sampling.repetition_penalty = 1.1;
+    }
     RequestParams {
         prompt,
-        sampling: SamplingParams {
-            max_tokens,
-            ignore_eos: true,
-            ..Default::default()
-        },
+        sampling,
         ..Default::default()
     }
 }
 
-fn session(model: &Arc<Model>, prefix_caching: bool, max_seqs: usize, tokens: usize) -> Session {
+fn session(
+    model: &Arc<Model>,
+    o: &Opts,
+    prefix_caching: bool,
+    max_seqs: usize,
+    tokens: usize,
+) -> Session {
     let params = SessionParams {
         kv_capacity_tokens: tokens.max(8192),
         max_seqs: max_seqs.max(64),
         prefix_caching,
+        device_sampling: o.sampling != "host",
         ..Default::default()
     };
     Session::new(model.clone(), params).expect("session")
@@ -142,6 +165,7 @@ fn decode_rate(model: &Arc<Model>, o: &Opts, n: usize) -> (f64, f64) {
     let vocab = model.config().vocab_size;
     let mut s = session(
         model,
+        o,
         false,
         n,
         n * (o.prompt_len + o.decode_tokens as usize + 32),
@@ -149,6 +173,7 @@ fn decode_rate(model: &Arc<Model>, o: &Opts, n: usize) -> (f64, f64) {
     let mut seed = 42 + n as u64;
     for _ in 0..n {
         s.add_request(request(
+            o,
             tokens(&mut seed, o.prompt_len, vocab),
             o.decode_tokens,
         ))
@@ -182,6 +207,7 @@ fn offline_throughput(model: &Arc<Model>, o: &Opts) {
         max_batched_tokens: o.max_batched_tokens,
         prefill_chunk_size: o.max_batched_tokens,
         prefix_caching: false,
+        device_sampling: o.sampling != "host",
         ..Default::default()
     };
     let mut s = Session::new(model.clone(), params).expect("session");
@@ -189,6 +215,7 @@ fn offline_throughput(model: &Arc<Model>, o: &Opts) {
     let t = Instant::now();
     for _ in 0..o.offline {
         s.add_request(request(
+            o,
             tokens(&mut seed, o.prompt_len, vocab),
             o.decode_tokens,
         ))
@@ -230,13 +257,13 @@ fn prefix_run(model: &Arc<Model>, o: &Opts, caching: bool) -> PrefixRun {
     let vocab = model.config().vocab_size;
     let mut seed = 7;
     let prefix = tokens(&mut seed, o.prefix_len, vocab);
-    let mut s = session(model, caching, o.prefix_requests, 8192);
+    let mut s = session(model, o, caching, o.prefix_requests, 8192);
     let mut first: HashMap<RequestId, f64> = HashMap::new();
     let start = Instant::now();
     for _ in 0..o.prefix_requests {
         let mut p = prefix.clone();
         p.extend(tokens(&mut seed, o.suffix_len, vocab));
-        s.add_request(request(p, 1)).unwrap();
+        s.add_request(request(o, p, 1)).unwrap();
     }
     while s.has_work() {
         for ev in s.step().unwrap() {

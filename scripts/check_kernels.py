@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compiles kernels/decoder.cu + kernels/int4.cu (one module, as the
+"""Compiles kernels/decoder.cu + int4.cu + sampling.cu (one module, as the
 library embeds them) with NVRTC for several GPU architectures and
 both activation dtypes, the way the library does at run time, so a kernel
 that does not compile fails here, on a machine without a GPU.
@@ -13,6 +13,7 @@ import argparse
 import ctypes
 import glob
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -38,6 +39,15 @@ def find_nvrtc():
     if not hits:
         sys.exit("check_kernels: the nvidia-cuda-nvrtc wheel holds no libnvrtc.so")
     return hits[0]
+
+
+def module_files():
+    """The .cu files of the module, in the order src/backend/cuda/kernels.rs embeds them."""
+    rs = open(os.path.join(ROOT, "src", "backend", "cuda", "kernels.rs")).read()
+    files = re.findall(r'include_str!\("\.\./\.\./\.\./kernels/([^"]+)"\)', rs)
+    if not files:
+        sys.exit("check_kernels: no include_str! of kernels/ found in src/backend/cuda/kernels.rs")
+    return files
 
 
 def compile_once(lib, source, arch, f16):
@@ -68,7 +78,7 @@ def main():
     ap.add_argument("--nvrtc", help="path of libnvrtc.so (default: the cached wheel)")
     args = ap.parse_args()
     lib = ctypes.CDLL(args.nvrtc or find_nvrtc())
-    source = b"".join(open(os.path.join(ROOT, "kernels", f), "rb").read() for f in ("decoder.cu", "int4.cu"))
+    source = b"".join(open(os.path.join(ROOT, "kernels", f), "rb").read() for f in module_files())
     failed = False
     for arch in args.arch.split(","):
         for f16 in (0, 1):

@@ -2,7 +2,7 @@
 # Runs the CUDA checks on a GPU machine that has no Rust: the release binaries
 # built elsewhere are in $BIN (nanoinfer, cuda test binary), torch +
 # transformers are installed. Prints a short table last.
-#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|make8b|tests8b|bench|bench4|profile|engine|offline]...
+#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|make8b|tests8b|bench|bench4|profile|sampling|engine|offline]...
 # Binaries: `bash scripts/cuda_carry.sh` (here, with Rust) fills gpu-carry/.
 set -uo pipefail
 BIN=${BIN:-gpu-carry}
@@ -63,6 +63,17 @@ for step in "$@"; do
             NANOINFER_CUDA_PROFILE=5 "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --quant $q \
                 --concurrency 16 --decode-tokens 16 --prompt-len 64 --skip-prefix 2>&1 | grep -A24 NANOINFER_CUDA_PROFILE
         done ;;
+    sampling)
+        # Full sampling (temperature, top-k, top-p, repetition penalty) on
+        # the GPU against the host sampler and greedy, same run; then the
+        # sampling kernel's own time.
+        for mode in greedy device host; do
+            echo "== sampling $mode"
+            "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --concurrency 1,16,64 --decode-tokens 64 \
+                --prompt-len 128 --skip-prefix --sampling $mode
+        done
+        NANOINFER_CUDA_PROFILE=1 "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --concurrency 1,64 \
+            --decode-tokens 32 --prompt-len 128 --skip-prefix --sampling device 2>&1 | grep "NANOINFER_CUDA_PROFILE\|total ms\|sample_rows\|argmax" ;;
     engine)
         "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --concurrency 1,16,64,256 --decode-tokens 128 \
             --prompt-len 512 --skip-prefix ;;

@@ -9,6 +9,7 @@
 mod common;
 
 use common::dequant::dequantized_copy;
+use nanoinfer::backend::cuda::{sampling::sample_logits, ActDType, CudaDevice};
 use nanoinfer::backend::Device;
 use nanoinfer::engine::{Event, Model, ModelParams, RequestParams, Session, SessionParams};
 use nanoinfer::kv::KvBackendKind;
@@ -18,7 +19,8 @@ use nanoinfer::model::{
     quantize_checkpoint, quantize_checkpoint_with, QuantMethod, QuantMode, QuantizeOptions,
     WeightDType,
 };
-use nanoinfer::sampling::SamplingParams;
+use nanoinfer::sampling::rng::SplitMix64;
+use nanoinfer::sampling::{DeviceSampling, Sampler, SamplingParams};
 use nanoinfer::ErrorKind;
 use serde_json::Value;
 use std::collections::HashMap;
@@ -464,6 +466,174 @@ fn seeded_sampling_is_reproducible_and_swap_preemption_is_lossless() {
     for (i, (x, y)) in roomy.iter().zip(&swapped).enumerate() {
         check_near(&format!("prompt {i} swap preemption"), y, x);
     }
+}
+
+/// Logits rows with the shapes sampling meets: peaked and flat rows, and
+/// rows rounded to steps of 1/4 so that many tokens tie.
+fn random_logits(rng: &mut SplitMix64, rows: usize, vocab: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(rows * vocab);
+    for r in 0..rows {
+        let scale = [4.0f32, 1.0, 0.3][r % 3];
+        let ties = r % 4 == 3;
+        for _ in 0..vocab {
+            // Sum of uniforms: roughly normal.
+            let z = (0..4)
+                .map(|_| rng.below(1 << 20) as f32 / (1 << 20) as f32)
+                .sum::<f32>()
+                - 2.0;
+            let l = z * scale * 3.0;
+            out.push(if ties { (l * 4.0).round() / 4.0 } else { l });
+        }
+    }
+    out
+}
+
+#[test]
+fn gpu_sampler_picks_the_cpu_samplers_tokens() {
+    if fixtures().is_none() {
+        return;
+    }
+    let dev = CudaDevice::open(0, ActDType::BF16).expect("CUDA device");
+    let with = |f: &dyn Fn(&mut SamplingParams)| {
+        let mut p = SamplingParams::default();
+        f(&mut p);
+        p
+    };
+    let cases: Vec<(&str, SamplingParams)> = vec![
+        (
+            "greedy + penalties + bias",
+            with(&|p| {
+                p.repetition_penalty = 1.3;
+                p.presence_penalty = 0.5;
+                p.frequency_penalty = 0.3;
+                p.logit_bias = vec![(5, 3.0), (17, -100.0)];
+            }),
+        ),
+        ("temperature", with(&|p| p.temperature = 0.9)),
+        (
+            "top-k 40",
+            with(&|p| {
+                p.temperature = 1.0;
+                p.top_k = 40;
+            }),
+        ),
+        (
+            "top-p 0.9",
+            with(&|p| {
+                p.temperature = 0.8;
+                p.top_p = 0.9;
+            }),
+        ),
+        (
+            "min-p 0.05",
+            with(&|p| {
+                p.temperature = 1.1;
+                p.min_p = 0.05;
+            }),
+        ),
+        (
+            "all stages",
+            with(&|p| {
+                p.temperature = 0.7;
+                p.top_k = 200;
+                p.top_p = 0.95;
+                p.min_p = 0.02;
+                p.repetition_penalty = 1.2;
+                p.frequency_penalty = 0.2;
+                p.logit_bias = vec![(3, 1.0)];
+            }),
+        ),
+    ];
+    let mut rng = SplitMix64::new(7);
+    let mut report = String::new();
+    for vocab in [32_000usize, 151_936] {
+        let rows = 48;
+        for (name, params) in &cases {
+            let logits = random_logits(&mut rng, rows, vocab);
+            let mut batch = DeviceSampling::default();
+            let mut want = Vec::new();
+            for r in 0..rows {
+                let prompt: Vec<u32> = (0..50).map(|_| rng.below(vocab) as u32).collect();
+                let output: Vec<u32> = (0..30).map(|_| rng.below(64) as u32).collect();
+                let suppress = [1u32, 2];
+                let row = &logits[r * vocab..(r + 1) * vocab];
+                let mut host = Sampler::new(params, 1000 + r as u64);
+                let mut processed = row.to_vec();
+                want.push(
+                    host.sample(&mut processed, &prompt, &output, &suppress)
+                        .unwrap()
+                        .token,
+                );
+                Sampler::new(params, 1000 + r as u64)
+                    .push_device_row(vocab, &prompt, &output, &suppress, &mut batch);
+            }
+            let got = sample_logits(&dev, &logits, vocab, &batch).expect("GPU sampling");
+            let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
+            report += &format!("{name} (vocab {vocab}): {same}/{rows} rows agree\n");
+            // The stages are the same; only exp rounding at a draw's
+            // boundary may tip a row to its neighbour.
+            let need = if params.temperature == 0.0 {
+                rows
+            } else {
+                rows - 2
+            };
+            assert!(
+                same >= need,
+                "{name}, vocab {vocab}: GPU {got:?}\nCPU {want:?}"
+            );
+            let again = sample_logits(&dev, &logits, vocab, &batch).expect("GPU sampling");
+            assert_eq!(got, again, "{name}: GPU sampling is not reproducible");
+        }
+    }
+    eprintln!("{report}");
+}
+
+#[test]
+fn sessions_sample_on_the_gpu_reproducibly_and_like_the_host() {
+    let Some(fx) = fixtures() else { return };
+    let dir = fx.join("llama3");
+    let model = load(&dir);
+    let gold = golden(&dir);
+    let reqs: Vec<RequestParams> = requests(&gold, 24)
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut r)| {
+            let s = &mut r.sampling;
+            s.logprobs = 0;
+            s.temperature = 0.9;
+            s.top_k = 50;
+            s.top_p = 0.9;
+            s.repetition_penalty = 1.1;
+            s.seed = Some(500 + i as u64);
+            r
+        })
+        .collect();
+    let device = run(&model, SessionParams::default(), &reqs);
+    let again = run(&model, SessionParams::default(), &reqs);
+    assert_eq!(
+        device, again,
+        "seeded sampling on the GPU is not reproducible"
+    );
+    let host_params = SessionParams {
+        device_sampling: false,
+        ..Default::default()
+    };
+    let host = run(&model, host_params, &reqs);
+    let (mut agree, mut total) = (0, 0);
+    for (d, h) in device.iter().zip(&host) {
+        total += d.tokens.len();
+        agree += d
+            .tokens
+            .iter()
+            .zip(&h.tokens)
+            .take_while(|(a, b)| a == b)
+            .count();
+    }
+    eprintln!("GPU vs host sampling: {agree}/{total} tokens before the first divergence");
+    assert!(
+        agree * 10 >= total * 9,
+        "GPU and host sampling diverge early: {agree}/{total}"
+    );
 }
 
 #[test]

@@ -21,7 +21,7 @@ use crate::memory::{
     utilization_kv_bytes, BudgetSource, DeviceMemory, MemoryBudget, MemoryPoolKind,
 };
 use crate::model::{ContextShape, ForwardContext, WorkspaceStats};
-use crate::sampling::{Rng, Sampler, StopMatcher};
+use crate::sampling::{DeviceSampling, Rng, Sampler, StopMatcher};
 use crate::tokenizer::StreamDetokenizer;
 use crate::{bail_arg, Error, ErrorKind, Result};
 use std::collections::HashMap;
@@ -80,6 +80,10 @@ pub struct SessionParams {
     pub preemption: PreemptionMode,
     /// Seeds the session RNG that unseeded requests draw from.
     pub seed: u64,
+    /// Sample on the device when it can (a GPU): only token ids come back
+    /// instead of logits rows. Requests that ask for logprobs are sampled on
+    /// the host. Off: the host samples every row that is not plain greedy.
+    pub device_sampling: bool,
 }
 
 impl Default for SessionParams {
@@ -100,6 +104,7 @@ impl Default for SessionParams {
             prefix_caching: true,
             preemption: PreemptionMode::Recompute,
             seed: 0,
+            device_sampling: true,
         }
     }
 }
@@ -187,10 +192,14 @@ struct StepScratch {
     order: Vec<RequestId>,
     /// Events handed back by `step_into`, recycled with their buffers.
     spare_events: Vec<Event>,
-    /// Every sampled row this step is plain greedy: the forward returned
-    /// only `argmax` (token ids), no logits.
-    greedy: bool,
-    argmax: Vec<u32>,
+    /// The forward returned token ids in `device_tokens` (every sampled row
+    /// plain greedy, or all sampled on the device), no logits.
+    tokens_from_device: bool,
+    device_tokens: Vec<u32>,
+    /// The rows' sampling when the device samples them.
+    device_sampling: DeviceSampling,
+    /// `SessionParams::device_sampling`.
+    allow_device_sampling: bool,
     /// (request, rows to compute) in batch order; logits rows follow it.
     plan: Vec<(RequestId, usize)>,
     tokens: Vec<u32>,
@@ -283,7 +292,8 @@ impl Session {
         scratch.order.reserve(params.max_seqs);
         scratch.plan.reserve(params.max_seqs);
         scratch.logits_rows.reserve(params.max_seqs);
-        scratch.argmax.reserve(params.max_seqs);
+        scratch.device_tokens.reserve(params.max_seqs);
+        scratch.allow_device_sampling = params.device_sampling;
         scratch.tokens.reserve(params.max_batched_tokens);
         scratch.spare_events.reserve(params.max_seqs);
         Ok(Session {

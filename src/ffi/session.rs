@@ -201,6 +201,7 @@ fn to_engine(p: &ni_session_params) -> Result<SessionParams> {
         prefix_caching: p.prefix_caching,
         preemption,
         seed: p.seed,
+        device_sampling: true,
     })
 }
 

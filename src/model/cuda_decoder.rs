@@ -14,8 +14,9 @@ use crate::backend::cuda::{
     ActDType, CudaDevice, DeviceBuffer, GemmDType, GemvFamily, GemvOut, Graph, KArg, QkvEpilogue,
     Staging, W4Host, W4Matrix, W4Out,
 };
-use crate::backend::Device;
+use crate::backend::{cuda, Device};
 use crate::memory::DeviceMemory;
+use crate::sampling::DeviceSampling;
 use crate::{bail_arg, Error, ErrorKind, Result};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -729,6 +730,8 @@ impl DeviceDecoder for CudaDecoder {
             ws,
             staging: None,
             host: Vec::with_capacity(inputs_len),
+            sampling_words: Vec::new(),
+            sampling_params: None,
             graphs: HashMap::new(),
             use_graphs: !self.dev.profiling()
                 && std::env::var("NANOINFER_CUDA_GRAPHS").map_or(true, |v| v != "0"),
@@ -773,6 +776,10 @@ struct CudaForward {
     staging: Option<DeviceBuffer<u16>>,
     /// Host side of `ws.inputs`.
     host: Vec<u32>,
+    /// Encoded sampling records of this step, and their device copy
+    /// (grown on demand).
+    sampling_words: Vec<u32>,
+    sampling_params: Option<DeviceBuffer<u32>>,
     /// Captured decode steps by padded batch size.
     graphs: HashMap<usize, Graph>,
     use_graphs: bool,
@@ -792,6 +799,8 @@ enum Output<'a> {
     Logits(&'a mut [f32]),
     /// Only each row's argmax: greedy decoding without copying logits.
     Argmax(&'a mut [u32]),
+    /// Tokens sampled on the GPU, row `i` as `sampling.rows[i]` says.
+    Sample(&'a DeviceSampling, &'a mut [u32]),
 }
 
 /// Offsets of the sections of the step-input buffer.
@@ -1003,12 +1012,24 @@ impl CudaForward {
 
     /// Copies the first `n_out` logits rows, or only their argmax ids, to
     /// the host (the step's one synchronization).
-    fn read_output(&self, n_out: usize, out: Output<'_>) -> Result<()> {
-        let dev = &self.model.dev;
+    fn read_output(&mut self, n_out: usize, out: Output<'_>) -> Result<()> {
+        let dev = self.model.dev.clone();
         let vocab = self.model.config.vocab_size;
         match out {
             _ if n_out == 0 => dev.synchronize(),
             Output::Logits(logits) => dev.download(&self.ws.logits, &mut logits[..n_out * vocab]),
+            Output::Sample(sampling, ids) => {
+                let params = self.upload_sampling(sampling)?;
+                cuda::sampling::enqueue(
+                    &dev,
+                    self.ws.logits.ptr(),
+                    vocab,
+                    n_out,
+                    params,
+                    self.ws.argmax.ptr(),
+                )?;
+                dev.download(&self.ws.argmax, &mut ids[..n_out])
+            }
             Output::Argmax(ids) => {
                 dev.launch(
                     &dev.kernels.argmax_partial,
@@ -1032,6 +1053,19 @@ impl CudaForward {
                 dev.download(&self.ws.argmax, &mut ids[..n_out])
             }
         }
+    }
+
+    /// Uploads the step's sampling records; returns their device address.
+    fn upload_sampling(&mut self, sampling: &DeviceSampling) -> Result<u64> {
+        let dev = &self.model.dev;
+        cuda::sampling::encode(sampling, &mut self.sampling_words);
+        let words = &self.sampling_words;
+        let params = match &mut self.sampling_params {
+            Some(b) if b.len() >= words.len() => b,
+            slot => slot.insert(dev.alloc::<u32>(words.len().next_power_of_two())?),
+        };
+        dev.upload(words, params)?;
+        Ok(params.ptr())
     }
 
     /// `out[j] = rmsnorm(hidden[r] (+= delta[r])) * w` for `n` output rows;
@@ -1610,6 +1644,33 @@ impl ForwardContext for CudaForward {
             return Ok(());
         }
         self.run(batch, Output::Argmax(ids))
+    }
+
+    fn samples_on_device(&self) -> bool {
+        true
+    }
+
+    fn forward_sample(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        sampling: &DeviceSampling,
+        ids: &mut [u32],
+    ) -> Result<()> {
+        let c = &self.model.config;
+        validate_batch(c, batch, self.slots, batch.logits_rows.len() * c.vocab_size)?;
+        self.check_limits(batch)?;
+        let rows = batch.logits_rows.len();
+        if sampling.rows.len() != rows || ids.len() < rows {
+            bail_arg!(
+                "forward_sample: {} sampling rows and {} ids for {rows} logits rows",
+                sampling.rows.len(),
+                ids.len()
+            );
+        }
+        if batch.tokens.is_empty() {
+            return Ok(());
+        }
+        self.run(batch, Output::Sample(sampling, ids))
     }
 
     fn kv_values_per_slot(&self) -> usize {

@@ -11,7 +11,8 @@ use crate::backend::cpu::ThreadPool;
 use crate::backend::Device;
 use crate::kv::KvStorage;
 use crate::memory::{utilization_kv_bytes, DeviceMemory, MemoryPoolKind};
-use crate::{bail_arg, Result};
+use crate::sampling::DeviceSampling;
+use crate::{bail_arg, Error, Result};
 use std::sync::Arc;
 
 /// Per-session shape limits a context is sized for.
@@ -95,6 +96,22 @@ pub trait ForwardContext: Send {
     /// largest logit of `batch.logits_rows[i]`. A GPU never copies the
     /// logits to the host for this.
     fn forward_argmax(&mut self, batch: &ForwardBatch<'_>, ids: &mut [u32]) -> Result<()>;
+    /// Whether `forward_sample` runs here: the device samples its logits
+    /// rows itself. The CPU samples in the engine (`false`).
+    fn samples_on_device(&self) -> bool {
+        false
+    }
+    /// Like `forward`, sampling logits row `i` on the device as
+    /// `sampling.rows[i]` says and writing the token to `ids[i]`.
+    fn forward_sample(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        sampling: &DeviceSampling,
+        ids: &mut [u32],
+    ) -> Result<()> {
+        let _ = (batch, sampling, ids);
+        Err(Error::unsupported("this device samples on the host"))
+    }
     /// Values `save_kv` writes per slot (keys and values of every layer).
     fn kv_values_per_slot(&self) -> usize;
     /// Appends the KV of `slots` to `out` (slot after slot) as f32: swap-out.

@@ -6,6 +6,7 @@
 //! `StopMatcher` applies stop strings to the detokenized stream.
 
 pub mod candidates;
+pub mod device;
 pub mod history;
 mod math;
 pub mod params;
@@ -15,6 +16,7 @@ pub mod sampler;
 pub mod stop;
 
 pub use candidates::CandidateSet;
+pub use device::{DeviceSampling, RowSampling};
 pub use history::TokenHistory;
 pub use params::{SamplingParams, SamplingPlan};
 pub use rng::Rng;

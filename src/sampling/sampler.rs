@@ -2,6 +2,7 @@
 //! row of logits and draws a token with the request's own RNG stream.
 
 use super::candidates::CandidateSet;
+use super::device::{DeviceSampling, RowSampling};
 use super::history::TokenHistory;
 use super::params::{SamplingParams, SamplingPlan};
 use super::processors::{
@@ -124,31 +125,92 @@ impl Sampler {
     }
 
     fn apply_penalties(&mut self, logits: &mut [f32], prompt: &[u32], output: &[u32]) {
-        if !self.plan.needs_history() {
+        let plan = self.plan;
+        let Some(history) = self.synced_history(logits.len(), prompt, output) else {
             return;
-        }
-        let vocab = logits.len();
-        let history = match &mut self.history {
-            Some(h) if h.vocab_size() == vocab => h,
-            slot => {
-                let mut h = TokenHistory::new(
-                    vocab,
-                    self.plan.repetition_penalty.is_some(),
-                    self.plan.presence_frequency.is_some(),
-                );
-                // Distinct tokens are bounded by the request's length.
-                let out_cap = self.max_tokens.max(output.len());
-                h.reserve(prompt.len() + out_cap, out_cap);
-                slot.insert(h)
-            }
         };
-        history.sync(prompt, output);
-        if let Some(p) = self.plan.repetition_penalty {
+        if let Some(p) = plan.repetition_penalty {
             apply_repetition_penalty(logits, p, history);
         }
-        if let Some((presence, frequency)) = self.plan.presence_frequency {
+        if let Some((presence, frequency)) = plan.presence_frequency {
             apply_presence_frequency_penalty(logits, presence, frequency, history);
         }
+    }
+
+    /// The token history brought up to `prompt` + `output`, when a penalty
+    /// needs it.
+    fn synced_history(
+        &mut self,
+        vocab: usize,
+        prompt: &[u32],
+        output: &[u32],
+    ) -> Option<&TokenHistory> {
+        if !self.plan.needs_history() {
+            return None;
+        }
+        if !matches!(&self.history, Some(h) if h.vocab_size() == vocab) {
+            let mut h = TokenHistory::new(
+                vocab,
+                self.plan.repetition_penalty.is_some(),
+                self.plan.presence_frequency.is_some(),
+            );
+            // Distinct tokens are bounded by the request's length.
+            let out_cap = self.max_tokens.max(output.len());
+            h.reserve(prompt.len() + out_cap, out_cap);
+            self.history = Some(h);
+        }
+        let history = self.history.as_mut()?;
+        history.sync(prompt, output);
+        Some(history)
+    }
+
+    /// Whether `sample` for this request can run on a device through
+    /// `push_device_row` (everything but logprobs, which need the row here).
+    pub fn samples_on_device(&self) -> bool {
+        self.logprobs == 0
+    }
+
+    /// Appends this step's row to `batch`: what `sample` would do to a
+    /// logits row of `vocab` entries, for a device to run. Draws the row's
+    /// uniform from the request's stream exactly when `sample` would.
+    pub fn push_device_row(
+        &mut self,
+        vocab: usize,
+        prompt: &[u32],
+        output: &[u32],
+        suppress: &[u32],
+        batch: &mut DeviceSampling,
+    ) {
+        let plan = self.plan;
+        let (mut repeated, mut penalized) = (0..0, 0..0);
+        if let Some(history) = self.synced_history(vocab, prompt, output) {
+            repeated = batch.push_edits(history.seen_tokens().iter().map(|&t| (t, 0.0)));
+            if let Some((presence, frequency)) = plan.presence_frequency {
+                penalized = batch.push_edits(
+                    history
+                        .output_counts()
+                        .map(|(t, count)| (t, count as f32 * frequency + presence)),
+                );
+            }
+        }
+        let biased = batch.push_edits(self.logit_bias.iter().copied());
+        let suppressed = batch.push_edits(suppress.iter().map(|&t| (t, 0.0)));
+        batch.rows.push(RowSampling {
+            repetition_penalty: plan.repetition_penalty,
+            temperature: plan.temperature,
+            top_k: plan.top_k,
+            top_p: plan.top_p,
+            min_p_floor: plan.min_p.map(f32::ln),
+            u: if plan.temperature.is_some() {
+                self.rng.next_f64()
+            } else {
+                0.0
+            },
+            repeated,
+            penalized,
+            biased,
+            suppressed,
+        });
     }
 
     /// Truncation (top-k → top-p → min-p) on the candidate set, then the draw.
@@ -546,5 +608,71 @@ mod tests {
         assert_eq!(suppress, vec![stop]);
         p.min_tokens_suppression(&[eos], 4, &mut suppress);
         assert!(suppress.is_empty());
+    }
+
+    /// Applies a device row's edits and temperature the way the device
+    /// kernel does (kernels/sampling.cu, stages 1-5).
+    fn apply_device_row(logits: &mut [f32], row: &RowSampling, edits: &[(u32, f32)]) {
+        for &(t, _) in &edits[row.repeated.clone()] {
+            let p = row.repetition_penalty.unwrap();
+            let l = &mut logits[t as usize];
+            *l = if *l < 0.0 { *l * p } else { *l / p };
+        }
+        for &(t, v) in &edits[row.penalized.clone()] {
+            logits[t as usize] -= v;
+        }
+        for &(t, v) in &edits[row.biased.clone()] {
+            logits[t as usize] += v;
+        }
+        for &(t, _) in &edits[row.suppressed.clone()] {
+            logits[t as usize] = f32::NEG_INFINITY;
+        }
+        if let Some(t) = row.temperature {
+            logits.iter_mut().for_each(|l| *l /= t);
+        }
+    }
+
+    #[test]
+    fn device_rows_reproduce_the_stages_and_the_rng_stream() {
+        let p = params(|p| {
+            p.temperature = 0.7;
+            p.top_k = 5;
+            p.top_p = 0.8;
+            p.min_p = 0.05;
+            p.repetition_penalty = 1.3;
+            p.presence_penalty = 0.4;
+            p.frequency_penalty = 0.25;
+            p.logit_bias = vec![(3, 1.5), (3, -0.5), (9, 2.0)];
+        });
+        let (mut host, mut device) = (Sampler::new(&p, 42), Sampler::new(&p, 42));
+        let mut rng = Rng::seed_from_u64(42);
+        let prompt = [1u32, 2, 2, 7];
+        let mut output = vec![7u32, 4, 4, 4];
+        let mut batch = DeviceSampling::default();
+        for step in 0..5 {
+            let suppress: &[u32] = if step < 2 { &[0, 11] } else { &[] };
+            let mut processed = LOGITS;
+            let sampled = host
+                .sample(&mut processed, &prompt, &output, suppress)
+                .unwrap();
+            batch.clear();
+            device.push_device_row(LOGITS.len(), &prompt, &output, suppress, &mut batch);
+            let row = &batch.rows[0];
+            let mut replay = LOGITS;
+            apply_device_row(&mut replay, row, &batch.edits);
+            assert_eq!(replay, processed, "step {step}");
+            assert_eq!(row.u, rng.next_f64(), "step {step}: one uniform per draw");
+            assert_eq!(row.top_k, Some(5));
+            assert_eq!(row.min_p_floor, Some(0.05f32.ln()));
+            output.push(sampled.token);
+        }
+        // Greedy rows draw nothing.
+        let mut greedy = Sampler::new(&params(|p| p.repetition_penalty = 1.1), 42);
+        batch.clear();
+        greedy.push_device_row(LOGITS.len(), &prompt, &output, &[], &mut batch);
+        assert_eq!((batch.rows[0].temperature, batch.rows[0].u), (None, 0.0));
+        // Logprobs need the logits row on the host.
+        assert!(device.samples_on_device());
+        assert!(!Sampler::new(&params(|p| p.logprobs = 2), 0).samples_on_device());
     }
 }

@@ -1,5 +1,5 @@
-//! The decoder kernels (`kernels/decoder.cu` and `kernels/int4.cu`, one
-//! module, embedded in the library),
+//! The decoder kernels (`kernels/decoder.cu`, `kernels/int4.cu` and
+//! `kernels/sampling.cu`, one module, embedded in the library),
 //! compiled by NVRTC for the device's architecture on first use and cached
 //! on disk as PTX. Cache key: source hash + activation dtype + arch + NVRTC
 //! version, so a changed source, GPU or toolkit never loads a stale module.
@@ -11,10 +11,12 @@ use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-/// int4.cu uses decoder.cu's helpers: one translation unit.
+/// int4.cu and sampling.cu use decoder.cu's helpers: one translation unit
+/// (scripts/check_kernels.py reads this list).
 const SOURCE: &str = concat!(
     include_str!("../../../kernels/decoder.cu"),
-    include_str!("../../../kernels/int4.cu")
+    include_str!("../../../kernels/int4.cu"),
+    include_str!("../../../kernels/sampling.cu")
 );
 
 /// Where compiled modules are kept: `NANOINFER_KERNEL_CACHE`, else
@@ -88,7 +90,7 @@ fn compile(arch: (i32, i32), act: ActDType) -> Result<String> {
         Err(CompileError::CompileError { log, .. }) => Err(Error::new(
             ErrorKind::Internal,
             format!(
-                "NVRTC failed to compile kernels/decoder.cu + int4.cu for sm_{}{}:\n{}",
+                "NVRTC failed to compile kernels/decoder.cu + int4.cu + sampling.cu for sm_{}{}:\n{}",
                 arch.0,
                 arch.1,
                 log.to_string_lossy()
@@ -156,6 +158,7 @@ kernel_set!(
     w4_mm_t2_n4,
     w4_dequant,
     w4_gather,
+    sample_rows,
 );
 
 impl Kernels {

@@ -9,6 +9,7 @@
 mod gemm;
 mod kernels;
 mod profile;
+pub mod sampling;
 mod staging;
 mod w4;
 mod w4_ops;

@@ -10,7 +10,13 @@ use serde_json::json;
 use std::io::Write;
 use std::time::Instant;
 
-pub const FLAGS: &[&str] = &["chat", "json", "ignore-eos", "no-prefix-cache"];
+pub const FLAGS: &[&str] = &[
+    "chat",
+    "json",
+    "ignore-eos",
+    "no-prefix-cache",
+    "host-sampling",
+];
 
 struct Output {
     prompt_ids: Vec<u32>,

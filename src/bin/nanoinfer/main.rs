@@ -22,6 +22,7 @@ const USAGE: &str = "usage:
                      [--memory-pool arena|slab|system]
                      [--max-batched-tokens N] [--max-seqs N] [--prefill-chunk N]
                      [--policy fcfs|priority] [--preemption recompute|swap] [--no-prefix-cache]
+                     [--host-sampling]
   nanoinfer perplexity --model DIR --file PATH [--max-tokens 1024] [--device ..] [--threads N] [--dtype ..]
                      [--quant ..] [--json]
   nanoinfer bench --model DIR [-p 512] [-n 128] [-r|--repetitions 3] [--device ..] [-t|--threads N]

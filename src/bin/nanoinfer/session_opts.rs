@@ -32,6 +32,7 @@ pub const SESSION_OPTS: &[&str] = &[
     "policy",
     "preemption",
     "no-prefix-cache",
+    "host-sampling",
 ];
 pub const SAMPLING_OPTS: &[&str] = &[
     "max-tokens",
@@ -146,6 +147,7 @@ pub fn session_params(a: &Args) -> Result<SessionParams, String> {
         preemption: a.parse_or("preemption", d.preemption)?,
         prefix_caching: !a.flag("no-prefix-cache"),
         seed: a.parse_or("seed", d.seed)?,
+        device_sampling: !a.flag("host-sampling"),
         ..d
     })
 }

@@ -1,6 +1,6 @@
 //! Running the planned batch and turning its logits into tokens and events.
 
-use super::Session;
+use super::{Request, Session};
 use crate::backend::cpu::attention::AttnSeq;
 use crate::engine::request::{Event, FinishReason, RequestId, TokenLogprob};
 use crate::model::ForwardBatch;
@@ -18,12 +18,14 @@ impl Session {
             logits,
             requests,
             scratch,
+            model,
             ..
         } = self;
         scratch.tokens.clear();
         scratch.logits_rows.clear();
         let mut seqs = relabel(std::mem::take(&mut scratch.seqs));
         let mut greedy = true;
+        let mut on_device = scratch.allow_device_sampling && ctx.samples_on_device();
         for &(id, n) in &scratch.plan {
             let req = &requests[&id];
             let start = scratch.tokens.len();
@@ -35,6 +37,7 @@ impl Session {
                 let generated = req.tokens.len() - req.prompt_len;
                 let suppressing = generated < req.params.sampling.min_tokens as usize;
                 greedy &= req.sampler.is_plain_greedy() && !suppressing;
+                on_device &= req.sampler.samples_on_device();
             }
             seqs.push(AttnSeq {
                 start,
@@ -48,12 +51,31 @@ impl Session {
             seqs: &seqs,
             logits_rows: &scratch.logits_rows,
         };
-        scratch.greedy = greedy && !scratch.logits_rows.is_empty();
-        let result = if scratch.greedy {
-            scratch.argmax.resize(scratch.logits_rows.len(), 0);
-            ctx.forward_argmax(&batch, &mut scratch.argmax)
-        } else {
+        let sampled_rows = scratch.logits_rows.len();
+        scratch.tokens_from_device = (greedy || on_device) && sampled_rows > 0;
+        scratch.device_tokens.resize(sampled_rows, 0);
+        let result = if !scratch.tokens_from_device {
             ctx.forward(&batch, logits)
+        } else if greedy {
+            ctx.forward_argmax(&batch, &mut scratch.device_tokens)
+        } else {
+            let vocab = model.config().vocab_size;
+            scratch.device_sampling.clear();
+            for &(id, n) in &scratch.plan {
+                let req = requests.get_mut(&id).expect("scheduled request exists");
+                if req.computed + n == req.tokens.len() {
+                    suppression(req, &model.eos_token_ids, &mut scratch.suppress);
+                    let (prompt, output) = req.tokens.split_at(req.prompt_len);
+                    req.sampler.push_device_row(
+                        vocab,
+                        prompt,
+                        output,
+                        &scratch.suppress,
+                        &mut scratch.device_sampling,
+                    );
+                }
+            }
+            ctx.forward_sample(&batch, &scratch.device_sampling, &mut scratch.device_tokens)
         };
         seqs.clear();
         scratch.seqs = relabel(seqs);
@@ -94,9 +116,9 @@ impl Session {
             if req.computed < req.tokens.len() {
                 continue; // a non-final prefill chunk: no logits, no event
             }
-            let sampled = if self.scratch.greedy {
+            let sampled = if self.scratch.tokens_from_device {
                 Ok(SampledToken {
-                    token: self.scratch.argmax[logits_row],
+                    token: self.scratch.device_tokens[logits_row],
                     logprob: f32::NAN,
                     top_logprobs: Vec::new(),
                 })
@@ -124,11 +146,7 @@ impl Session {
             .get_mut(&id)
             .expect("scheduled request exists");
         let suppress = &mut self.scratch.suppress;
-        req.params.sampling.min_tokens_suppression(
-            &self.model.eos_token_ids,
-            req.tokens.len() - req.prompt_len,
-            suppress,
-        );
+        suppression(req, &self.model.eos_token_ids, suppress);
         let (prompt, output) = req.tokens.split_at(req.prompt_len);
         req.sampler.sample(logits, prompt, output, suppress)
     }
@@ -220,4 +238,12 @@ fn relabel<'a, 'b>(mut seqs: Vec<AttnSeq<'a>>) -> Vec<AttnSeq<'b>> {
     // lifetime is reinterpreted; ownership of the buffer moves over (the
     // original is never dropped).
     unsafe { Vec::from_raw_parts(ptr.cast::<AttnSeq<'b>>(), 0, capacity) }
+}
+
+/// The ids `req` may not sample this step (EOS and stop ids before
+/// `min_tokens`).
+fn suppression(req: &Request, eos_ids: &[u32], out: &mut Vec<u32>) {
+    req.params
+        .sampling
+        .min_tokens_suppression(eos_ids, req.tokens.len() - req.prompt_len, out);
 }

@@ -1,0 +1,170 @@
+//! Host side of `sample_rows` (kernels/sampling.cu): the rows' sampling
+//! records laid out as the kernel reads them, and the launch.
+
+use super::{CudaDevice, DeviceBuffer, KArg};
+use crate::sampling::DeviceSampling;
+use crate::{bail_arg, Result};
+
+/// SAMPLE_* of kernels/sampling.cu.
+const ROW_WORDS: usize = 16;
+const THREADS: u32 = 1024;
+const TEMPERATURE: u32 = 1;
+const TOP_K: u32 = 2;
+const TOP_P: u32 = 4;
+const MIN_P: u32 = 8;
+const REPETITION: u32 = 1 << 4;
+/// The kernel selects ids 8 bits at a time, three passes.
+const MAX_VOCAB: usize = 1 << 24;
+
+/// Writes `sampling` into `words`: one record of `ROW_WORDS` per row, then
+/// each row's edits as (token, value bits), in stage order.
+pub fn encode(sampling: &DeviceSampling, words: &mut Vec<u32>) {
+    words.clear();
+    words.resize(sampling.rows.len() * ROW_WORDS, 0);
+    for (i, row) in sampling.rows.iter().enumerate() {
+        let flag = |on: bool, bit: u32| if on { bit } else { 0 };
+        let lists = [&row.repeated, &row.penalized, &row.biased, &row.suppressed];
+        let record = [
+            flag(row.temperature.is_some(), TEMPERATURE)
+                | flag(row.top_k.is_some(), TOP_K)
+                | flag(row.top_p.is_some(), TOP_P)
+                | flag(row.min_p_floor.is_some(), MIN_P)
+                | flag(row.repetition_penalty.is_some(), REPETITION),
+            row.temperature.unwrap_or(1.0).to_bits(),
+            row.top_k.map_or(0, |k| k.min(u32::MAX as usize) as u32),
+            row.top_p.unwrap_or(1.0).to_bits(),
+            row.min_p_floor.unwrap_or(f32::NEG_INFINITY).to_bits(),
+            row.repetition_penalty.unwrap_or(1.0).to_bits(),
+            row.u.to_bits() as u32,
+            (row.u.to_bits() >> 32) as u32,
+            words.len() as u32,
+            lists[0].len() as u32,
+            lists[1].len() as u32,
+            lists[2].len() as u32,
+            lists[3].len() as u32,
+        ];
+        words[i * ROW_WORDS..i * ROW_WORDS + record.len()].copy_from_slice(&record);
+        for list in lists {
+            for &(token, value) in &sampling.edits[list.clone()] {
+                words.extend([token, value.to_bits()]);
+            }
+        }
+    }
+}
+
+/// Enqueues the sampling of `rows` logits rows (`[rows, vocab]` f32 at
+/// `logits`, processed in place) from the encoded records at `params`;
+/// token ids go to `ids`.
+pub fn enqueue(
+    dev: &CudaDevice,
+    logits: u64,
+    vocab: usize,
+    rows: usize,
+    params: u64,
+    ids: u64,
+) -> Result<()> {
+    if rows == 0 {
+        return Ok(());
+    }
+    if vocab > MAX_VOCAB {
+        bail_arg!(
+            "sampling on the GPU supports vocabularies up to {MAX_VOCAB} tokens, not {vocab}"
+        );
+    }
+    dev.launch(
+        &dev.kernels.sample_rows,
+        (rows as u32, 1, 1),
+        THREADS,
+        &[
+            KArg::Ptr(logits),
+            KArg::I32(vocab as i32),
+            KArg::Ptr(params),
+            KArg::Ptr(ids),
+        ],
+    )
+}
+
+/// Samples host `logits` (`[rows, vocab]`) on the GPU: the kernel on its
+/// own, for tests and tools. Returns one token per row.
+pub fn sample_logits(
+    dev: &CudaDevice,
+    logits: &[f32],
+    vocab: usize,
+    sampling: &DeviceSampling,
+) -> Result<Vec<u32>> {
+    let rows = sampling.rows.len();
+    if logits.len() != rows * vocab {
+        bail_arg!(
+            "sample_logits: {} logits for {rows} rows of {vocab}",
+            logits.len()
+        );
+    }
+    let mut words = Vec::new();
+    encode(sampling, &mut words);
+    let mut d_logits: DeviceBuffer<f32> = dev.alloc(logits.len().max(1))?;
+    let mut d_words: DeviceBuffer<u32> = dev.alloc(words.len().max(1))?;
+    let d_ids: DeviceBuffer<u32> = dev.alloc(rows.max(1))?;
+    dev.upload(logits, &mut d_logits)?;
+    dev.upload(&words, &mut d_words)?;
+    enqueue(dev, d_logits.ptr(), vocab, rows, d_words.ptr(), d_ids.ptr())?;
+    let mut ids = vec![0u32; rows];
+    dev.download(&d_ids, &mut ids)?;
+    Ok(ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampling::RowSampling;
+
+    #[test]
+    fn records_and_edits_follow_the_kernel_layout() {
+        let mut s = DeviceSampling::default();
+        let greedy = RowSampling {
+            repetition_penalty: Some(1.5),
+            temperature: None,
+            top_k: None,
+            top_p: None,
+            min_p_floor: None,
+            u: 0.0,
+            repeated: s.push_edits([(4, 0.0), (9, 0.0)]),
+            penalized: 0..0,
+            biased: s.push_edits([(2, 0.5)]),
+            suppressed: 0..0,
+        };
+        s.rows.push(greedy);
+        // A row whose lists were pushed out of stage order.
+        let suppressed = s.push_edits([(0, 0.0)]);
+        let penalized = s.push_edits([(7, 0.25)]);
+        s.rows.push(RowSampling {
+            repetition_penalty: None,
+            temperature: Some(0.5),
+            top_k: Some(40),
+            top_p: Some(0.9),
+            min_p_floor: Some(-3.0),
+            u: 0.75,
+            repeated: 0..0,
+            penalized,
+            biased: 0..0,
+            suppressed,
+        });
+        let mut w = Vec::new();
+        encode(&s, &mut w);
+        let r0 = &w[..ROW_WORDS];
+        assert_eq!(r0[0], REPETITION);
+        assert_eq!(f32::from_bits(r0[5]), 1.5);
+        assert_eq!(&r0[8..13], &[2 * ROW_WORDS as u32, 2, 0, 1, 0]);
+        let r1 = &w[ROW_WORDS..2 * ROW_WORDS];
+        assert_eq!(r1[0], TEMPERATURE | TOP_K | TOP_P | MIN_P);
+        assert_eq!(
+            (f32::from_bits(r1[1]), r1[2], f32::from_bits(r1[3])),
+            (0.5, 40, 0.9)
+        );
+        assert_eq!(f32::from_bits(r1[4]), -3.0);
+        assert_eq!(f64::from_bits(r1[6] as u64 | (r1[7] as u64) << 32), 0.75);
+        assert_eq!(&r1[8..13], &[2 * ROW_WORDS as u32 + 6, 0, 1, 0, 1]);
+        let edits = &w[2 * ROW_WORDS..];
+        let bits = |v: f32| v.to_bits();
+        assert_eq!(edits, &[4, 0, 9, 0, 2, bits(0.5), 7, bits(0.25), 0, 0]);
+    }
+}

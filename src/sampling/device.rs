@@ -1,0 +1,57 @@
+//! Sampling on the device that computed the logits: each row's stage chain
+//! (see `processors`) resolved on the host into parameters and flat token
+//! lists, so a device kernel can run the same stages without the logits
+//! ever coming back to the host.
+//!
+//! The RNG stays on the host: a row that draws carries the uniform its
+//! request's stream yields at exactly the point where the CPU sampler would
+//! draw it, so one seed gives one stream whichever side samples.
+
+use std::ops::Range;
+
+/// One logits row's stages, as `SamplingPlan` plus the uniform of its draw.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowSampling {
+    pub repetition_penalty: Option<f32>,
+    /// `None` = greedy: the argmax of the processed logits.
+    pub temperature: Option<f32>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    /// `ln(min_p)`: min-p keeps `logit - max >= min_p_floor`.
+    pub min_p_floor: Option<f32>,
+    /// Uniform in [0, 1) of the draw (0 when greedy).
+    pub u: f64,
+    /// Ranges of `DeviceSampling::edits`, applied in this order:
+    /// distinct prompt + output tokens (repetition penalty, value unused),
+    /// output tokens with the amount to subtract (presence/frequency),
+    /// logit bias (added, in list order), suppressed tokens (value unused).
+    pub repeated: Range<usize>,
+    pub penalized: Range<usize>,
+    pub biased: Range<usize>,
+    pub suppressed: Range<usize>,
+}
+
+/// The sampling of one forward's logits rows, in row order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DeviceSampling {
+    pub rows: Vec<RowSampling>,
+    /// `(token, value)` pairs the rows' ranges point into.
+    pub edits: Vec<(u32, f32)>,
+}
+
+impl DeviceSampling {
+    pub fn clear(&mut self) {
+        self.rows.clear();
+        self.edits.clear();
+    }
+
+    /// Appends `tokens` with `value` each and returns their range.
+    pub(crate) fn push_edits(
+        &mut self,
+        tokens: impl IntoIterator<Item = (u32, f32)>,
+    ) -> Range<usize> {
+        let start = self.edits.len();
+        self.edits.extend(tokens);
+        start..self.edits.len()
+    }
+}
