@@ -9,6 +9,13 @@
 //! | [`CpuSlab`] | power-of-two free lists, 16 B … 512 KiB | back to its free list | no-op | no |
 //! | [`SystemPool`] | `std::alloc` (the baseline) | `std::alloc::dealloc` | no-op | no |
 //!
+//! Device (GPU) memory goes through [`DevicePool`] instead, whose
+//! allocations are plain device addresses: `CudaStreamPool` (a stream-ordered
+//! pool of the session's own) and `CudaBuddy` (the [`buddy`] allocator over
+//! one device allocation) hold a CUDA session's workspace and KV cache. A
+//! session picks one pool ([`MemoryPoolKind`]); the default is the arena on
+//! the CPU and `cuda-stream` on a GPU, and a pool of the other device is refused.
+//!
 //! Safe Rust code does not use allocations directly: the per-step
 //! [`Workspace`] turns a pool into typed `&mut [T]` slices whose lifetimes end
 //! before the workspace can be reset.
