@@ -353,7 +353,7 @@ fn run_pool(
         max_seqs: requests,
         max_batched_tokens: requests * prompt_len,
         prefill_chunk_size: prompt_len,
-        memory_pool: pool,
+        memory_pool: Some(pool),
         prefix_caching: false,
         ..Default::default()
     };

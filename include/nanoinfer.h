@@ -209,8 +209,11 @@ typedef struct ni_chat_message {
 typedef uint32_t ni_kv_backend;
 
 /**
- * Where the forward pass takes its per-step temporaries from (CPU; a GPU
- * session plans its own device workspace and ignores it).
+ * Where a session's memory comes from: the CPU forward's per-step
+ * temporaries (`NI_MEMORY_POOL_SYSTEM`, `_CPU_ARENA`, `_CPU_SLAB`), or a GPU
+ * session's workspace and KV cache (`NI_MEMORY_POOL_CUDA_*`). A pool of the
+ * other kind of device fails `ni_session_create` with
+ * `NI_ERR_INVALID_ARGUMENT`.
  */
 typedef uint32_t ni_memory_pool;
 
@@ -497,7 +500,8 @@ typedef struct ni_session_stats {
      */
     ni_budget_source memory_budget_source;
     /**
-     * `NI_MEMORY_POOL_*` of the step workspace (`NI_MEMORY_POOL_DEFAULT` on a GPU).
+     * `NI_MEMORY_POOL_*` the session uses (never `NI_MEMORY_POOL_DEFAULT`:
+     * the device's default resolved).
      */
     ni_memory_pool memory_pool;
     /**
@@ -549,6 +553,12 @@ typedef struct ni_session_stats {
      * Explicit arena resizes (steps larger than planned).
      */
     uint64_t workspace_resizes;
+    /**
+     * Peak temporaries measured by the profiling forward of a GPU's
+     * automatic KV budget (0 when the budget was not profiled); compare
+     * with the planned `memory_workspace_bytes`.
+     */
+    uint64_t memory_profiled_peak_bytes;
 } ni_session_stats;
 
 /**
@@ -741,7 +751,8 @@ typedef struct ni_event {
 #define NI_KV_BACKEND_TOKEN 1
 
 /**
- * The engine's choice (default): today the CPU arena.
+ * The device's default: the CPU arena on the CPU, the CUDA stream-ordered
+ * pool on a GPU.
  */
 #define NI_MEMORY_POOL_DEFAULT 0
 
@@ -762,6 +773,19 @@ typedef struct ni_event {
  * blocks go to the system allocator.
  */
 #define NI_MEMORY_POOL_CPU_SLAB 3
+
+/**
+ * GPU: a stream-ordered CUDA memory pool of the session's own
+ * (cudaMallocAsync-style, on the compute stream); destroyed, and its memory
+ * returned to the driver, with the session.
+ */
+#define NI_MEMORY_POOL_CUDA_STREAM 4
+
+/**
+ * GPU: a buddy allocator over one device allocation sized for the
+ * session's workspace and KV cache, made once at creation.
+ */
+#define NI_MEMORY_POOL_CUDA_BUDDY 5
 
 /**
  * First come, first served (default).

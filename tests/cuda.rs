@@ -13,6 +13,7 @@ use nanoinfer::backend::cuda::{sampling::sample_logits, ActDType, CudaDevice};
 use nanoinfer::backend::Device;
 use nanoinfer::engine::{Event, Model, ModelParams, RequestParams, Session, SessionParams};
 use nanoinfer::kv::KvBackendKind;
+use nanoinfer::memory::MemoryPoolKind;
 use nanoinfer::model::quant_calib::Calibration;
 use nanoinfer::model::quant_gptq::GptqOptions;
 use nanoinfer::model::{
@@ -705,4 +706,197 @@ fn cuda_device_errors_are_clear() {
 
 fn fixtures_present() -> bool {
     std::env::var_os("NANOINFER_CUDA_FIXTURES").is_some()
+}
+
+/// Device memory in use (total − free) on GPU 0, after the device's work
+/// drained and its default stream-ordered pool gave back what it caches.
+fn device_used_bytes() -> usize {
+    use cudarc::driver::{result, sys, CudaContext};
+    let ctx = CudaContext::new(0).expect("CUDA context");
+    ctx.synchronize().expect("cuCtxSynchronize");
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; the device handle lives as long as `ctx`.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
+        .result()
+        .expect("default pool");
+    // SAFETY: the default pool lives as long as the device.
+    unsafe { result::mem_pool::trim_to(pool, 0) }.expect("trim");
+    let (free, total) = ctx.mem_get_info().expect("cuMemGetInfo");
+    total - free
+}
+
+fn with_pool(pool: MemoryPoolKind) -> SessionParams {
+    SessionParams {
+        memory_pool: Some(pool),
+        kv_capacity_tokens: 4096,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn device_pools_give_the_default_tokens_and_return_their_memory() {
+    let Some(fx) = fixtures() else { return };
+    const MIB: usize = 1 << 20;
+    for name in MODELS {
+        let dir = fx.join(name);
+        let model = load(&dir);
+        let reqs = requests(&golden(&dir), 12);
+        let plain = SessionParams {
+            kv_capacity_tokens: 4096,
+            ..Default::default()
+        };
+        // Also warms up: modules load lazily on first launch and stay.
+        let (reference, st) = run_with_stats(&model, plain, &reqs);
+        let ws = st.workspace.expect("a CUDA session reports its pool");
+        assert_eq!(ws.pool, MemoryPoolKind::CudaStream, "the GPU default");
+        for pool in MemoryPoolKind::GPU {
+            let before = device_used_bytes();
+            let (out, st) = run_with_stats(&model, with_pool(pool), &reqs);
+            assert_eq!(out, reference, "{name}: {pool} changes the output");
+            let ws = st.workspace.unwrap();
+            assert_eq!(ws.pool, pool);
+            // The KV buffer and the workspace come from the pool.
+            assert!(
+                ws.pool_stats.live_allocations >= 10,
+                "{name} {pool}: {ws:?}"
+            );
+            assert!(
+                ws.pool_stats.used_bytes >= st.memory.kv_bytes,
+                "{name} {pool}: {ws:?} vs {:?}",
+                st.memory
+            );
+            assert!(ws.pool_stats.capacity_bytes >= ws.pool_stats.used_bytes);
+            let after = device_used_bytes();
+            assert!(
+                after <= before + 4 * MIB,
+                "{name} {pool}: {:.1} MiB in use before the session, {:.1} MiB after it ended",
+                before as f64 / MIB as f64,
+                after as f64 / MIB as f64
+            );
+        }
+    }
+}
+
+#[test]
+fn buddy_pool_stats_track_the_session() {
+    let Some(fx) = fixtures() else { return };
+    let dir = fx.join("llama3");
+    let model = load(&dir);
+    let mut s = Session::new(model.clone(), with_pool(MemoryPoolKind::CudaBuddy)).unwrap();
+    let ws = s.stats().workspace.unwrap();
+    let p = ws.pool_stats;
+    assert_eq!(ws.pool, MemoryPoolKind::CudaBuddy);
+    assert_eq!(p.system_allocations, 1, "one region, allocated once: {p:?}");
+    assert!(p.live_allocations >= 10 && p.live_allocations as u64 == p.total_allocations);
+    assert!(p.used_bytes <= p.capacity_bytes && p.peak_bytes == p.used_bytes);
+    // Sized for the session: the KV cache and the workspace, little more.
+    let kv = s.stats().memory.kv_bytes;
+    assert!(
+        p.used_bytes >= kv + ws.planned_bytes,
+        "{p:?}, KV {kv}, {ws:?}"
+    );
+    assert!(p.capacity_bytes <= (p.used_bytes + p.used_bytes / 8).max(p.used_bytes + (1 << 20)));
+    for r in requests(&golden(&dir), 8) {
+        s.add_request(r).unwrap();
+    }
+    while s.has_work() {
+        s.step().unwrap();
+    }
+    // Nothing allocated per step.
+    assert_eq!(s.stats().workspace.unwrap().pool_stats, p);
+    drop(s);
+
+    // The same pools used directly: live while buffers exist, empty after.
+    use nanoinfer::backend::cuda::{create_device_pool, ActDType, CudaDevice};
+    let dev = CudaDevice::open(0, ActDType::BF16).unwrap();
+    for kind in MemoryPoolKind::GPU {
+        let pool = create_device_pool(&dev, kind, 8 << 20).unwrap();
+        let data: Vec<u32> = (0..100_000).collect();
+        let mut bufs = Vec::new();
+        for n in [100_000usize, 3, 70_000, 1] {
+            bufs.push(dev.alloc_in::<u32>(&pool, n).unwrap());
+        }
+        assert_eq!(pool.stats().live_allocations, 4, "{kind}");
+        assert!(bufs.iter().all(|b| b.is_pooled() && b.ptr() % 256 == 0));
+        dev.upload(&data, &mut bufs[0]).unwrap();
+        dev.upload_at(&data[..10], &mut bufs[2], 5).unwrap();
+        let mut back = vec![0u32; 100_000];
+        dev.download(&bufs[0], &mut back).unwrap();
+        assert_eq!(back, data, "{kind}: round trip");
+        let mut back = vec![7u32; 20];
+        dev.download(&bufs[2], &mut back).unwrap();
+        assert_eq!(&back[..5], &[0; 5], "{kind}: pool buffers start zeroed");
+        assert_eq!(&back[5..15], &data[..10]);
+        if kind == MemoryPoolKind::CudaBuddy {
+            // 8 MiB: the first buffer fits, a second one of 8 MiB does not.
+            let e = dev.alloc_in::<u8>(&pool, 8 << 20).err().unwrap();
+            assert_eq!(e.kind, ErrorKind::OutOfMemory, "{e}");
+        }
+        bufs.clear();
+        dev.synchronize().unwrap();
+        let st = pool.stats();
+        assert_eq!(
+            (st.live_allocations, st.used_bytes),
+            (0, 0),
+            "{kind}: {st:?}"
+        );
+        assert_eq!(st.total_allocations, 4);
+    }
+}
+
+#[test]
+fn automatic_budget_is_profiled_and_fits() {
+    let Some(fx) = fixtures() else { return };
+    for name in MODELS {
+        let dir = fx.join(name);
+        let model = load(&dir);
+        for pool in MemoryPoolKind::GPU {
+            let params = SessionParams {
+                memory_pool: Some(pool),
+                ..Default::default()
+            };
+            let (out, st) = run_with_stats(&model, params, &requests(&golden(&dir), 4));
+            let m = &st.memory;
+            assert_eq!(m.source, nanoinfer::memory::BudgetSource::Automatic);
+            assert!(
+                m.profiled_peak_bytes >= m.workspace_bytes && m.workspace_bytes > 0,
+                "{name} {pool}: {m}"
+            );
+            assert!(m.to_string().contains("profiled peak"), "{m}");
+            assert!(m.kv_bytes > 0 && out.iter().all(|o| o.tokens.len() == 4));
+            // An explicit budget skips profiling.
+            let explicit = SessionParams {
+                memory_pool: Some(pool),
+                kv_memory_bytes: 256 << 20,
+                ..Default::default()
+            };
+            let s = Session::new(model.clone(), explicit).unwrap();
+            assert_eq!(s.stats().memory.profiled_peak_bytes, 0);
+        }
+    }
+}
+
+#[test]
+fn pools_of_the_other_device_are_refused() {
+    // CPU model, GPU pool: runs everywhere.
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/tiny-llama3");
+    let cpu = Arc::new(Model::load(&dir, &ModelParams::default(), None).unwrap());
+    for pool in MemoryPoolKind::GPU {
+        let e = Session::new(cpu.clone(), with_pool(pool)).err().unwrap();
+        assert_eq!(e.kind, ErrorKind::InvalidArgument);
+        assert!(
+            e.message.contains(pool.as_str()) && e.message.contains("cpu"),
+            "{e}"
+        );
+    }
+    let Some(fx) = fixtures() else { return };
+    let gpu = load(&fx.join("llama3"));
+    for pool in MemoryPoolKind::CPU {
+        let e = Session::new(gpu.clone(), with_pool(pool)).err().unwrap();
+        assert_eq!(e.kind, ErrorKind::InvalidArgument);
+        assert!(
+            e.message.contains(pool.as_str()) && e.message.contains("cuda:0"),
+            "{e}"
+        );
+    }
 }

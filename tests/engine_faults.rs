@@ -36,7 +36,7 @@ fn params(kv: KvBackendKind, pool: MemoryPoolKind, preemption: PreemptionMode) -
         max_batched_tokens: 24,
         max_seqs: 3,
         prefill_chunk_size: 8,
-        memory_pool: pool,
+        memory_pool: Some(pool),
         preemption,
         ..Default::default()
     }

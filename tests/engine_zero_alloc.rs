@@ -44,7 +44,7 @@ fn params(pool: MemoryPoolKind) -> SessionParams {
         block_size: 16,
         max_seqs: 8,
         max_batched_tokens: 256,
-        memory_pool: pool,
+        memory_pool: Some(pool),
         ..Default::default()
     }
 }

@@ -72,6 +72,33 @@ fn every_pool_gives_the_same_greedy_tokens_and_reports_itself() {
 }
 
 #[test]
+fn gpu_pools_are_refused_on_a_cpu_model() {
+    for (pool, name) in [
+        (NI_MEMORY_POOL_CUDA_STREAM, "cuda-stream"),
+        (NI_MEMORY_POOL_CUDA_BUDDY, "cuda-buddy"),
+    ] {
+        let mut p = session_params();
+        p.memory_pool = pool;
+        let mut s = ptr::null_mut();
+        // SAFETY: valid pointers.
+        let status = unsafe { ni_session_create(shared_model(), &p, &mut s) };
+        assert_err(
+            status,
+            NI_ERR_INVALID_ARGUMENT,
+            &[name, "GPU pool", "cpu", "arena"],
+        );
+        assert!(s.is_null());
+    }
+    // The next value is not a pool.
+    let mut p = session_params();
+    p.memory_pool = NI_MEMORY_POOL_CUDA_BUDDY + 1;
+    let mut s = ptr::null_mut();
+    // SAFETY: valid pointers.
+    let status = unsafe { ni_session_create(shared_model(), &p, &mut s) };
+    assert_err(status, NI_ERR_INVALID_ARGUMENT, &["memory_pool"]);
+}
+
+#[test]
 fn budget_report_of_an_explicit_capacity() {
     let mut p = session_params();
     p.kv_capacity_tokens = 209; // not a multiple of the block size
@@ -189,6 +216,18 @@ fn older_struct_sizes_are_accepted() {
 
     let (status, _) = stats_sized(s, old + 4);
     assert_err(status, NI_ERR_INVALID_ARGUMENT, &["struct_size"]);
+
+    // The stats struct before the profiled peak was appended.
+    let v2 = std::mem::offset_of!(ni_session_stats, memory_profiled_peak_bytes);
+    let mut st: ni_session_stats = unsafe { std::mem::zeroed() };
+    st.struct_size = v2 as u32;
+    st.memory_profiled_peak_bytes = 777; // past the V2 size: untouched
+                                         // SAFETY: valid pointers.
+    ok(unsafe { ni_session_get_stats(s, &mut st) });
+    assert_eq!(st.memory_pool, NI_MEMORY_POOL_CPU_ARENA);
+    assert_eq!(st.memory_profiled_peak_bytes, 777);
+    // The full struct: a CPU budget is never profiled.
+    assert_eq!(stats(s).memory_profiled_peak_bytes, 0);
     // SAFETY: freed once.
     unsafe { ni_session_free(s) };
 }

@@ -23,7 +23,8 @@ pub struct SingleSequence {
 impl SingleSequence {
     /// Room for `capacity` positions, forwards of up to `max_rows` tokens.
     pub fn new(model: &Model, capacity: usize, max_rows: usize) -> Result<Self> {
-        Self::with_pool(model, capacity, max_rows, MemoryPoolKind::default())
+        let gpu = model.decoder.device() != crate::backend::Device::Cpu;
+        Self::with_pool(model, capacity, max_rows, MemoryPoolKind::default_for(gpu))
     }
 
     /// Like `new`, taking the step temporaries from a pool of `pool`.

@@ -16,6 +16,7 @@ use super::model::Model;
 use super::policy::{create_policy, RankInput, SchedulePolicy, SchedulePolicyKind};
 use super::request::{Event, FinishReason, RequestId, RequestParams};
 use crate::backend::cpu::attention::AttnSeq;
+use crate::backend::Device;
 use crate::kv::{create_kv_backend, KvBackendKind, KvCacheBackend, KvStats};
 use crate::memory::{
     utilization_kv_bytes, BudgetSource, DeviceMemory, MemoryBudget, MemoryPoolKind,
@@ -65,8 +66,12 @@ pub struct SessionParams {
     /// than is available now). 0 = the device's automatic budget (CPU: a
     /// quarter of available memory, at most 2 GiB; GPU: `gpu_memory_utilization`).
     pub memory_utilization: f32,
-    /// Where the forward pass takes its step temporaries from.
-    pub memory_pool: MemoryPoolKind,
+    /// Where the session's device memory comes from: the CPU step
+    /// workspace (arena, slab, system) or, on a GPU, the workspace and the
+    /// KV cache (cuda-stream, cuda-buddy). `None` = the device's default
+    /// (arena on the CPU, cuda-stream on a GPU); a pool of the other kind
+    /// of device is refused.
+    pub memory_pool: Option<MemoryPoolKind>,
     /// Token budget of one step (prefill chunks + decode tokens).
     pub max_batched_tokens: usize,
     /// Sequences in one step.
@@ -95,7 +100,7 @@ impl Default for SessionParams {
             kv_memory_bytes: 0,
             gpu_memory_utilization: ContextShape::DEFAULT_MEMORY_UTILIZATION,
             memory_utilization: 0.0,
-            memory_pool: MemoryPoolKind::default(),
+            memory_pool: None,
             max_batched_tokens: 512,
             max_seqs: 64,
             prefill_chunk_size: 512,
@@ -228,30 +233,35 @@ impl Session {
         if !(mu == 0.0 || (mu > 0.0 && mu <= 1.0)) {
             bail_arg!("memory_utilization must be in (0, 1] (0 = automatic), got {mu}");
         }
+        let device = model.decoder.device();
+        let gpu = device != Device::Cpu;
+        let pool = params
+            .memory_pool
+            .unwrap_or(MemoryPoolKind::default_for(gpu));
+        pool.check_device(gpu, &device.to_string())?;
         let mut shape = ContextShape::new(0, params.max_batched_tokens, params.max_seqs);
-        shape.memory_pool = params.memory_pool;
+        shape.memory_pool = pool;
         shape.memory_utilization = params.gpu_memory_utilization;
         if mu > 0.0 {
             shape.memory_utilization = mu;
             shape.utilization_budget = true;
         }
-        let mem = model.decoder.memory(&shape);
+        let mut mem = model.decoder.memory(&shape);
         let context = c.max_position_embeddings.min(4096);
         let (source, capacity_tokens) = if params.kv_capacity_tokens > 0 {
             (BudgetSource::Tokens, params.kv_capacity_tokens)
         } else {
             let (source, budget) = if params.kv_memory_bytes > 0 {
                 (BudgetSource::Bytes, params.kv_memory_bytes)
-            } else if shape.utilization_budget {
-                (
-                    BudgetSource::Utilization,
-                    model.decoder.default_kv_budget(&shape)?,
-                )
             } else {
-                (
-                    BudgetSource::Automatic,
-                    model.decoder.default_kv_budget(&shape)?,
-                )
+                let auto = model.decoder.clone().default_kv_budget(&shape)?;
+                mem.profiled_peak_bytes = auto.profiled_peak_bytes;
+                let source = if shape.utilization_budget {
+                    BudgetSource::Utilization
+                } else {
+                    BudgetSource::Automatic
+                };
+                (source, auto.bytes)
             };
             let tokens = budget / per_token;
             if tokens < context {
@@ -616,6 +626,7 @@ fn budget_report(
         available_bytes: mem.available_bytes,
         weights_bytes: mem.weights_bytes,
         workspace_bytes: mem.workspace_bytes,
+        profiled_peak_bytes: mem.profiled_peak_bytes,
         kv_bytes: shape.kv_slots * per_token,
         kv_bytes_per_token: per_token,
         kv_block_size: block,

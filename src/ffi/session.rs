@@ -19,10 +19,14 @@ pub const NI_KV_BACKEND_PAGED: ni_kv_backend = 0;
 /// SGLang-style token pool with a radix-tree prefix cache.
 pub const NI_KV_BACKEND_TOKEN: ni_kv_backend = 1;
 
-/// Where the forward pass takes its per-step temporaries from (CPU; a GPU
-/// session plans its own device workspace and ignores it).
+/// Where a session's memory comes from: the CPU forward's per-step
+/// temporaries (`NI_MEMORY_POOL_SYSTEM`, `_CPU_ARENA`, `_CPU_SLAB`), or a GPU
+/// session's workspace and KV cache (`NI_MEMORY_POOL_CUDA_*`). A pool of the
+/// other kind of device fails `ni_session_create` with
+/// `NI_ERR_INVALID_ARGUMENT`.
 pub type ni_memory_pool = u32;
-/// The engine's choice (default): today the CPU arena.
+/// The device's default: the CPU arena on the CPU, the CUDA stream-ordered
+/// pool on a GPU.
 pub const NI_MEMORY_POOL_DEFAULT: ni_memory_pool = 0;
 /// The system allocator: every temporary is a fresh allocation (the baseline).
 pub const NI_MEMORY_POOL_SYSTEM: ni_memory_pool = 1;
@@ -33,6 +37,13 @@ pub const NI_MEMORY_POOL_CPU_ARENA: ni_memory_pool = 2;
 /// Power-of-two size classes (16 B to 512 KiB) with free lists; larger
 /// blocks go to the system allocator.
 pub const NI_MEMORY_POOL_CPU_SLAB: ni_memory_pool = 3;
+/// GPU: a stream-ordered CUDA memory pool of the session's own
+/// (cudaMallocAsync-style, on the compute stream); destroyed, and its memory
+/// returned to the driver, with the session.
+pub const NI_MEMORY_POOL_CUDA_STREAM: ni_memory_pool = 4;
+/// GPU: a buddy allocator over one device allocation sized for the
+/// session's workspace and KV cache, made once at creation.
+pub const NI_MEMORY_POOL_CUDA_BUDDY: ni_memory_pool = 5;
 
 /// Scheduling policy.
 pub type ni_schedule_policy = u32;
@@ -149,10 +160,12 @@ fn to_engine(p: &ni_session_params) -> Result<SessionParams> {
         v => bail_arg!("session params: kv_backend {v} is not an NI_KV_BACKEND_* value"),
     };
     let memory_pool = match p.memory_pool {
-        NI_MEMORY_POOL_DEFAULT => MemoryPoolKind::default(),
-        NI_MEMORY_POOL_SYSTEM => MemoryPoolKind::System,
-        NI_MEMORY_POOL_CPU_ARENA => MemoryPoolKind::Arena,
-        NI_MEMORY_POOL_CPU_SLAB => MemoryPoolKind::Slab,
+        NI_MEMORY_POOL_DEFAULT => None,
+        NI_MEMORY_POOL_SYSTEM => Some(MemoryPoolKind::System),
+        NI_MEMORY_POOL_CPU_ARENA => Some(MemoryPoolKind::Arena),
+        NI_MEMORY_POOL_CPU_SLAB => Some(MemoryPoolKind::Slab),
+        NI_MEMORY_POOL_CUDA_STREAM => Some(MemoryPoolKind::CudaStream),
+        NI_MEMORY_POOL_CUDA_BUDDY => Some(MemoryPoolKind::CudaBuddy),
         v => bail_arg!("session params: memory_pool {v} is not an NI_MEMORY_POOL_* value"),
     };
     let mu = p.memory_utilization;
@@ -431,7 +444,8 @@ pub struct ni_session_stats {
     // --- memory budget, fixed at session creation (appended; see `struct_size`) ---
     /// How the KV capacity was chosen: `NI_BUDGET_*`.
     pub memory_budget_source: ni_budget_source,
-    /// `NI_MEMORY_POOL_*` of the step workspace (`NI_MEMORY_POOL_DEFAULT` on a GPU).
+    /// `NI_MEMORY_POOL_*` the session uses (never `NI_MEMORY_POOL_DEFAULT`:
+    /// the device's default resolved).
     pub memory_pool: ni_memory_pool,
     /// Device memory in total and available at creation (0 when unknown).
     pub memory_total_bytes: u64,
@@ -461,11 +475,19 @@ pub struct ni_session_stats {
     pub workspace_system_allocations: u64,
     /// Explicit arena resizes (steps larger than planned).
     pub workspace_resizes: u64,
+    // --- profiled budget (appended) ---
+    /// Peak temporaries measured by the profiling forward of a GPU's
+    /// automatic KV budget (0 when the budget was not profiled); compare
+    /// with the planned `memory_workspace_bytes`.
+    pub memory_profiled_peak_bytes: u64,
 }
 
 /// `struct_size` of `ni_session_stats` before the memory budget fields.
 pub(crate) const NI_SESSION_STATS_SIZE_V1: usize =
     std::mem::offset_of!(ni_session_stats, memory_budget_source);
+/// `struct_size` of `ni_session_stats` before `memory_profiled_peak_bytes`.
+pub(crate) const NI_SESSION_STATS_SIZE_V2: usize =
+    std::mem::offset_of!(ni_session_stats, memory_profiled_peak_bytes);
 
 /// How a session's KV capacity was chosen.
 pub type ni_budget_source = u32;
@@ -496,10 +518,11 @@ pub unsafe extern "C" fn ni_session_get_stats(
         // SAFETY: non-NULL and aligned (checked); output structs start with a u32 the caller sets.
         let size = unsafe { out.cast::<u32>().read() } as usize;
         let full = size_of::<ni_session_stats>();
-        if size != full && size != NI_SESSION_STATS_SIZE_V1 {
+        if ![full, NI_SESSION_STATS_SIZE_V1, NI_SESSION_STATS_SIZE_V2].contains(&size) {
             bail_arg!(
                 "out_stats->struct_size is {size}; set it to sizeof(ni_session_stats) ({full}, or \
-                 {NI_SESSION_STATS_SIZE_V1} for an older header) before the call"
+                 {NI_SESSION_STATS_SIZE_V1} or {NI_SESSION_STATS_SIZE_V2} for an older header) \
+                 before the call"
             );
         }
         let st = s.lock()?.session.stats();
@@ -553,6 +576,8 @@ fn c_stats(st: &crate::engine::SessionStats) -> ni_session_stats {
             Some(MemoryPoolKind::Arena) => NI_MEMORY_POOL_CPU_ARENA,
             Some(MemoryPoolKind::Slab) => NI_MEMORY_POOL_CPU_SLAB,
             Some(MemoryPoolKind::System) => NI_MEMORY_POOL_SYSTEM,
+            Some(MemoryPoolKind::CudaStream) => NI_MEMORY_POOL_CUDA_STREAM,
+            Some(MemoryPoolKind::CudaBuddy) => NI_MEMORY_POOL_CUDA_BUDDY,
         },
         memory_total_bytes: m.total_bytes as u64,
         memory_available_bytes: m.available_bytes as u64,
@@ -569,6 +594,7 @@ fn c_stats(st: &crate::engine::SessionStats) -> ni_session_stats {
         workspace_peak_bytes: pool_stats.peak_bytes as u64,
         workspace_system_allocations: pool_stats.system_allocations,
         workspace_resizes: ws.map_or(0, |w| w.resizes),
+        memory_profiled_peak_bytes: m.profiled_peak_bytes as u64,
     }
 }
 

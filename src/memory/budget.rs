@@ -44,6 +44,10 @@ pub struct DeviceMemory {
     pub weights_bytes: usize,
     /// Planned peak of one step's temporaries.
     pub workspace_bytes: usize,
+    /// Peak temporaries a profiling forward measured (GPU automatic budget;
+    /// 0 when no profile ran). It can exceed `workspace_bytes`: see
+    /// `CudaDecoder::default_kv_budget`.
+    pub profiled_peak_bytes: usize,
 }
 
 /// A session's budget report: what memory holds and what the KV cache got.
@@ -57,6 +61,10 @@ pub struct MemoryBudget {
     pub weights_bytes: usize,
     /// Planned peak of the step workspace, plus the session's logits buffer.
     pub workspace_bytes: usize,
+    /// Peak of a step's temporaries as measured by a profiling forward at
+    /// the session's largest batch (GPU automatic budgets); 0 when the
+    /// budget was not profiled.
+    pub profiled_peak_bytes: usize,
     /// Bytes the KV storage holds (slots × bytes per slot, null block included).
     pub kv_bytes: usize,
     pub kv_bytes_per_token: usize,
@@ -92,10 +100,21 @@ impl fmt::Display for MemoryBudget {
         }
         write!(
             f,
-            "weights {:.1} MiB, workspace {:.1} MiB, KV {:.1} MiB = {} blocks × {} = {} tokens \
-             ({} bytes each); {} sequence(s) at the full {}-token context",
+            "weights {:.1} MiB, workspace {:.1} MiB, ",
             mib(self.weights_bytes),
             mib(self.workspace_bytes),
+        )?;
+        if self.profiled_peak_bytes > 0 {
+            write!(
+                f,
+                "profiled peak temporaries {:.1} MiB, ",
+                mib(self.profiled_peak_bytes)
+            )?;
+        }
+        write!(
+            f,
+            "KV {:.1} MiB = {} blocks × {} = {} tokens ({} bytes each); {} sequence(s) at the \
+             full {}-token context",
             mib(self.kv_bytes),
             self.kv_blocks,
             self.kv_block_size,
@@ -170,6 +189,7 @@ mod tests {
             available_bytes: available,
             weights_bytes: weights,
             workspace_bytes: workspace,
+            profiled_peak_bytes: 0,
         }
     }
 
@@ -210,6 +230,25 @@ mod tests {
         assert_eq!(
             utilization_kv_bytes(&unknown, 0.5).unwrap_err().kind,
             ErrorKind::Unsupported
+        );
+    }
+
+    #[test]
+    fn display_shows_the_profiled_peak_only_when_profiled() {
+        let mut b = MemoryBudget {
+            weights_bytes: 1 << 20,
+            workspace_bytes: 2 << 20,
+            kv_bytes: 4 << 20,
+            ..MemoryBudget::default()
+        };
+        let text = b.to_string();
+        assert!(text.contains("workspace 2.0 MiB, KV 4.0 MiB"), "{text}");
+        assert!(!text.contains("profiled"), "{text}");
+        b.profiled_peak_bytes = 3 << 20;
+        let text = b.to_string();
+        assert!(
+            text.contains("workspace 2.0 MiB, profiled peak temporaries 3.0 MiB, KV 4.0 MiB"),
+            "{text}"
         );
     }
 }

@@ -9,6 +9,13 @@
 //! | [`CpuSlab`] | power-of-two free lists, 16 B … 512 KiB | back to its free list | no-op | no |
 //! | [`SystemPool`] | `std::alloc` (the baseline) | `std::alloc::dealloc` | no-op | no |
 //!
+//! Device (GPU) memory goes through [`DevicePool`] instead, whose
+//! allocations are plain device addresses: `CudaStreamPool` (a stream-ordered
+//! pool of the session's own) and `CudaBuddy` (the [`buddy`] allocator over
+//! one device allocation) hold a CUDA session's workspace and KV cache. A
+//! session picks one pool ([`MemoryPoolKind`]); the default is the arena on
+//! the CPU and `cuda-stream` on a GPU, and a pool of the other device is refused.
+//!
 //! Safe Rust code does not use allocations directly: the per-step
 //! [`Workspace`] turns a pool into typed `&mut [T]` slices whose lifetimes end
 //! before the workspace can be reset.
@@ -22,8 +29,10 @@
 //! [`ErrorKind::OutOfMemory`], a bad alignment [`ErrorKind::InvalidArgument`].
 
 mod arena;
+pub mod buddy;
 mod budget;
 pub mod counting_alloc;
+mod device_pool;
 mod slab;
 mod system;
 mod workspace;
@@ -40,6 +49,7 @@ use crate::{Error, ErrorKind, Result};
 
 pub use arena::CpuArena;
 pub use budget::{utilization_kv_bytes, BudgetSource, DeviceMemory, MemoryBudget};
+pub use device_pool::{DeviceAllocation, DevicePool};
 pub use slab::CpuSlab;
 pub use system::SystemPool;
 pub use workspace::{Workspace, Zeroable, WORKSPACE_ALIGN};
@@ -237,29 +247,90 @@ pub unsafe trait MemoryPool: Send + Sync {
 
 /// The pool implementations a session can choose.
 ///
-/// The default is the arena: a session's workspace is planned, so a bump
-/// region reset every step serves it without touching the system allocator.
+/// CPU pools serve the host step workspace: the default there is the arena
+/// (a session's workspace is planned, so a bump region reset every step
+/// serves it without touching the system allocator). GPU pools
+/// ([`DevicePool`]s) hold a CUDA session's workspace and KV cache: the
+/// default there is `CudaStream`. A session refuses a pool of the other
+/// kind of device.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum MemoryPoolKind {
     #[default]
     Arena,
     Slab,
     System,
+    /// A stream-ordered CUDA memory pool of the session's own
+    /// (`cuMemPoolCreate` + `cuMemAllocFromPoolAsync`).
+    CudaStream,
+    /// A buddy allocator over one device allocation sized for the session.
+    CudaBuddy,
 }
 
 impl MemoryPoolKind {
-    pub const ALL: [MemoryPoolKind; 3] = [
+    /// Every pool, CPU ones first.
+    pub const ALL: [MemoryPoolKind; 5] = [
+        MemoryPoolKind::Arena,
+        MemoryPoolKind::Slab,
+        MemoryPoolKind::System,
+        MemoryPoolKind::CudaStream,
+        MemoryPoolKind::CudaBuddy,
+    ];
+    /// The pools of host memory (implementing [`MemoryPool`]).
+    pub const CPU: [MemoryPoolKind; 3] = [
         MemoryPoolKind::Arena,
         MemoryPoolKind::Slab,
         MemoryPoolKind::System,
     ];
+    /// The pools of GPU memory (implementing [`DevicePool`]).
+    pub const GPU: [MemoryPoolKind; 2] = [MemoryPoolKind::CudaStream, MemoryPoolKind::CudaBuddy];
 
     pub fn as_str(self) -> &'static str {
         match self {
             MemoryPoolKind::Arena => "arena",
             MemoryPoolKind::Slab => "slab",
             MemoryPoolKind::System => "system",
+            MemoryPoolKind::CudaStream => "cuda-stream",
+            MemoryPoolKind::CudaBuddy => "cuda-buddy",
         }
+    }
+
+    /// Whether this pool hands out GPU memory.
+    pub fn is_gpu(self) -> bool {
+        matches!(self, MemoryPoolKind::CudaStream | MemoryPoolKind::CudaBuddy)
+    }
+
+    /// The default pool of a session on a GPU (`gpu`) or on the CPU.
+    pub fn default_for(gpu: bool) -> Self {
+        if gpu {
+            MemoryPoolKind::CudaStream
+        } else {
+            MemoryPoolKind::Arena
+        }
+    }
+
+    /// Checks that this pool serves the device a model runs on (`gpu`;
+    /// `device` names it in the error).
+    pub fn check_device(self, gpu: bool, device: &str) -> Result<()> {
+        if self.is_gpu() == gpu {
+            return Ok(());
+        }
+        let (mine, theirs, choices) = if gpu {
+            (
+                "CPU",
+                "a GPU",
+                "\"cuda-stream\" (default) or \"cuda-buddy\"",
+            )
+        } else {
+            (
+                "GPU",
+                "the CPU",
+                "\"arena\" (default), \"slab\" or \"system\"",
+            )
+        };
+        Err(Error::invalid_arg(format!(
+            "memory pool \"{self}\" is a {mine} pool but the model runs on {theirs} ({device}); \
+             choose {choices}"
+        )))
     }
 }
 
@@ -273,25 +344,34 @@ impl FromStr for MemoryPoolKind {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "arena" => Ok(MemoryPoolKind::Arena),
-            "slab" => Ok(MemoryPoolKind::Slab),
-            "system" => Ok(MemoryPoolKind::System),
-            _ => Err(Error::invalid_arg(format!(
-                "unknown memory pool {s:?}: expected \"arena\", \"slab\" or \"system\""
-            ))),
-        }
+        let name = s.trim().to_ascii_lowercase().replace('_', "-");
+        MemoryPoolKind::ALL
+            .into_iter()
+            .find(|k| k.as_str() == name)
+            .ok_or_else(|| {
+                Error::invalid_arg(format!(
+                    "unknown memory pool {s:?}: expected \"arena\", \"slab\", \"system\", \
+                     \"cuda-stream\" or \"cuda-buddy\""
+                ))
+            })
     }
 }
 
-/// Creates a pool. `initial_capacity` is the arena's first region in bytes;
-/// the slab (which carves slabs on demand) and the system pool ignore it.
-/// Fails with `OutOfMemory` when the arena's region cannot be allocated.
+/// Creates a host pool. `initial_capacity` is the arena's first region in
+/// bytes; the slab (which carves slabs on demand) and the system pool
+/// ignore it. Fails with `OutOfMemory` when the arena's region cannot be
+/// allocated, and with `InvalidArgument` for a GPU pool (those are
+/// [`DevicePool`]s, made by the CUDA backend).
 pub fn create_pool(kind: MemoryPoolKind, initial_capacity: usize) -> Result<Box<dyn MemoryPool>> {
     Ok(match kind {
         MemoryPoolKind::Arena => Box::new(CpuArena::new(initial_capacity)?),
         MemoryPoolKind::Slab => Box::new(CpuSlab::new()),
         MemoryPoolKind::System => Box::new(SystemPool::new()),
+        MemoryPoolKind::CudaStream | MemoryPoolKind::CudaBuddy => {
+            return Err(Error::invalid_arg(format!(
+                "memory pool \"{kind}\" holds GPU memory and cannot serve host buffers"
+            )))
+        }
     })
 }
 

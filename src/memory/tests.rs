@@ -621,7 +621,7 @@ mod workspace {
     use super::*;
 
     fn workspaces() -> Vec<Workspace> {
-        MemoryPoolKind::ALL
+        MemoryPoolKind::CPU
             .iter()
             .map(|&k| Workspace::with_kind(k, 1 << 16).unwrap())
             .collect()
@@ -748,17 +748,59 @@ mod kinds {
             " Arena ".parse::<MemoryPoolKind>().unwrap(),
             MemoryPoolKind::Arena
         );
+        assert_eq!(
+            "CUDA_STREAM".parse::<MemoryPoolKind>().unwrap(),
+            MemoryPoolKind::CudaStream
+        );
+        let names: Vec<&str> = MemoryPoolKind::ALL.iter().map(|k| k.as_str()).collect();
+        assert_eq!(
+            names,
+            ["arena", "slab", "system", "cuda-stream", "cuda-buddy"]
+        );
         let err = "bump".parse::<MemoryPoolKind>().unwrap_err();
         assert_eq!(err.kind, ErrorKind::InvalidArgument);
         assert!(
-            err.message.contains("\"bump\"") && err.message.contains("slab"),
+            err.message.contains("\"bump\"") && err.message.contains("cuda-buddy"),
             "{err}"
         );
     }
 
     #[test]
+    fn device_defaults_and_mismatches() {
+        assert_eq!(MemoryPoolKind::default(), MemoryPoolKind::Arena);
+        assert_eq!(MemoryPoolKind::default_for(false), MemoryPoolKind::Arena);
+        assert_eq!(
+            MemoryPoolKind::default_for(true),
+            MemoryPoolKind::CudaStream
+        );
+        for k in MemoryPoolKind::CPU {
+            assert!(!k.is_gpu());
+            k.check_device(false, "cpu").unwrap();
+            let e = k.check_device(true, "cuda:0").unwrap_err();
+            assert_eq!(e.kind, ErrorKind::InvalidArgument);
+            assert!(
+                e.message.contains(k.as_str()) && e.message.contains("cuda:0"),
+                "{e}"
+            );
+        }
+        for k in MemoryPoolKind::GPU {
+            assert!(k.is_gpu());
+            k.check_device(true, "cuda:0").unwrap();
+            let e = k.check_device(false, "cpu").unwrap_err();
+            assert!(
+                e.message.contains(k.as_str()) && e.message.contains("cpu"),
+                "{e}"
+            );
+            // Not a host pool.
+            let e = create_pool(k, 4096).err().unwrap();
+            assert_eq!(e.kind, ErrorKind::InvalidArgument);
+            assert!(Workspace::with_kind(k, 4096).is_err());
+        }
+    }
+
+    #[test]
     fn create_pool_makes_each_kind() {
-        let names: HashSet<&str> = MemoryPoolKind::ALL
+        let names: HashSet<&str> = MemoryPoolKind::CPU
             .iter()
             .map(|&k| {
                 let pool = create_pool(k, 4096).unwrap();

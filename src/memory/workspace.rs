@@ -157,6 +157,11 @@ impl Workspace {
             MemoryPoolKind::Arena => CpuArena::new(initial_capacity)?.into(),
             MemoryPoolKind::Slab => CpuSlab::new().into(),
             MemoryPoolKind::System => SystemPool::new().into(),
+            MemoryPoolKind::CudaStream | MemoryPoolKind::CudaBuddy => {
+                return Err(crate::Error::invalid_arg(format!(
+                    "memory pool \"{kind}\" holds GPU memory and cannot back a host workspace"
+                )))
+            }
         })
     }
 

@@ -7,15 +7,19 @@
 //! and are dequantized for cuBLAS above that.
 
 use super::quant::{QuantMethod, QuantMode};
-use super::runner::{validate_batch, ContextShape, DeviceDecoder, ForwardContext};
+use super::runner::{validate_batch, ContextShape, DeviceDecoder, ForwardContext, KvBudget};
+use super::workspace::WorkspaceStats;
 use super::{ForwardBatch, ModelConfig, WeightDType, WeightSource};
+use crate::backend::cpu::attention::AttnSeq;
 use crate::backend::cpu::{Matrix, MatrixData, ThreadPool};
 use crate::backend::cuda::{
-    ActDType, CudaDevice, DeviceBuffer, GemmDType, GemvFamily, GemvOut, Graph, KArg, QkvEpilogue,
-    Staging, W4Host, W4Matrix, W4Out,
+    create_device_pool, ActDType, CudaDevice, DeviceBuffer, GemmDType, GemvFamily, GemvOut, Graph,
+    KArg, QkvEpilogue, Staging, W4Host, W4Matrix, W4Out, BUDDY_MIN_BLOCK, DEVICE_ALIGN,
 };
 use crate::backend::{cuda, Device};
-use crate::memory::DeviceMemory;
+use crate::kv::KvMapping;
+use crate::memory::buddy::BuddyAllocator;
+use crate::memory::{DeviceMemory, DevicePool, MemoryPoolKind};
 use crate::sampling::DeviceSampling;
 use crate::{bail_arg, Error, ErrorKind, Result};
 use std::collections::HashMap;
@@ -550,6 +554,30 @@ struct WorkspaceSizes {
     w4_x: usize,
 }
 
+impl WorkspaceSizes {
+    /// Bytes of each buffer `new_workspace` allocates, in its order (keep
+    /// the two in step: a `CudaBuddy` is sized by replaying this list).
+    fn buffer_bytes(&self, logits_rows: usize) -> Vec<usize> {
+        let l = logits_rows.max(1);
+        let mut v: Vec<usize> = self.act16.iter().map(|&n| n.max(1) * 2).collect();
+        v.extend(self.f32s.iter().map(|&n| n.max(1) * 4));
+        v.push(self.inputs.max(1) * 4);
+        v.push(l * 4);
+        v.push(l * ARGMAX_SPLITS * 8);
+        v.extend(
+            [self.w4_scratch, self.w4_x]
+                .into_iter()
+                .filter(|&n| n > 0)
+                .map(|n| n * 2),
+        );
+        v
+    }
+}
+
+/// Extra KV slots of the profiling context beyond one per row (and the
+/// reserved slot 0): a block's worth, as a session would have.
+const PROFILE_EXTRA_SLOTS: usize = 16;
+
 /// Decode attention blocks to aim for per SM (two are resident at a time);
 /// the (row, head, split) partials hold twice that many query heads' worth.
 const ATTN_BLOCKS_PER_SM: usize = 8;
@@ -622,10 +650,11 @@ impl CudaDecoder {
             + s.inputs * 4
     }
 
-    fn new_workspace(&self, shape: &ContextShape) -> Result<Workspace> {
+    /// Allocates the workspace of a context of `shape` from `pool`.
+    fn new_workspace(&self, shape: &ContextShape, pool: &Arc<dyn DevicePool>) -> Result<Workspace> {
         let s = self.workspace_sizes(shape);
         let dev = &self.dev;
-        let a = |i: usize| dev.alloc::<u16>(s.act16[i]);
+        let a = |i: usize| dev.alloc_in::<u16>(pool, s.act16[i]);
         Ok(Workspace {
             hidden: a(0)?,
             normed: a(1)?,
@@ -635,22 +664,151 @@ impl CudaDecoder {
             gate_up: a(5)?,
             act: a(6)?,
             head_in: a(7)?,
-            logits: dev.alloc::<f32>(s.f32s[0])?,
-            part_o: dev.alloc::<f32>(s.f32s[1])?,
-            part_ml: dev.alloc::<f32>(s.f32s[2])?,
-            rope_cs: dev.alloc::<f32>(s.f32s[3])?,
-            inputs: dev.alloc::<u32>(s.inputs)?,
-            argmax: dev.alloc::<u32>(shape.max_logits_rows.max(1))?,
-            argmax_part: dev.alloc::<u64>(shape.max_logits_rows.max(1) * ARGMAX_SPLITS)?,
+            logits: dev.alloc_in::<f32>(pool, s.f32s[0])?,
+            part_o: dev.alloc_in::<f32>(pool, s.f32s[1])?,
+            part_ml: dev.alloc_in::<f32>(pool, s.f32s[2])?,
+            rope_cs: dev.alloc_in::<f32>(pool, s.f32s[3])?,
+            inputs: dev.alloc_in::<u32>(pool, s.inputs)?,
+            argmax: dev.alloc_in::<u32>(pool, shape.max_logits_rows.max(1))?,
+            argmax_part: dev.alloc_in::<u64>(pool, shape.max_logits_rows.max(1) * ARGMAX_SPLITS)?,
             w4_scratch: match s.w4_scratch {
                 0 => None,
-                n => Some(dev.alloc::<u16>(n)?),
+                n => Some(dev.alloc_in::<u16>(pool, n)?),
             },
             w4_x: match s.w4_x {
                 0 => None,
-                n => Some(dev.alloc::<u16>(n)?),
+                n => Some(dev.alloc_in::<u16>(pool, n)?),
             },
         })
+    }
+
+    /// Elements of a context's KV buffer.
+    fn kv_elems(&self, shape: &ContextShape) -> usize {
+        let c = &self.config;
+        c.num_layers * 2 * shape.kv_slots * c.num_kv_heads * c.head_dim
+    }
+
+    /// The device pool of a context of `shape`: a `CudaBuddy` is sized for
+    /// exactly what `create_context` allocates from it (the KV buffer, then
+    /// the workspace), a `CudaStreamPool` grows on demand.
+    fn new_pool(&self, shape: &ContextShape) -> Result<Arc<dyn DevicePool>> {
+        let kind = shape.memory_pool;
+        kind.check_device(true, &Device::Cuda(self.ordinal).to_string())?;
+        let capacity = if kind == MemoryPoolKind::CudaBuddy {
+            let mut sizes = vec![self.kv_elems(shape).max(1) * 2];
+            sizes.extend(
+                self.workspace_sizes(shape)
+                    .buffer_bytes(shape.max_logits_rows),
+            );
+            let requests: Vec<_> = sizes.into_iter().map(|b| (b, DEVICE_ALIGN)).collect();
+            BuddyAllocator::capacity_for(&requests, BUDDY_MIN_BLOCK)?
+        } else {
+            0
+        };
+        create_device_pool(&self.dev, kind, capacity)
+    }
+
+    /// A context of `shape`: its pool, KV buffer and workspace.
+    fn create_context(self: Arc<Self>, shape: &ContextShape) -> Result<CudaForward> {
+        let pool = self.new_pool(shape)?;
+        // The KV buffer first: a buddy region's largest block.
+        let kv = self.dev.alloc_in::<u16>(&pool, self.kv_elems(shape))?;
+        let ws = self.new_workspace(shape, &pool)?;
+        let inputs_len = ws.inputs.len();
+        Ok(CudaForward {
+            slots: shape.kv_slots,
+            max_rows: shape.max_rows,
+            max_logits_rows: shape.max_logits_rows,
+            kv,
+            ws,
+            staging: None,
+            host: Vec::with_capacity(inputs_len),
+            sampling_words: Vec::new(),
+            sampling_params: None,
+            graphs: HashMap::new(),
+            use_graphs: !self.dev.profiling()
+                && std::env::var("NANOINFER_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            pool,
+            pool_kind: shape.memory_pool,
+            planned_bytes: self.workspace_bytes(shape),
+            model: self,
+        })
+    }
+
+    /// Peak device memory of the temporaries of one forward at `shape`'s
+    /// largest batch (vLLM's `profile_run`): a context with a tiny KV
+    /// cache runs `max_rows` dummy tokens as up to `max_logits_rows`
+    /// sequences, each wanting logits; the device's used memory is read
+    /// before and after (nothing is trimmed in between), plus what the
+    /// default pool reserved and gave back meanwhile (transient driver-path
+    /// buffers), minus the tiny KV. The context is dropped before returning
+    /// (its pool, and the memory in it, with it).
+    ///
+    /// The result can exceed the analytic `workspace_bytes`: the pool
+    /// reserves in chunks (the stream pool) or rounds the region (buddy),
+    /// the driver counts memory in pages, the first launch of each kernel
+    /// loads its module lazily (CUDA_MODULE_LOADING=LAZY), a decode-only
+    /// shape instantiates a CUDA graph, and cuBLAS may allocate beyond the
+    /// workspace we give it. A session that runs on the same device at the
+    /// same time perturbs the measure.
+    fn profile_temporaries(self: Arc<Self>, shape: &ContextShape) -> Result<usize> {
+        let dev = self.dev.clone();
+        let c = &self.config;
+        let rows = shape.max_rows.max(1);
+        let max_pos = c.max_position_embeddings.max(1);
+        let n_seqs = shape
+            .max_logits_rows
+            .clamp(1, rows)
+            .max(rows.div_ceil(max_pos));
+        let mut tiny = *shape;
+        tiny.kv_slots = rows + 1 + PROFILE_EXTRA_SLOTS;
+        let tiny_kv_bytes = self.kv_elems(&tiny) * 2;
+        let tokens = vec![0u32; rows];
+        let slots: Vec<u32> = (1..=rows as u32).collect();
+        let (mut seqs, mut logits_rows, mut start) = (Vec::new(), Vec::new(), 0);
+        for i in 0..n_seqs {
+            let len = rows / n_seqs + usize::from(i < rows % n_seqs);
+            seqs.push(AttnSeq {
+                start,
+                len,
+                context_len: 0,
+                kv: KvMapping::Slots(&slots[start..start + len]),
+            });
+            start += len;
+            if logits_rows.len() < shape.max_logits_rows.max(1) {
+                logits_rows.push(start - 1);
+            }
+        }
+        let batch = ForwardBatch {
+            tokens: &tokens,
+            seqs: &seqs,
+            logits_rows: &logits_rows,
+        };
+        let mut logits = vec![0f32; logits_rows.len() * c.vocab_size];
+        let failed = |e: Error| {
+            Error::new(
+                e.kind,
+                format!(
+                    "profiling forward of {rows} rows ({} with logits) for the KV budget: {}",
+                    logits_rows.len(),
+                    e.message
+                ),
+            )
+        };
+        dev.release_cached()?;
+        dev.reset_default_pool_peaks()?;
+        let used_before = dev.used_memory()?;
+        let measured = {
+            let mut ctx = self.clone().create_context(&tiny).map_err(failed)?;
+            ctx.forward(&batch, &mut logits).map_err(failed)?;
+            dev.synchronize()?;
+            let used_after = dev.used_memory()?;
+            let (reserved_now, reserved_high) = dev.default_pool_reserved()?;
+            used_after.saturating_sub(used_before)
+                + reserved_high.saturating_sub(reserved_now) as usize
+        };
+        dev.release_cached()?;
+        Ok(measured.saturating_sub(tiny_kv_bytes))
     }
 }
 
@@ -682,25 +840,33 @@ impl DeviceDecoder for CudaDecoder {
         let c = &self.config;
         2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
     }
-    fn default_kv_budget(&self, shape: &ContextShape) -> Result<usize> {
+    fn default_kv_budget(self: Arc<Self>, shape: &ContextShape) -> Result<KvBudget> {
         let (free, total) = self.dev.memory_info()?;
         let allowed = (total as f64 * shape.memory_utilization as f64) as usize;
         let used = total - free;
-        let temporaries = self.workspace_bytes(shape);
-        allowed.checked_sub(used + temporaries).ok_or_else(|| {
+        let analytic = self.workspace_bytes(shape);
+        let profiled = self.clone().profile_temporaries(shape)?;
+        // Never below the plan: the measure rounds to the driver's pages.
+        let temporaries = profiled.max(analytic);
+        let bytes = allowed.checked_sub(used + temporaries).ok_or_else(|| {
             Error::new(
                 ErrorKind::OutOfMemory,
                 format!(
                     "no GPU memory left for the KV cache: {:.2} GiB allowed ({:.0}% of {:.2} GiB), {:.2} GiB in use \
-                     (weights {:.2} GiB), {:.2} GiB of step temporaries",
+                     (weights {:.2} GiB), {:.2} GiB of step temporaries (profiled; {:.2} GiB planned)",
                     gib(allowed),
                     shape.memory_utilization * 100.0,
                     gib(total),
                     gib(used),
                     gib(self.resident_bytes),
-                    gib(temporaries)
+                    gib(temporaries),
+                    gib(analytic)
                 ),
             )
+        })?;
+        Ok(KvBudget {
+            bytes,
+            profiled_peak_bytes: profiled,
         })
     }
     fn memory(&self, shape: &ContextShape) -> DeviceMemory {
@@ -712,31 +878,11 @@ impl DeviceDecoder for CudaDecoder {
             available_bytes: available,
             weights_bytes: self.resident_bytes,
             workspace_bytes: self.workspace_bytes(shape),
+            profiled_peak_bytes: 0,
         }
     }
     fn new_context(self: Arc<Self>, shape: &ContextShape) -> Result<Box<dyn ForwardContext>> {
-        let c = &self.config;
-        let kv_width = c.num_kv_heads * c.head_dim;
-        let ws = self.new_workspace(shape)?;
-        let inputs_len = ws.inputs.len();
-        let kv = self
-            .dev
-            .alloc::<u16>(c.num_layers * 2 * shape.kv_slots * kv_width)?;
-        Ok(Box::new(CudaForward {
-            slots: shape.kv_slots,
-            max_rows: shape.max_rows,
-            max_logits_rows: shape.max_logits_rows,
-            kv,
-            ws,
-            staging: None,
-            host: Vec::with_capacity(inputs_len),
-            sampling_words: Vec::new(),
-            sampling_params: None,
-            graphs: HashMap::new(),
-            use_graphs: !self.dev.profiling()
-                && std::env::var("NANOINFER_CUDA_GRAPHS").map_or(true, |v| v != "0"),
-            model: self,
-        }))
+        Ok(Box::new(self.create_context(shape)?))
     }
     fn summary(&self) -> String {
         format!(
@@ -783,6 +929,13 @@ struct CudaForward {
     /// Captured decode steps by padded batch size.
     graphs: HashMap<usize, Graph>,
     use_graphs: bool,
+    /// Where `kv` and `ws` come from (each buffer holds it too, so it
+    /// outlives them). Swap staging and a grown `ws.inputs` come from the
+    /// driver: rare, and a buddy region has no room planned for them.
+    pool: Arc<dyn DevicePool>,
+    pool_kind: MemoryPoolKind,
+    /// The analytic workspace size.
+    planned_bytes: usize,
 }
 
 /// Where a projection's input rows come from.
@@ -1675,6 +1828,15 @@ impl ForwardContext for CudaForward {
 
     fn kv_values_per_slot(&self) -> usize {
         2 * self.model.config.num_layers * self.kv_width()
+    }
+
+    fn workspace_stats(&self) -> Option<WorkspaceStats> {
+        Some(WorkspaceStats {
+            pool: self.pool_kind,
+            planned_bytes: self.planned_bytes,
+            pool_stats: self.pool.stats(),
+            ..WorkspaceStats::default()
+        })
     }
 
     fn save_kv(&mut self, slots: &[u32], out: &mut Vec<f32>) -> Result<()> {

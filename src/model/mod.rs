@@ -26,6 +26,6 @@ pub use quant::{QuantMethod, QuantMode};
 pub use quant_checkpoint::{
     quantize_checkpoint, quantize_checkpoint_with, QuantizeOptions, QuantizeReport,
 };
-pub use runner::{ContextShape, CpuDecoder, DeviceDecoder, ForwardContext};
+pub use runner::{ContextShape, CpuDecoder, DeviceDecoder, ForwardContext, KvBudget};
 pub use weights::{WeightDType, WeightSource};
 pub use workspace::{ForwardWorkspace, StepBuffers, WorkspacePlan, WorkspaceStats};

@@ -32,7 +32,9 @@ pub struct ContextShape {
     /// semantics) instead of the CPU default (a quarter of available memory,
     /// at most 2 GiB).
     pub utilization_budget: bool,
-    /// Where the step temporaries come from (CPU; a GPU plans its own).
+    /// Where the context's memory comes from: the CPU step workspace, or a
+    /// GPU context's workspace and KV cache. Must suit the device (the
+    /// session checks; a decoder refuses the other device's pools).
     pub memory_pool: MemoryPoolKind,
 }
 
@@ -51,6 +53,16 @@ impl ContextShape {
     }
 }
 
+/// An automatic KV budget and how it was found.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvBudget {
+    /// Bytes the KV cache may take.
+    pub bytes: usize,
+    /// Peak temporaries a profiling forward measured; 0 when the budget
+    /// was computed without one.
+    pub profiled_peak_bytes: usize,
+}
+
 /// A decoder's weights on one device. Shared by sessions through `Arc`.
 pub trait DeviceDecoder: Send + Sync {
     fn config(&self) -> &ModelConfig;
@@ -67,10 +79,11 @@ pub trait DeviceDecoder: Send + Sync {
     fn threads(&self) -> usize;
     /// Bytes of KV data one slot holds across all layers.
     fn kv_bytes_per_slot(&self) -> usize;
-    /// KV budget in bytes when the session gives none: what the device can
-    /// spare after the weights and the temporaries of a context of `shape`
-    /// (its `kv_slots` ignored).
-    fn default_kv_budget(&self, shape: &ContextShape) -> Result<usize>;
+    /// KV budget when the session gives none: what the device can spare
+    /// after the weights and the temporaries of a context of `shape` (its
+    /// `kv_slots` ignored). A GPU measures the temporaries with a profiling
+    /// forward on a temporary context.
+    fn default_kv_budget(self: Arc<Self>, shape: &ContextShape) -> Result<KvBudget>;
     /// The memory facts of a budget report for a context of `shape`. The
     /// default knows only the weights.
     fn memory(&self, shape: &ContextShape) -> DeviceMemory {
@@ -220,7 +233,7 @@ impl DeviceDecoder for CpuDecoder {
         let c = &self.decoder.config;
         KvStorage::bytes_per_slot(c.num_layers, c.num_kv_heads, c.head_dim)
     }
-    fn default_kv_budget(&self, shape: &ContextShape) -> Result<usize> {
+    fn default_kv_budget(self: Arc<Self>, shape: &ContextShape) -> Result<KvBudget> {
         if shape.utilization_budget {
             let (bytes, limited) =
                 utilization_kv_bytes(&self.memory(shape), shape.memory_utilization)?;
@@ -230,9 +243,15 @@ impl DeviceDecoder for CpuDecoder {
                     bytes as f64 / (1u64 << 20) as f64
                 ));
             }
-            return Ok(bytes);
+            return Ok(KvBudget {
+                bytes,
+                profiled_peak_bytes: 0,
+            });
         }
-        Ok(default_cpu_kv_budget())
+        Ok(KvBudget {
+            bytes: default_cpu_kv_budget(),
+            profiled_peak_bytes: 0,
+        })
     }
     fn memory(&self, shape: &ContextShape) -> DeviceMemory {
         DeviceMemory {
@@ -242,6 +261,7 @@ impl DeviceDecoder for CpuDecoder {
             // The plan's peak plus the host logits rows the engine keeps.
             workspace_bytes: self.workspace_plan(shape).peak_bytes()
                 + shape.max_logits_rows * self.decoder.config.vocab_size * 4,
+            profiled_peak_bytes: 0,
         }
     }
     fn summary(&self) -> String {
@@ -253,6 +273,7 @@ impl DeviceDecoder for CpuDecoder {
         )
     }
     fn new_context(self: Arc<Self>, shape: &ContextShape) -> Result<Box<dyn ForwardContext>> {
+        shape.memory_pool.check_device(false, "cpu")?;
         let c = &self.decoder.config;
         let storage = KvStorage::new(c.num_layers, shape.kv_slots, c.num_kv_heads, c.head_dim);
         let ws = ForwardWorkspace::new(shape.memory_pool, self.workspace_plan(shape))?;

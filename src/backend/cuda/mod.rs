@@ -8,6 +8,7 @@
 
 mod gemm;
 mod kernels;
+mod pool;
 mod profile;
 pub mod sampling;
 mod staging;
@@ -16,10 +17,12 @@ mod w4_ops;
 
 pub use gemm::GemmDType;
 pub use kernels::{Kernel, KernelCache, Kernels};
+pub use pool::{create_device_pool, CudaBuddy, CudaStreamPool, BUDDY_MIN_BLOCK, DEVICE_ALIGN};
 pub use staging::Staging;
 pub use w4::W4Host;
 pub use w4_ops::{QkvEpilogue, W4Matrix, W4Out};
 
+use crate::memory::{DeviceAllocation, DevicePool};
 use crate::{Error, ErrorKind, Result};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
@@ -325,13 +328,51 @@ impl CudaDevice {
             .map_err(|e| cuda_error("cuMemGetInfo", e))
     }
 
-    /// A zero-filled buffer of `len` elements.
+    /// A zero-filled buffer of `len` elements (driver allocation: weights
+    /// and other buffers that live as long as the model).
     pub fn alloc<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<DeviceBuffer<T>> {
         let slice = self
             .stream
             .alloc_zeros::<T>(len.max(1))
             .map_err(|e| cuda_error(&format!("allocating {len} elements"), e))?;
         Ok(DeviceBuffer::new(slice, &self.stream))
+    }
+
+    /// A zero-filled buffer of `len` elements from `pool` (a session's
+    /// workspace and KV cache), given back to it when dropped.
+    pub fn alloc_in<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        pool: &Arc<dyn DevicePool>,
+        len: usize,
+    ) -> Result<DeviceBuffer<T>> {
+        let bytes = len
+            .max(1)
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::OutOfMemory,
+                    format!("a buffer of {len} elements overflows the address space"),
+                )
+            })?;
+        let allocation = pool.allocate(bytes, DEVICE_ALIGN)?;
+        let ptr = allocation.addr();
+        // Owned from here: an error below gives the allocation back.
+        let buf = DeviceBuffer {
+            storage: Storage::Pool {
+                allocation: Some(allocation),
+                pool: pool.clone(),
+            },
+            ptr,
+            len: len.max(1),
+        };
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_error("binding the context", e))?;
+        // SAFETY: `ptr .. ptr + bytes` is the live allocation just made;
+        // the memset is ordered on the stream before any use of it.
+        unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
+            .map_err(|e| cuda_error("zeroing a pool buffer", e))?;
+        Ok(buf)
     }
 
     /// Copies `host` to the start of `dst`.
@@ -350,10 +391,16 @@ impl CudaDevice {
         if host.is_empty() {
             return Ok(());
         }
-        let mut view = dst.slice.slice_mut(offset..offset + host.len());
-        self.stream
-            .memcpy_htod(host, &mut view)
-            .map_err(|e| cuda_error("host-to-device copy", e))
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_error("binding the context", e))?;
+        // SAFETY: `dst.at(offset) ..` + `host`'s bytes lies inside `dst`
+        // (checked above). From pageable memory the driver returns once
+        // `host` has been staged, so it may be reused at once.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(dst.at(offset), host, self.stream.cu_stream())
+        }
+        .map_err(|e| cuda_error("host-to-device copy", e))
     }
 
     fn check_upload(&self, len: usize, capacity: usize, offset: usize) -> Result<()> {
@@ -378,11 +425,87 @@ impl CudaDevice {
         if host.is_empty() {
             return Ok(());
         }
-        let view = src.slice.slice(0..host.len());
-        self.stream
-            .memcpy_dtoh(&view, host)
-            .map_err(|e| cuda_error("device-to-host copy", e))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_error("binding the context", e))?;
+        // SAFETY: `host` has room for its length, which `src` covers
+        // (checked above); the stream is synchronized before `host` is
+        // read or released.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(host, src.ptr(), self.stream.cu_stream())
+        }
+        .map_err(|e| cuda_error("device-to-host copy", e))?;
         self.synchronize()
+    }
+
+    /// Bytes of device memory used (total − free), without trimming the
+    /// default pool first (a measurement must not change what it measures).
+    pub fn used_memory(&self) -> Result<usize> {
+        let (free, total) = self
+            .ctx
+            .mem_get_info()
+            .map_err(|e| cuda_error("cuMemGetInfo", e))?;
+        Ok(total - free)
+    }
+
+    /// The device's default stream-ordered pool (where driver-path buffers
+    /// come from).
+    fn default_pool(&self) -> Result<sys::CUmemoryPool> {
+        let mut pool = std::ptr::null_mut();
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_error("binding the context", e))?;
+        // SAFETY: valid out-pointer; the device handle lives as long as `self.ctx`.
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) }
+            .result()
+            .map_err(|e| cuda_error("cuDeviceGetDefaultMemPool", e))?;
+        Ok(pool)
+    }
+
+    /// The default pool's reserved bytes (current, high-water mark).
+    pub fn default_pool_reserved(&self) -> Result<(u64, u64)> {
+        use sys::CUmemPool_attribute as A;
+        let pool = self.default_pool()?;
+        let get = |attr| {
+            let mut v = 0u64;
+            // SAFETY: the pool is live; these attributes are cuuint64_t.
+            unsafe {
+                cudarc::driver::result::mem_pool::get_attribute(
+                    pool,
+                    attr,
+                    (&mut v as *mut u64).cast(),
+                )
+            }
+            .map(|_| v)
+            .map_err(|e| cuda_error("cuMemPoolGetAttribute", e))
+        };
+        Ok((
+            get(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+            get(A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?,
+        ))
+    }
+
+    /// Resets the default pool's high-water marks to its current use.
+    pub fn reset_default_pool_peaks(&self) -> Result<()> {
+        use sys::CUmemPool_attribute as A;
+        let pool = self.default_pool()?;
+        for attr in [
+            A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+            A::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+        ] {
+            let mut zero = 0u64;
+            // SAFETY: the pool is live; setting a high-water mark to 0
+            // resets it to the current value (the only value allowed).
+            unsafe {
+                cudarc::driver::result::mem_pool::set_attribute(
+                    pool,
+                    attr,
+                    (&mut zero as *mut u64).cast(),
+                )
+            }
+            .map_err(|e| cuda_error("cuMemPoolSetAttribute(high)", e))?;
+        }
+        Ok(())
     }
 
     /// Returns memory cached by the device's default (stream-ordered) pool
@@ -390,17 +513,10 @@ impl CudaDevice {
     /// dropped session's KV cache would otherwise still count as used.
     pub fn release_cached(&self) -> Result<()> {
         self.synchronize()?;
-        let mut pool = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; the context is bound by `synchronize`
-        // and its device handle lives as long as `self.ctx`.
-        unsafe {
-            use cudarc::driver::sys;
-            sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device())
-                .result()
-                .map_err(|e| cuda_error("cuDeviceGetDefaultMemPool", e))?;
-            cudarc::driver::result::mem_pool::trim_to(pool, 0)
-                .map_err(|e| cuda_error("cuMemPoolTrimTo", e))
-        }
+        let pool = self.default_pool()?;
+        // SAFETY: the default pool lives as long as the device.
+        unsafe { cudarc::driver::result::mem_pool::trim_to(pool, 0) }
+            .map_err(|e| cuda_error("cuMemPoolTrimTo", e))
     }
 
     /// Records what `enqueue` puts on the stream into a replayable graph.
@@ -584,11 +700,25 @@ pub enum KArg {
     F32(f32),
 }
 
-/// A device allocation with its raw address cached for kernel arguments.
+/// Where a [`DeviceBuffer`]'s memory comes from.
+enum Storage<T: DeviceRepr> {
+    /// A driver allocation (cudarc), dropped by hand (see `Drop`).
+    Driver(std::mem::ManuallyDrop<CudaSlice<T>>),
+    /// An allocation of a session's device pool, given back on drop.
+    Pool {
+        /// Taken once, in `Drop`.
+        allocation: Option<DeviceAllocation>,
+        pool: Arc<dyn DevicePool>,
+    },
+}
+
+/// A device allocation with its raw address cached for kernel arguments:
+/// from the driver ([`CudaDevice::alloc`]) or from a session's pool
+/// ([`CudaDevice::alloc_in`]).
 pub struct DeviceBuffer<T: DeviceRepr> {
-    /// Dropped by hand (see `Drop`).
-    slice: std::mem::ManuallyDrop<CudaSlice<T>>,
+    storage: Storage<T>,
     ptr: u64,
+    len: usize,
 }
 
 /// Buffers from this size up are freed synchronously.
@@ -596,15 +726,29 @@ const SYNC_FREE_BYTES: usize = 64 << 20;
 
 impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
-        // cudarc frees on the stream (cuMemFreeAsync): a large buffer (a
-        // session's KV cache) only returns to the device's pool once its
-        // stream gets there, and until then another model's budget, which
-        // trims the pool, would still count it as used.
-        let wait_for = (self.bytes() >= SYNC_FREE_BYTES).then(|| self.slice.stream().clone());
-        // SAFETY: `slice` is taken once, here, and never used again.
-        drop(unsafe { std::mem::ManuallyDrop::take(&mut self.slice) });
-        if let Some(stream) = wait_for {
-            let _ = stream.synchronize();
+        let bytes = self.bytes();
+        match &mut self.storage {
+            Storage::Driver(slice) => {
+                // cudarc frees on the stream (cuMemFreeAsync): a large buffer
+                // (a session's KV cache) only returns to the device's pool
+                // once its stream gets there, and until then another model's
+                // budget, which trims the pool, would still count it as used.
+                let wait_for = (bytes >= SYNC_FREE_BYTES).then(|| slice.stream().clone());
+                // SAFETY: `slice` is taken once, here, and never used again.
+                drop(unsafe { std::mem::ManuallyDrop::take(slice) });
+                if let Some(stream) = wait_for {
+                    let _ = stream.synchronize();
+                }
+            }
+            Storage::Pool { allocation, pool } => {
+                // Stream-ordered: queued kernels still using the memory
+                // run before any later reuse. The pool itself gives its
+                // memory to the driver (after a synchronize) when the last
+                // buffer holding it is gone.
+                if let Some(a) = allocation.take() {
+                    let _ = pool.release(a);
+                }
+            }
         }
     }
 }
@@ -616,17 +760,18 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             ptr
         };
         DeviceBuffer {
-            slice: std::mem::ManuallyDrop::new(slice),
+            len: slice.len(),
+            storage: Storage::Driver(std::mem::ManuallyDrop::new(slice)),
             ptr,
         }
     }
 
     pub fn len(&self) -> usize {
-        self.slice.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.slice.len() == 0
+        self.len == 0
     }
 
     /// Device address of element `offset`.
@@ -641,5 +786,10 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
 
     pub fn bytes(&self) -> usize {
         self.len() * std::mem::size_of::<T>()
+    }
+
+    /// Whether the buffer came from a session's device pool.
+    pub fn is_pooled(&self) -> bool {
+        matches!(self.storage, Storage::Pool { .. })
     }
 }

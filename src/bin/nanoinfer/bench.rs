@@ -91,7 +91,8 @@ pub fn run(a: &Args) -> Result<(), String> {
             c.max_position_embeddings
         ));
     }
-    let pool = memory_pool(a)?;
+    let gpu = model.decoder.device() != nanoinfer::backend::Device::Cpu;
+    let pool = memory_pool(a)?.unwrap_or(MemoryPoolKind::default_for(gpu));
     let mut bench = Bench::new(&model, longest, s.n_prompt.max(FILL_CHUNK), s.seed, pool)?;
     let pp = if s.n_prompt > 0 {
         Some(measure(s.repetitions, s.n_prompt, || {

@@ -19,7 +19,7 @@ const USAGE: &str = "usage:
                      [--quant none|q8_0|awq|gptq] [--json]
                      [--kv-backend paged|token] [--block-size N] [--kv-capacity TOKENS]
                      [--gpu-memory-utilization F] [--memory-utilization F]
-                     [--memory-pool arena|slab|system]
+                     [--memory-pool arena|slab|system|cuda-stream|cuda-buddy]
                      [--max-batched-tokens N] [--max-seqs N] [--prefill-chunk N]
                      [--policy fcfs|priority] [--preemption recompute|swap] [--no-prefix-cache]
                      [--host-sampling]
@@ -27,7 +27,7 @@ const USAGE: &str = "usage:
                      [--quant ..] [--json]
   nanoinfer bench --model DIR [-p 512] [-n 128] [-r|--repetitions 3] [--device ..] [-t|--threads N]
                   [--dtype auto|f32|f16|bf16] [--quant none|q8_0|awq|gptq] [--seed S]
-                  [--memory-pool arena|slab|system] [--json]
+                  [--memory-pool arena|slab|system|cuda-stream|cuda-buddy] [--json]
   nanoinfer quantize --model DIR --out DIR --method q8_0|awq|gptq [--group-size 32|64|128]
                      [--lm-head q8_0|dense] [--sym true|false] [--json]
                      [--calib FILE [--calib-tokens 2048] [--act-order] [--damp 0.01] [--awq-clip]]
@@ -39,7 +39,9 @@ const USAGE: &str = "usage:
   in config.json) load as int4 by themselves; --quant q8_0 with one quantizes
   the dense LM head.
   --memory-pool picks where the CPU forward takes its step temporaries (default
-  arena: one region planned from the model and --max-batched-tokens/--max-seqs).
+  arena: one region planned from the model and --max-batched-tokens/--max-seqs),
+  or where a GPU session's workspace and KV cache live (default cuda-stream: a
+  stream-ordered pool of its own; cuda-buddy: one allocation sized for the session).
   --memory-utilization F sizes the KV cache as F of total memory minus weights
   minus the planned workspace (vLLM rule; never more than is available now).";
 

@@ -152,13 +152,15 @@ pub fn session_params(a: &Args) -> Result<SessionParams, String> {
     })
 }
 
-/// `--memory-pool arena|slab|system` (default arena).
-pub fn memory_pool(a: &Args) -> Result<MemoryPoolKind, String> {
+/// `--memory-pool arena|slab|system|cuda-stream|cuda-buddy` (default: the
+/// device's, arena on the CPU and cuda-stream on a GPU).
+pub fn memory_pool(a: &Args) -> Result<Option<MemoryPoolKind>, String> {
     a.get("memory-pool")
-        .map_or(Ok(MemoryPoolKind::default()), |v| {
+        .map(|v| {
             v.parse()
                 .map_err(|e: nanoinfer::Error| format!("--memory-pool: {}", e.message))
         })
+        .transpose()
 }
 
 pub fn sampling_params(a: &Args) -> Result<SamplingParams, String> {
