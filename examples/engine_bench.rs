@@ -211,6 +211,7 @@ fn offline_throughput(model: &Arc<Model>, o: &Opts) {
         ..Default::default()
     };
     let mut s = Session::new(model.clone(), params).expect("session");
+    println!("{}", s.stats().memory);
     let mut seed = 7;
     let t = Instant::now();
     for _ in 0..o.offline {

@@ -532,6 +532,22 @@ fn gpu_sampler_picks_the_cpu_samplers_tokens() {
                 p.min_p = 0.05;
             }),
         ),
+        // More candidates than the kernel sorts in shared memory: the
+        // radix selection over the whole row.
+        (
+            "top-k 6000",
+            with(&|p| {
+                p.temperature = 1.0;
+                p.top_k = 6000;
+            }),
+        ),
+        (
+            "top-p 0.999",
+            with(&|p| {
+                p.temperature = 1.5;
+                p.top_p = 0.999;
+            }),
+        ),
         (
             "all stages",
             with(&|p| {
@@ -795,7 +811,12 @@ fn buddy_pool_stats_track_the_session() {
         p.used_bytes >= kv + ws.planned_bytes,
         "{p:?}, KV {kv}, {ws:?}"
     );
-    assert!(p.capacity_bytes <= (p.used_bytes + p.used_bytes / 8).max(p.used_bytes + (1 << 20)));
+    // Buddy blocks are aligned to their size, so the region can hold gaps
+    // between a session's buffers, but never as much again as they use.
+    assert!(
+        p.capacity_bytes < 2 * p.used_bytes,
+        "region too large: {p:?}"
+    );
     for r in requests(&golden(&dir), 8) {
         s.add_request(r).unwrap();
     }
