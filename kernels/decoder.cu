@@ -43,16 +43,21 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// Sum over the block (blockDim.x a multiple of 32); every thread gets it.
-__device__ float block_sum(float v) {
-    __shared__ float partial[32];
-    v = warp_sum(v);
+// Reduces over the block (blockDim.x a multiple of 32) with `warp_op`, a
+// warp-wide reduction whose identity is `none`; every thread gets the result.
+template <typename T, typename WarpOp>
+__device__ T block_reduce(T v, T none, WarpOp warp_op) {
+    __shared__ T partial[32];
+    v = warp_op(v);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     __syncthreads();
     if (lane == 0) partial[warp] = v;
     __syncthreads();
-    v = lane < (int)(blockDim.x >> 5) ? partial[lane] : 0.f;
-    return warp_sum(v);
+    return warp_op(lane < (int)(blockDim.x >> 5) ? partial[lane] : none);
+}
+
+__device__ float block_sum(float v) {
+    return block_reduce(v, 0.f, [](float x) { return warp_sum(x); });
 }
 
 // Programmatic dependent launch (sm_90+). Kernels are launched so that the

@@ -45,25 +45,12 @@ __device__ __forceinline__ u64 warp_sum_u64(u64 v) {
     return v;
 }
 
-// Sum over the block; every thread gets it.
 __device__ u64 block_sum_u64(u64 v) {
-    __shared__ u64 partial[32];
-    v = warp_sum_u64(v);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __syncthreads();
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    return warp_sum_u64(lane < (int)(blockDim.x >> 5) ? partial[lane] : 0ull);
+    return block_reduce(v, 0ull, [](u64 x) { return warp_sum_u64(x); });
 }
 
 __device__ u64 block_max_u64(u64 v) {
-    __shared__ u64 partial[32];
-    v = warp_max_u64(v);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __syncthreads();
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    return warp_max_u64(lane < (int)(blockDim.x >> 5) ? partial[lane] : 0ull);
+    return block_reduce(v, 0ull, [](u64 x) { return warp_max_u64(x); });
 }
 
 // The candidates: every non-NaN token up to the cut (key, id) in the order,

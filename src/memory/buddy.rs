@@ -308,20 +308,7 @@ impl BuddyAllocator {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// xorshift64*: deterministic, no dependency.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-    }
+    use crate::sampling::rng::SplitMix64;
 
     /// Checks the free blocks and the live allocations tile the region
     /// exactly: disjoint, aligned, covering everything.
@@ -479,18 +466,18 @@ mod tests {
     #[test]
     fn random_sequences_against_a_model() {
         for seed in 1..=40u64 {
-            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+            let mut rng = SplitMix64::new(seed);
             let min = 1usize << (4 + rng.below(5));
-            let capacity = min * (1 + rng.below(300) as usize) + rng.below(min as u64) as usize;
+            let capacity = min * (1 + rng.below(300)) + rng.below(min);
             let mut a = BuddyAllocator::new(capacity, min).unwrap();
             // The model: live (offset, requested size, align).
             let mut model: Vec<(usize, usize, usize)> = Vec::new();
             for _ in 0..400 {
                 if model.is_empty() || rng.below(100) < 55 {
                     let size = match rng.below(4) {
-                        0 => rng.below(min as u64) as usize,
-                        1 => rng.below(8 * min as u64) as usize,
-                        _ => rng.below(capacity as u64 / 4 + 1) as usize,
+                        0 => rng.below(min),
+                        1 => rng.below(8 * min),
+                        _ => rng.below(capacity / 4 + 1),
                     };
                     let align = 1usize << rng.below(12);
                     match a.allocate(size, align) {
@@ -511,7 +498,7 @@ mod tests {
                         Err(e) => assert_eq!(e.kind, ErrorKind::OutOfMemory),
                     }
                 } else {
-                    let i = rng.below(model.len() as u64) as usize;
+                    let i = rng.below(model.len());
                     let (o, _, _) = model.swap_remove(i);
                     a.release(o).unwrap();
                     assert!(a.release(o).is_err(), "double release accepted");
