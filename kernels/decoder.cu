@@ -495,7 +495,9 @@ extern "C" __global__ void kv_copy_slots(raw16* k_cache, raw16* v_cache, const u
 
 #define GEMV_WARPS 4
 #define GEMV_MAX_ROWS 8
+#ifndef GEMV_PREFETCH_BYTES  // NANOINFER_CUDA_GEMV_PREFETCH overrides it
 #define GEMV_PREFETCH_BYTES 2048
+#endif
 
 // Starts pulling the head of a weight row into L2. Weights never depend on
 // the previous kernel, so GEMVs issue this before grid_dep_wait: with
@@ -503,8 +505,8 @@ extern "C" __global__ void kv_copy_slots(raw16* k_cache, raw16* v_cache, const u
 // kernel drains.
 __device__ __forceinline__ void prefetch_row(const raw16* w, int k) {
     const int lane = threadIdx.x & 31;
-    if (lane * 128 < min(2 * k, GEMV_PREFETCH_BYTES))
-        asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)w + lane * 128));
+    for (int at = lane * 128; at < min(2 * k, GEMV_PREFETCH_BYTES); at += 32 * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)w + at));
 }
 
 // acc[i][r] = dot(weight row wr[i], activation row r of x) for W weight rows

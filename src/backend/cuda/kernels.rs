@@ -77,12 +77,26 @@ fn nvrtc_version() -> (i32, i32) {
     (major, minor)
 }
 
-fn compile(arch: (i32, i32), act: ActDType) -> Result<String> {
+/// Tuning overrides of the kernels' compile-time constants, for
+/// experiments: `NANOINFER_CUDA_GEMV_PREFETCH=BYTES` (how much of each
+/// weight row a GEMV warp prefetches into L2 before it starts).
+fn tuning_defines() -> Vec<String> {
+    std::env::var("NANOINFER_CUDA_GEMV_PREFETCH")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .map(|bytes| format!("-DGEMV_PREFETCH_BYTES={bytes}"))
+        .into_iter()
+        .collect()
+}
+
+fn compile(arch: (i32, i32), act: ActDType, defines: &[String]) -> Result<String> {
+    let mut options = vec![
+        format!("--gpu-architecture=compute_{}{}", arch.0, arch.1),
+        format!("-DNI_F16={}", (act == ActDType::F16) as i32),
+    ];
+    options.extend_from_slice(defines);
     let opts = CompileOptions {
-        options: vec![
-            format!("--gpu-architecture=compute_{}{}", arch.0, arch.1),
-            format!("-DNI_F16={}", (act == ActDType::F16) as i32),
-        ],
+        options,
         ..Default::default()
     };
     match cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts) {
@@ -169,19 +183,21 @@ impl Kernels {
         cache: &KernelCache,
     ) -> Result<Kernels> {
         let nvrtc = nvrtc_version();
+        let defines = tuning_defines();
         let key = format!(
-            "decoder-{:016x}-{}-sm{}{}-nvrtc{}.{}",
+            "decoder-{:016x}-{}-sm{}{}-nvrtc{}.{}{}",
             fnv1a(SOURCE.as_bytes()),
             act.name(),
             arch.0,
             arch.1,
             nvrtc.0,
-            nvrtc.1
+            nvrtc.1,
+            defines.concat()
         );
         let ptx = match cache.load(&key) {
             Some(ptx) => ptx,
             None => {
-                let ptx = compile(arch, act)?;
+                let ptx = compile(arch, act, &defines)?;
                 cache.store(&key, &ptx);
                 ptx
             }

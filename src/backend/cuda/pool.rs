@@ -327,7 +327,13 @@ pub fn create_device_pool(
     buddy_capacity: usize,
 ) -> Result<Arc<dyn DevicePool>> {
     Ok(match kind {
-        MemoryPoolKind::CudaStream => Arc::new(CudaStreamPool::new(dev, CudaStreamPool::KEEP_ALL)?),
+        MemoryPoolKind::CudaStream => {
+            let threshold = std::env::var("NANOINFER_CUDA_POOL_RELEASE_BYTES")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(CudaStreamPool::KEEP_ALL);
+            Arc::new(CudaStreamPool::new(dev, threshold)?)
+        }
         MemoryPoolKind::CudaBuddy => Arc::new(CudaBuddy::new(dev, buddy_capacity)?),
         cpu => {
             cpu.check_device(true, "cuda")?;
