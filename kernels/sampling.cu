@@ -21,6 +21,7 @@
 #define SAMPLE_TOP_P 4u
 #define SAMPLE_MIN_P 8u
 #define SAMPLE_REPETITION 16u
+#define SAMPLE_ON_HOST 32u  // the host samples this row from its logits: leave them
 #define WEIGHT_ONE 1099511627776.0  // 2^40: the weight of the largest logit
 
 typedef unsigned long long u64;
@@ -453,6 +454,7 @@ __device__ int sample_compacted(const float* row, int vocab, float max, const Tr
 
 // ids[r] = the token sampled from logits row r. The row is processed in
 // place (penalties, bias, suppression, temperature), as the CPU sampler does.
+// Rows marked SAMPLE_ON_HOST are left untouched.
 // grid = rows, block = SAMPLE_THREADS.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows(float* logits, int vocab, const unsigned* params, unsigned* ids) {
@@ -460,6 +462,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     float* row = logits + (size_t)blockIdx.x * vocab;
     const unsigned* p = params + (size_t)blockIdx.x * SAMPLE_ROW_WORDS;
     const unsigned flags = p[0];
+    if (flags & SAMPLE_ON_HOST) return;
     const unsigned* edit = params + p[8];
     const unsigned n_rep = p[9], n_pen = p[10], n_bias = p[11], n_ban = p[12];
     // Stages 1-4, each over distinct tokens except the bias (one thread, in

@@ -616,7 +616,9 @@ fn sessions_sample_on_the_gpu_reproducibly_and_like_the_host() {
         .enumerate()
         .map(|(i, mut r)| {
             let s = &mut r.sampling;
-            s.logprobs = 0;
+            // Every third request wants logprobs: the host samples it from
+            // the logits the device returns, in the same batch.
+            s.logprobs = if i % 3 == 0 { 3 } else { 0 };
             s.temperature = 0.9;
             s.top_k = 50;
             s.top_p = 0.9;
@@ -636,6 +638,17 @@ fn sessions_sample_on_the_gpu_reproducibly_and_like_the_host() {
         ..Default::default()
     };
     let host = run(&model, host_params, &reqs);
+    for (i, (d, h)) in device.iter().zip(&host).enumerate() {
+        if reqs[i].sampling.logprobs > 0 {
+            assert_eq!(d.top.len(), d.tokens.len(), "request {i}: logprobs missing");
+            assert_eq!(
+                d.tokens, h.tokens,
+                "request {i}: sampled on the host both times"
+            );
+        } else {
+            assert!(d.top.is_empty(), "request {i} asked for no logprobs");
+        }
+    }
     let (mut agree, mut total) = (0, 0);
     for (d, h) in device.iter().zip(&host) {
         total += d.tokens.len();

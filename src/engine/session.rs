@@ -189,6 +189,19 @@ pub struct Session {
     faults: Option<Box<FaultState>>,
 }
 
+/// How a step turns its logits rows into tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum TokensFrom {
+    /// The host samples every row from its logits.
+    #[default]
+    HostSampler,
+    /// Every row is plain greedy: the device returned the argmax ids.
+    DeviceArgmax,
+    /// The device sampled the rows `device_sampling` describes and returned
+    /// the logits of its `host_rows`, which the host samples.
+    DeviceSampler,
+}
+
 #[derive(Default)]
 struct StepScratch {
     /// The batch's sequences; empty between steps (see `run_forward`).
@@ -197,9 +210,9 @@ struct StepScratch {
     order: Vec<RequestId>,
     /// Events handed back by `step_into`, recycled with their buffers.
     spare_events: Vec<Event>,
-    /// The forward returned token ids in `device_tokens` (every sampled row
-    /// plain greedy, or all sampled on the device), no logits.
-    tokens_from_device: bool,
+    /// Where this step's tokens come from.
+    tokens_from: TokensFrom,
+    /// Token ids the device chose (`TokensFrom::DeviceArgmax`/`DeviceSampler`).
     device_tokens: Vec<u32>,
     /// The rows' sampling when the device samples them.
     device_sampling: DeviceSampling,

@@ -952,8 +952,9 @@ enum Output<'a> {
     Logits(&'a mut [f32]),
     /// Only each row's argmax: greedy decoding without copying logits.
     Argmax(&'a mut [u32]),
-    /// Tokens sampled on the GPU, row `i` as `sampling.rows[i]` says.
-    Sample(&'a DeviceSampling, &'a mut [u32]),
+    /// Tokens sampled on the GPU, row `i` as `sampling.rows[i]` says, and
+    /// the logits of the rows the host samples.
+    Sample(&'a DeviceSampling, &'a mut [u32], &'a mut [f32]),
 }
 
 /// Offsets of the sections of the step-input buffer.
@@ -1171,7 +1172,7 @@ impl CudaForward {
         match out {
             _ if n_out == 0 => dev.synchronize(),
             Output::Logits(logits) => dev.download(&self.ws.logits, &mut logits[..n_out * vocab]),
-            Output::Sample(sampling, ids) => {
+            Output::Sample(sampling, ids, logits) => {
                 let params = self.upload_sampling(sampling)?;
                 cuda::sampling::enqueue(
                     &dev,
@@ -1181,7 +1182,12 @@ impl CudaForward {
                     params,
                     self.ws.argmax.ptr(),
                 )?;
-                dev.download(&self.ws.argmax, &mut ids[..n_out])
+                dev.download(&self.ws.argmax, &mut ids[..n_out])?;
+                let host_rows = logits.chunks_exact_mut(vocab);
+                for (&row, host) in sampling.host_rows.iter().zip(host_rows) {
+                    dev.download_at(&self.ws.logits, row * vocab, host)?;
+                }
+                Ok(())
             }
             Output::Argmax(ids) => {
                 dev.launch(
@@ -1808,22 +1814,29 @@ impl ForwardContext for CudaForward {
         batch: &ForwardBatch<'_>,
         sampling: &DeviceSampling,
         ids: &mut [u32],
+        logits: &mut [f32],
     ) -> Result<()> {
         let c = &self.model.config;
         validate_batch(c, batch, self.slots, batch.logits_rows.len() * c.vocab_size)?;
         self.check_limits(batch)?;
         let rows = batch.logits_rows.len();
-        if sampling.rows.len() != rows || ids.len() < rows {
+        let host_rows = sampling.host_rows.len();
+        if sampling.rows.len() != rows
+            || ids.len() < rows
+            || logits.len() < host_rows * c.vocab_size
+            || sampling.host_rows.iter().any(|&r| r >= rows)
+        {
             bail_arg!(
-                "forward_sample: {} sampling rows and {} ids for {rows} logits rows",
+                "forward_sample: {} sampling rows, {} ids, {host_rows} host rows and {} logits for {rows} logits rows",
                 sampling.rows.len(),
-                ids.len()
+                ids.len(),
+                logits.len()
             );
         }
         if batch.tokens.is_empty() {
             return Ok(());
         }
-        self.run(batch, Output::Sample(sampling, ids))
+        self.run(batch, Output::Sample(sampling, ids, logits))
     }
 
     fn kv_values_per_slot(&self) -> usize {

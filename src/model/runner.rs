@@ -115,14 +115,17 @@ pub trait ForwardContext: Send {
         false
     }
     /// Like `forward`, sampling logits row `i` on the device as
-    /// `sampling.rows[i]` says and writing the token to `ids[i]`.
+    /// `sampling.rows[i]` says and writing the token to `ids[i]`; the rows
+    /// of `sampling.host_rows` are not sampled but their logits copied to
+    /// `logits`, one after the other.
     fn forward_sample(
         &mut self,
         batch: &ForwardBatch<'_>,
         sampling: &DeviceSampling,
         ids: &mut [u32],
+        logits: &mut [f32],
     ) -> Result<()> {
-        let _ = (batch, sampling, ids);
+        let _ = (batch, sampling, ids, logits);
         Err(Error::unsupported("this device samples on the host"))
     }
     /// Values `save_kv` writes per slot (keys and values of every layer).

@@ -37,12 +37,39 @@ pub struct DeviceSampling {
     pub rows: Vec<RowSampling>,
     /// `(token, value)` pairs the rows' ranges point into.
     pub edits: Vec<(u32, f32)>,
+    /// Rows the host samples itself (requests that want logprobs): the
+    /// device returns their logits instead, in this (ascending) order. Their
+    /// entries in `rows` are placeholders.
+    pub host_rows: Vec<usize>,
 }
 
 impl DeviceSampling {
     pub fn clear(&mut self) {
         self.rows.clear();
         self.edits.clear();
+        self.host_rows.clear();
+    }
+
+    /// Appends a row the host samples from its logits.
+    pub fn push_host_row(&mut self) {
+        self.host_rows.push(self.rows.len());
+        self.rows.push(RowSampling {
+            repetition_penalty: None,
+            temperature: None,
+            top_k: None,
+            top_p: None,
+            min_p_floor: None,
+            u: 0.0,
+            repeated: 0..0,
+            penalized: 0..0,
+            biased: 0..0,
+            suppressed: 0..0,
+        });
+    }
+
+    /// Whether row `i` is sampled on the host.
+    pub fn on_host(&self, i: usize) -> bool {
+        self.host_rows.binary_search(&i).is_ok()
     }
 
     /// Appends `tokens` with `value` each and returns their range.

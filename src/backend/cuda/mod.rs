@@ -416,7 +416,17 @@ impl CudaDevice {
     /// Copies the first `host.len()` elements of `src` to `host`; waits for
     /// the stream (the one host synchronization of a step).
     pub fn download<T: DeviceRepr>(&self, src: &DeviceBuffer<T>, host: &mut [T]) -> Result<()> {
-        if host.len() > src.len() {
+        self.download_at(src, 0, host)
+    }
+
+    /// Copies `host.len()` elements of `src` from element `offset` on.
+    pub fn download_at<T: DeviceRepr>(
+        &self,
+        src: &DeviceBuffer<T>,
+        offset: usize,
+        host: &mut [T],
+    ) -> Result<()> {
+        if offset.saturating_add(host.len()) > src.len() {
             return Err(Error::new(
                 ErrorKind::Internal,
                 "download larger than the device buffer",
@@ -432,7 +442,7 @@ impl CudaDevice {
         // (checked above); the stream is synchronized before `host` is
         // read or released.
         unsafe {
-            cudarc::driver::result::memcpy_dtoh_async(host, src.ptr(), self.stream.cu_stream())
+            cudarc::driver::result::memcpy_dtoh_async(host, src.at(offset), self.stream.cu_stream())
         }
         .map_err(|e| cuda_error("device-to-host copy", e))?;
         self.synchronize()

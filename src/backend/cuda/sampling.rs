@@ -13,6 +13,7 @@ const TOP_K: u32 = 2;
 const TOP_P: u32 = 4;
 const MIN_P: u32 = 8;
 const REPETITION: u32 = 1 << 4;
+const ON_HOST: u32 = 1 << 5;
 /// The kernel selects ids 8 bits at a time, three passes.
 const MAX_VOCAB: usize = 1 << 24;
 
@@ -22,6 +23,10 @@ pub fn encode(sampling: &DeviceSampling, words: &mut Vec<u32>) {
     words.clear();
     words.resize(sampling.rows.len() * ROW_WORDS, 0);
     for (i, row) in sampling.rows.iter().enumerate() {
+        if sampling.on_host(i) {
+            words[i * ROW_WORDS] = ON_HOST;
+            continue;
+        }
         let flag = |on: bool, bit: u32| if on { bit } else { 0 };
         let lists = [&row.repeated, &row.penalized, &row.biased, &row.suppressed];
         let record = [
@@ -148,12 +153,18 @@ mod tests {
             biased: 0..0,
             suppressed,
         });
+        s.push_host_row();
+        assert!(s.on_host(2) && !s.on_host(1));
         let mut w = Vec::new();
         encode(&s, &mut w);
+        assert_eq!(
+            &w[2 * ROW_WORDS..3 * ROW_WORDS],
+            &[ON_HOST, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+        );
         let r0 = &w[..ROW_WORDS];
         assert_eq!(r0[0], REPETITION);
         assert_eq!(f32::from_bits(r0[5]), 1.5);
-        assert_eq!(&r0[8..13], &[2 * ROW_WORDS as u32, 2, 0, 1, 0]);
+        assert_eq!(&r0[8..13], &[3 * ROW_WORDS as u32, 2, 0, 1, 0]);
         let r1 = &w[ROW_WORDS..2 * ROW_WORDS];
         assert_eq!(r1[0], TEMPERATURE | TOP_K | TOP_P | MIN_P);
         assert_eq!(
@@ -162,8 +173,8 @@ mod tests {
         );
         assert_eq!(f32::from_bits(r1[4]), -3.0);
         assert_eq!(f64::from_bits(r1[6] as u64 | (r1[7] as u64) << 32), 0.75);
-        assert_eq!(&r1[8..13], &[2 * ROW_WORDS as u32 + 6, 0, 1, 0, 1]);
-        let edits = &w[2 * ROW_WORDS..];
+        assert_eq!(&r1[8..13], &[3 * ROW_WORDS as u32 + 6, 0, 1, 0, 1]);
+        let edits = &w[3 * ROW_WORDS..];
         let bits = |v: f32| v.to_bits();
         assert_eq!(edits, &[4, 0, 9, 0, 2, bits(0.5), 7, bits(0.25), 0, 0]);
     }

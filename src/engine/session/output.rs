@@ -1,6 +1,6 @@
 //! Running the planned batch and turning its logits into tokens and events.
 
-use super::{Request, Session};
+use super::{Request, Session, TokensFrom};
 use crate::backend::cpu::attention::AttnSeq;
 use crate::engine::request::{Event, FinishReason, RequestId, TokenLogprob};
 use crate::model::ForwardBatch;
@@ -25,7 +25,7 @@ impl Session {
         scratch.logits_rows.clear();
         let mut seqs = relabel(std::mem::take(&mut scratch.seqs));
         let mut greedy = true;
-        let mut on_device = scratch.allow_device_sampling && ctx.samples_on_device();
+        let mut any_device_row = false;
         for &(id, n) in &scratch.plan {
             let req = &requests[&id];
             let start = scratch.tokens.len();
@@ -37,7 +37,7 @@ impl Session {
                 let generated = req.tokens.len() - req.prompt_len;
                 let suppressing = generated < req.params.sampling.min_tokens as usize;
                 greedy &= req.sampler.is_plain_greedy() && !suppressing;
-                on_device &= req.sampler.samples_on_device();
+                any_device_row |= req.sampler.samples_on_device();
             }
             seqs.push(AttnSeq {
                 start,
@@ -52,18 +52,30 @@ impl Session {
             logits_rows: &scratch.logits_rows,
         };
         let sampled_rows = scratch.logits_rows.len();
-        scratch.tokens_from_device = (greedy || on_device) && sampled_rows > 0;
+        let device_samples =
+            any_device_row && scratch.allow_device_sampling && ctx.samples_on_device();
+        scratch.tokens_from = match () {
+            _ if sampled_rows == 0 => TokensFrom::HostSampler,
+            _ if greedy => TokensFrom::DeviceArgmax,
+            _ if device_samples => TokensFrom::DeviceSampler,
+            _ => TokensFrom::HostSampler,
+        };
         scratch.device_tokens.resize(sampled_rows, 0);
-        let result = if !scratch.tokens_from_device {
-            ctx.forward(&batch, logits)
-        } else if greedy {
-            ctx.forward_argmax(&batch, &mut scratch.device_tokens)
-        } else {
-            let vocab = model.config().vocab_size;
-            scratch.device_sampling.clear();
-            for &(id, n) in &scratch.plan {
-                let req = requests.get_mut(&id).expect("scheduled request exists");
-                if req.computed + n == req.tokens.len() {
+        let result = match scratch.tokens_from {
+            TokensFrom::HostSampler => ctx.forward(&batch, logits),
+            TokensFrom::DeviceArgmax => ctx.forward_argmax(&batch, &mut scratch.device_tokens),
+            TokensFrom::DeviceSampler => {
+                let vocab = model.config().vocab_size;
+                scratch.device_sampling.clear();
+                for &(id, n) in &scratch.plan {
+                    let req = requests.get_mut(&id).expect("scheduled request exists");
+                    if req.computed + n < req.tokens.len() {
+                        continue;
+                    }
+                    if !req.sampler.samples_on_device() {
+                        scratch.device_sampling.push_host_row();
+                        continue;
+                    }
                     suppression(req, &model.eos_token_ids, &mut scratch.suppress);
                     let (prompt, output) = req.tokens.split_at(req.prompt_len);
                     req.sampler.push_device_row(
@@ -74,8 +86,13 @@ impl Session {
                         &mut scratch.device_sampling,
                     );
                 }
+                ctx.forward_sample(
+                    &batch,
+                    &scratch.device_sampling,
+                    &mut scratch.device_tokens,
+                    logits,
+                )
             }
-            ctx.forward_sample(&batch, &scratch.device_sampling, &mut scratch.device_tokens)
         };
         seqs.clear();
         scratch.seqs = relabel(seqs);
@@ -99,6 +116,8 @@ impl Session {
         // Taken out for the loop so rows can be lent to `&mut self` methods.
         let mut logits = std::mem::take(&mut self.logits);
         let mut logits_row = 0;
+        // Logits rows the device returned for host sampling, consumed in order.
+        let mut host_rows_done = 0;
         for &(id, n) in &plan {
             let req = self
                 .requests
@@ -116,15 +135,24 @@ impl Session {
             if req.computed < req.tokens.len() {
                 continue; // a non-final prefill chunk: no logits, no event
             }
-            let sampled = if self.scratch.tokens_from_device {
+            let from = self.scratch.tokens_from;
+            let sampled = if from == TokensFrom::HostSampler {
+                self.sample(
+                    id,
+                    &mut logits[logits_row * vocab..(logits_row + 1) * vocab],
+                )
+            } else if from == TokensFrom::DeviceSampler
+                && self.scratch.device_sampling.on_host(logits_row)
+            {
+                let row = host_rows_done;
+                host_rows_done += 1;
+                self.sample(id, &mut logits[row * vocab..(row + 1) * vocab])
+            } else {
                 Ok(SampledToken {
                     token: self.scratch.device_tokens[logits_row],
                     logprob: f32::NAN,
                     top_logprobs: Vec::new(),
                 })
-            } else {
-                let row = &mut logits[logits_row * vocab..(logits_row + 1) * vocab];
-                self.sample(id, row)
             };
             logits_row += 1;
             match sampled {
