@@ -27,6 +27,7 @@ use crate::tokenizer::StreamDetokenizer;
 use crate::{bail_arg, Error, ErrorKind, Result};
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PreemptionMode {
@@ -144,6 +145,12 @@ pub struct SessionStats {
     pub swapped_out_tokens: u64,
     /// Tokens whose KV was copied back from host memory.
     pub swapped_in_tokens: u64,
+    /// Wall time spent in `step` in all, and in the device's forward calls
+    /// (which include the device's own input upload and the wait for its
+    /// results); the difference is the engine's host work: scheduling,
+    /// batch assembly, sampling on the host, events.
+    pub step_time_ns: u64,
+    pub forward_time_ns: u64,
 }
 
 struct Request {
@@ -530,6 +537,7 @@ impl Session {
     /// run without heap allocations (greedy sampling, no detokenizer, no
     /// logprobs; see tests/engine_zero_alloc.rs).
     pub fn step_into(&mut self, events: &mut Vec<Event>) -> Result<()> {
+        let started = Instant::now();
         self.scratch.spare_events.append(events);
         events.append(&mut self.pending);
         if let Some(f) = self.faults.as_mut() {
@@ -556,6 +564,7 @@ impl Session {
             }
         }
         self.stats.steps += 1;
+        self.stats.step_time_ns += started.elapsed().as_nanos() as u64;
         if cfg!(debug_assertions) {
             if let Err(e) = self.check_invariants() {
                 panic!("session invariant violated: {e}");

@@ -10,9 +10,12 @@
 //! Each test runs once to warm up, then `--repetitions` times; the report is
 //! the mean and sample standard deviation of the per-run tokens/s (what
 //! llama-bench's `avg_ts`/`stddev_ts` are).
+//!
+//! With `--num-requests` it measures serving instead (see `serve_bench`).
 
 use crate::args::Args;
-use crate::session_opts::{load_model, memory_pool, quant_mode, MODEL_OPTS};
+use crate::serve_bench;
+use crate::session_opts::{load_model, memory_pool, quant_mode, MODEL_OPTS, SESSION_OPTS};
 use nanoinfer::engine::eval::SingleSequence;
 use nanoinfer::engine::Model;
 use nanoinfer::memory::MemoryPoolKind;
@@ -21,7 +24,7 @@ use nanoinfer::sampling::rng::SplitMix64;
 use serde_json::json;
 use std::time::Instant;
 
-pub const FLAGS: &[&str] = &["json"];
+pub const FLAGS: &[&str] = &["json", "no-prefix-cache", "host-sampling"];
 const OPTS: &[&str] = &[
     "n-prompt",
     "n-gen",
@@ -81,6 +84,10 @@ fn settings(a: &Args) -> Result<Settings, String> {
 }
 
 pub fn run(a: &Args) -> Result<(), String> {
+    if a.get("num-requests").is_some() {
+        a.check_known(&[MODEL_OPTS, SESSION_OPTS, FLAGS, OPTS, serve_bench::OPTS].concat())?;
+        return serve_bench::run(a);
+    }
     let s = settings(a)?;
     let model = load_model(a)?;
     let c = model.config();

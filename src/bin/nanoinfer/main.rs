@@ -6,6 +6,7 @@ mod bench;
 mod generate;
 mod perplexity;
 mod quantize;
+mod serve_bench;
 mod session_opts;
 
 use args::Args;
@@ -28,6 +29,9 @@ const USAGE: &str = "usage:
   nanoinfer bench --model DIR [-p 512] [-n 128] [-r|--repetitions 3] [--device ..] [-t|--threads N]
                   [--dtype auto|f32|f16|bf16] [--quant none|q8_0|awq|gptq] [--seed S]
                   [--memory-pool arena|slab|system|cuda-stream|cuda-buddy] [--json]
+  nanoinfer bench --model DIR --num-requests N [--input-len 512] [--output-len 256] [--concurrency 0]
+                  [--device ..] [session options] [--seed S] [--json]
+                  (serving: output tok/s, TTFT/TPOT percentiles, host time per step)
   nanoinfer quantize --model DIR --out DIR --method q8_0|awq|gptq [--group-size 32|64|128]
                      [--lm-head q8_0|dense] [--sym true|false] [--json]
                      [--calib FILE [--calib-tokens 2048] [--act-order] [--damp 0.01] [--awq-clip]]

@@ -6,6 +6,7 @@ use crate::engine::request::{Event, FinishReason, RequestId, TokenLogprob};
 use crate::model::ForwardBatch;
 use crate::sampling::SampledToken;
 use crate::Error;
+use std::time::Instant;
 
 impl Session {
     /// One forward over the plan. A sequence wants logits when this step
@@ -19,6 +20,7 @@ impl Session {
             requests,
             scratch,
             model,
+            stats,
             ..
         } = self;
         scratch.tokens.clear();
@@ -61,39 +63,41 @@ impl Session {
             _ => TokensFrom::HostSampler,
         };
         scratch.device_tokens.resize(sampled_rows, 0);
+        if scratch.tokens_from == TokensFrom::DeviceSampler {
+            let vocab = model.config().vocab_size;
+            scratch.device_sampling.clear();
+            for &(id, n) in &scratch.plan {
+                let req = requests.get_mut(&id).expect("scheduled request exists");
+                if req.computed + n < req.tokens.len() {
+                    continue;
+                }
+                if !req.sampler.samples_on_device() {
+                    scratch.device_sampling.push_host_row();
+                    continue;
+                }
+                suppression(req, &model.eos_token_ids, &mut scratch.suppress);
+                let (prompt, output) = req.tokens.split_at(req.prompt_len);
+                req.sampler.push_device_row(
+                    vocab,
+                    prompt,
+                    output,
+                    &scratch.suppress,
+                    &mut scratch.device_sampling,
+                );
+            }
+        }
+        let forward_started = Instant::now();
         let result = match scratch.tokens_from {
             TokensFrom::HostSampler => ctx.forward(&batch, logits),
             TokensFrom::DeviceArgmax => ctx.forward_argmax(&batch, &mut scratch.device_tokens),
-            TokensFrom::DeviceSampler => {
-                let vocab = model.config().vocab_size;
-                scratch.device_sampling.clear();
-                for &(id, n) in &scratch.plan {
-                    let req = requests.get_mut(&id).expect("scheduled request exists");
-                    if req.computed + n < req.tokens.len() {
-                        continue;
-                    }
-                    if !req.sampler.samples_on_device() {
-                        scratch.device_sampling.push_host_row();
-                        continue;
-                    }
-                    suppression(req, &model.eos_token_ids, &mut scratch.suppress);
-                    let (prompt, output) = req.tokens.split_at(req.prompt_len);
-                    req.sampler.push_device_row(
-                        vocab,
-                        prompt,
-                        output,
-                        &scratch.suppress,
-                        &mut scratch.device_sampling,
-                    );
-                }
-                ctx.forward_sample(
-                    &batch,
-                    &scratch.device_sampling,
-                    &mut scratch.device_tokens,
-                    logits,
-                )
-            }
+            TokensFrom::DeviceSampler => ctx.forward_sample(
+                &batch,
+                &scratch.device_sampling,
+                &mut scratch.device_tokens,
+                logits,
+            ),
         };
+        stats.forward_time_ns += forward_started.elapsed().as_nanos() as u64;
         seqs.clear();
         scratch.seqs = relabel(seqs);
         result
