@@ -489,30 +489,31 @@ pub(crate) fn first_argmax(row: &[f32]) -> u32 {
         _ => {}
     }
     let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
     let mut lanes = [f32::NEG_INFINITY; LANES];
-    for tail_x in chunks.remainder() {
-        if *tail_x > lanes[0] {
-            lanes[0] = *tail_x;
-        }
-    }
     for c in chunks {
+        let c: &[f32; LANES] = c.try_into().expect("exact chunk");
         for (m, &x) in lanes.iter_mut().zip(c) {
-            if x > *m {
-                *m = x;
-            }
+            // A select, not a branch, so the loop becomes vector max ops.
+            *m = if x > *m { x } else { *m };
         }
     }
     let best = lanes
         .iter()
+        .chain(tail)
         .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
     // row[0] is not NaN, so `best` >= row[0] and occurs in the row.
-    for (ci, c) in row.chunks(LANES).enumerate() {
+    let chunks = row.chunks_exact(LANES);
+    let tail_start = row.len() - chunks.remainder().len();
+    for (ci, c) in chunks.enumerate() {
+        let c: &[f32; LANES] = c.try_into().expect("exact chunk");
         if c.iter().fold(false, |hit, &x| hit | (x == best)) {
             let i = c.iter().position(|&x| x == best).unwrap_or(0);
             return (ci * LANES + i) as u32;
         }
     }
-    0
+    let i = row[tail_start..].iter().position(|&x| x == best);
+    (tail_start + i.unwrap_or(0)) as u32
 }
 
 #[cfg(test)]
