@@ -477,13 +477,96 @@ impl ActPtr {
     }
 }
 
-/// Index of the first largest value (NaNs never win).
+/// Index of the first largest value (NaNs never win; a NaN in front, with
+/// nothing compared against it, is returned as 0).
 pub(crate) fn first_argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
+    // The result of the plain scan `if x > row[best] { best = i }`, in two
+    // passes that vectorize: the largest value, then its first index.
+    const LANES: usize = 16;
+    match row.first() {
+        None => return 0,
+        Some(x) if x.is_nan() => return 0,
+        _ => {}
+    }
+    let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    for c in chunks {
+        let c: &[f32; LANES] = c.try_into().expect("exact chunk");
+        for (m, &x) in lanes.iter_mut().zip(c) {
+            // A select, not a branch, so the loop becomes vector max ops.
+            *m = if x > *m { x } else { *m };
         }
     }
-    best as u32
+    let best = lanes
+        .iter()
+        .chain(tail)
+        .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+    // row[0] is not NaN, so `best` >= row[0] and occurs in the row.
+    let chunks = row.chunks_exact(LANES);
+    let tail_start = row.len() - chunks.remainder().len();
+    for (ci, c) in chunks.enumerate() {
+        let c: &[f32; LANES] = c.try_into().expect("exact chunk");
+        if c.iter().fold(false, |hit, &x| hit | (x == best)) {
+            let i = c.iter().position(|&x| x == best).unwrap_or(0);
+            return (ci * LANES + i) as u32;
+        }
+    }
+    let i = row[tail_start..].iter().position(|&x| x == best);
+    (tail_start + i.unwrap_or(0)) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_argmax;
+
+    /// The plain scan the vectorized version must reproduce.
+    fn scan(row: &[f32]) -> u32 {
+        let mut best = 0;
+        for (i, &x) in row.iter().enumerate() {
+            if x > row[best] {
+                best = i;
+            }
+        }
+        best as u32
+    }
+
+    #[test]
+    fn argmax_matches_the_plain_scan() {
+        let (nan, inf) = (f32::NAN, f32::INFINITY);
+        let mut cases: Vec<Vec<f32>> = vec![
+            vec![],
+            vec![1.0],
+            vec![nan, 5.0, 7.0],
+            vec![-inf, -inf],
+            vec![-inf, nan, -inf],
+            vec![-0.0, 0.0, 0.0],
+            vec![-1.0, 0.0, -0.0],
+            vec![3.0, nan, 3.0, inf, 2.0, inf],
+        ];
+        let mut s = 12345u32;
+        for len in [15usize, 16, 17, 33, 100, 49152] {
+            let row: Vec<f32> = (0..len)
+                .map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 17;
+                    s ^= s << 5;
+                    // Few distinct values, so ties are common.
+                    (s % 50) as f32 - 25.0
+                })
+                .collect();
+            let mut with_nan = row.clone();
+            with_nan[len / 2] = nan;
+            cases.push(row);
+            cases.push(with_nan);
+        }
+        for row in &cases {
+            assert_eq!(
+                first_argmax(row),
+                scan(row),
+                "{:?}",
+                &row[..row.len().min(20)]
+            );
+        }
+    }
 }

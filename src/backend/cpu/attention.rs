@@ -83,6 +83,8 @@ pub fn attention(
     let blocked = use_blocks(hd);
     #[cfg(target_arch = "x86_64")]
     let row_kernel = blocked && attention_row::supported(hd);
+    #[cfg(target_arch = "x86_64")]
+    let grouped = attention_row::group_supported(hd, group);
     let in_blocks = |s: &AttnSeq<'_>| blocked && s.len >= ROW_BLOCK;
     // With many decode rows, one task takes all query heads of a KV head,
     // so the K/V vectors they share are read from memory once (by one core).
@@ -142,6 +144,31 @@ pub fn attention(
         }
         let row = seq.start + t / head_tasks;
         let first_head = (t % head_tasks) * heads_per_task;
+        #[cfg(target_arch = "x86_64")]
+        if row_kernel && heads_per_task == group && grouped {
+            let pos = seq.context_len + (row - seq.start);
+            SCORES.with(|scores| {
+                // SAFETY: `use_blocks` checked AVX-512F, `group_supported` the
+                // shape; the group's query heads are q_width-contiguous in the
+                // row, their outputs belong to this task alone, and
+                // `row_group` checks every slot against keys/values.
+                unsafe {
+                    attention_row::row_group(
+                        shape,
+                        seq,
+                        first_head / group,
+                        group,
+                        pos,
+                        q.as_ptr().add(row * q_stride + first_head * hd),
+                        keys,
+                        values,
+                        &mut scores.borrow_mut(),
+                        out_ptr.get().add(row * q_width + first_head * hd),
+                    )
+                }
+            });
+            return;
+        }
         for head in first_head..first_head + heads_per_task {
             let pos = seq.context_len + (row - seq.start);
             let kv_head = head / group;
