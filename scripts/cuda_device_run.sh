@@ -2,7 +2,7 @@
 # Runs the CUDA checks on a GPU machine that has no Rust: the release binaries
 # built elsewhere are in $BIN (nanoinfer, cuda test binary), torch +
 # transformers are installed. Prints a short table last.
-#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|make8b|tests8b|bench|bench4|profile|sampling|engine|offline]...
+#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|make8b|tests8b|bench|bench4|profile|sampling|serve|engine|offline]...
 # Binaries: `bash scripts/cuda_carry.sh` (here, with Rust) fills gpu-carry/.
 set -uo pipefail
 BIN=${BIN:-gpu-carry}
@@ -80,6 +80,15 @@ for step in "$@"; do
     offline)
         "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --offline 1000 --prompt-len 512 --decode-tokens 256 \
             --max-seqs 256 --max-batched-tokens 8192 ;;
+    serve)
+        # Issue 9's throughput benchmark: nanoinfer bench in serving mode
+        # (offline: all 1000 requests ready at once; then 256 at a time),
+        # then the HF peer on 256 of the same shape in one batch.
+        "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda --num-requests 1000 --input-len 512 \
+            --output-len 256 --max-seqs 256 --max-batched-tokens 8192 --prefill-chunk 8192 --json
+        "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda --num-requests 512 --input-len 512 \
+            --output-len 256 --concurrency 256 --max-seqs 256 --max-batched-tokens 8192 --prefill-chunk 8192 --json
+        python3 scripts/cuda_bench_hf.py --model "$WORK/l8b" --offline 256 --batch 256 -p 512 -n 256 ;;
     offline_hf)
         # The peer: HF generate, 256 requests in one batch of 256 (its best case).
         "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --offline 256 --prompt-len 512 --decode-tokens 256 \
