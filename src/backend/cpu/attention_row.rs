@@ -310,16 +310,10 @@ mod tests {
         if !is_x86_feature_detected!("avx512f") {
             return;
         }
+        // Values in [-2, 2): wide enough for scores to spread.
         let vals = |n: usize, seed: u32| -> Vec<f32> {
-            let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
-            (0..n)
-                .map(|_| {
-                    s ^= s << 13;
-                    s ^= s >> 17;
-                    s ^= s << 5;
-                    (s % 2001) as f32 / 500.0 - 2.0
-                })
-                .collect()
+            let unit = crate::backend::cpu::matmul::tests::pseudo_random(n, seed);
+            unit.iter().map(|v| 2.0 * v).collect()
         };
         for &(hd, group, kvh) in &[
             (64usize, 2usize, 2usize),
