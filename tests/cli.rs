@@ -157,3 +157,39 @@ fn bad_input_is_a_clear_error() {
         "{stderr}"
     );
 }
+
+#[test]
+fn bench_serving_reports_every_request() {
+    let dir = smollm2_dir("");
+    let model = dir.to_str().unwrap();
+    let (code, stdout, stderr) = nanoinfer(&[
+        "bench",
+        "--model",
+        model,
+        "--num-requests",
+        "3",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--concurrency",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "stderr: {stderr}");
+    let v: Value = serde_json::from_str(stdout.trim()).expect("exactly one JSON object");
+    assert_eq!(v["num_requests"], 3);
+    assert!(v["output_tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert!(v["total_tokens_per_s"].as_f64().unwrap() > v["output_tokens_per_s"].as_f64().unwrap());
+    // 3 requests, 2 at a time: the third waits for a slot, so it starts later.
+    let ttft = &v["ttft_ms"];
+    assert!(ttft["p50"].as_f64().unwrap() > 0.0);
+    assert!(ttft["p99"].as_f64().unwrap() >= ttft["p50"].as_f64().unwrap());
+    assert!(v["tpot_ms"]["mean"].as_f64().unwrap() > 0.0);
+    assert!(v["steps"].as_u64().unwrap() >= 4);
+    assert!(v["host_us_per_step"].as_f64().unwrap() > 0.0);
+
+    let (code, _, stderr) = nanoinfer(&["bench", "--model", model, "--num-requests", "0"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("--num-requests"), "{stderr}");
+}
