@@ -1151,7 +1151,10 @@ impl CudaForward {
         self.read_output(batch.logits_rows.len(), out)
     }
 
-    fn check_limits(&self, batch: &ForwardBatch<'_>) -> Result<()> {
+    /// Checks `batch` against the model (`logits_len`: the room for its
+    /// logits) and against this context's limits.
+    fn check_batch(&self, batch: &ForwardBatch<'_>, logits_len: usize) -> Result<()> {
+        validate_batch(&self.model.config, batch, self.slots, logits_len)?;
         if batch.tokens.len() > self.max_rows || batch.logits_rows.len() > self.max_logits_rows {
             bail_arg!(
                 "forward of {} rows ({} with logits) exceeds the context's limits ({} rows, {} with logits)",
@@ -1784,8 +1787,7 @@ impl CudaForward {
 
 impl ForwardContext for CudaForward {
     fn forward(&mut self, batch: &ForwardBatch<'_>, logits: &mut [f32]) -> Result<()> {
-        validate_batch(&self.model.config, batch, self.slots, logits.len())?;
-        self.check_limits(batch)?;
+        self.check_batch(batch, logits.len())?;
         if batch.tokens.is_empty() {
             return Ok(());
         }
@@ -1794,8 +1796,7 @@ impl ForwardContext for CudaForward {
 
     fn forward_argmax(&mut self, batch: &ForwardBatch<'_>, ids: &mut [u32]) -> Result<()> {
         let c = &self.model.config;
-        validate_batch(c, batch, self.slots, batch.logits_rows.len() * c.vocab_size)?;
-        self.check_limits(batch)?;
+        self.check_batch(batch, batch.logits_rows.len() * c.vocab_size)?;
         if ids.len() < batch.logits_rows.len() {
             bail_arg!("argmax buffer too small");
         }
@@ -1817,8 +1818,7 @@ impl ForwardContext for CudaForward {
         logits: &mut [f32],
     ) -> Result<()> {
         let c = &self.model.config;
-        validate_batch(c, batch, self.slots, batch.logits_rows.len() * c.vocab_size)?;
-        self.check_limits(batch)?;
+        self.check_batch(batch, batch.logits_rows.len() * c.vocab_size)?;
         let rows = batch.logits_rows.len();
         let host_rows = sampling.host_rows.len();
         if sampling.rows.len() != rows

@@ -387,13 +387,9 @@ impl CudaDevice {
         dst: &mut DeviceBuffer<T>,
         offset: usize,
     ) -> Result<()> {
-        self.check_upload(host.len(), dst.len(), offset)?;
-        if host.is_empty() {
+        if !self.prepare_copy("upload", host.len(), dst.len(), offset)? {
             return Ok(());
         }
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| cuda_error("binding the context", e))?;
         // SAFETY: `dst.at(offset) ..` + `host`'s bytes lies inside `dst`
         // (checked above). From pageable memory the driver returns once
         // `host` has been staged, so it may be reused at once.
@@ -403,14 +399,23 @@ impl CudaDevice {
         .map_err(|e| cuda_error("host-to-device copy", e))
     }
 
-    fn check_upload(&self, len: usize, capacity: usize, offset: usize) -> Result<()> {
-        if offset + len > capacity {
+    /// Checks that `len` elements at `offset` lie inside a buffer of
+    /// `capacity`. Binds the context for the copy and returns true, or
+    /// returns false when there is nothing to copy.
+    fn prepare_copy(&self, what: &str, len: usize, capacity: usize, offset: usize) -> Result<bool> {
+        if offset.saturating_add(len) > capacity {
             return Err(Error::new(
                 ErrorKind::Internal,
-                format!("upload of {len} elements at {offset} overflows a buffer of {capacity}"),
+                format!("{what} of {len} elements at {offset} overflows a buffer of {capacity}"),
             ));
         }
-        Ok(())
+        if len == 0 {
+            return Ok(false);
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_error("binding the context", e))?;
+        Ok(true)
     }
 
     /// Copies the first `host.len()` elements of `src` to `host`; waits for
@@ -426,18 +431,9 @@ impl CudaDevice {
         offset: usize,
         host: &mut [T],
     ) -> Result<()> {
-        if offset.saturating_add(host.len()) > src.len() {
-            return Err(Error::new(
-                ErrorKind::Internal,
-                "download larger than the device buffer",
-            ));
-        }
-        if host.is_empty() {
+        if !self.prepare_copy("download", host.len(), src.len(), offset)? {
             return Ok(());
         }
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| cuda_error("binding the context", e))?;
         // SAFETY: `host` has room for its length, which `src` covers
         // (checked above); the stream is synchronized before `host` is
         // read or released.

@@ -67,7 +67,7 @@ impl CudaDevice {
         dst: &mut DeviceBuffer<T>,
         offset: usize,
     ) -> Result<()> {
-        self.check_upload(host.len(), dst.len(), offset)?;
+        self.prepare_copy("upload", host.len(), dst.len(), offset)?;
         // SAFETY: `T: DeviceRepr` values are plain data; the byte view
         // covers exactly `host`'s memory.
         let bytes = unsafe {
