@@ -93,7 +93,9 @@ __device__ __forceinline__ void w4_unit_rows(int u, int mode, int inter, int nq,
     }
 }
 
+#ifndef W4_D  // NANOINFER_CUDA_DEFINES=-DW4_D=.. overrides it
 #define W4_D 2  // chunks per pipeline stage of a warp
+#endif
 
 // One pipeline stage of a warp: W4_D chunks' weights, their (first
 // group's) scales/zeros for rows g and g + 8, and the lane's activations.

@@ -6,16 +6,22 @@
 # Idempotent: an existing build is reused. Prints the directory holding the
 # binaries on its last line of stdout (progress goes to stderr).
 #
-# usage: scripts/build_llamacpp.sh [--version X.Y.Z] [--jobs N]
+# --arch sapphirerapids builds instead for another machine (a lent Sapphire
+# Rapids host): GGML_NATIVE off, AVX-512 (VBMI, VNNI, BF16) and AMX (tile,
+# int8, bf16) on, into build-sapphirerapids/. Such a build may not run here.
+#
+# usage: scripts/build_llamacpp.sh [--version X.Y.Z] [--jobs N] [--arch native|sapphirerapids]
 set -euo pipefail
 
 VERSION="0.3.36"   # llama-cpp-python release; its vendor/llama.cpp is pinned below
 JOBS="$(nproc)"
+ARCH=native
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --version) VERSION="$2"; shift 2 ;;
         --jobs) JOBS="$2"; shift 2 ;;
-        -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+        --arch) ARCH="$2"; shift 2 ;;
+        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
         *) echo "build_llamacpp.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -38,7 +44,17 @@ record_version() {
 CACHE="${NANOINFER_CACHE:-$HOME/.cache/nanoinfer}"
 ROOT="$CACHE/llama.cpp-$VERSION"
 SRC="$ROOT/src"
-BUILD="$ROOT/build"
+case "$ARCH" in
+    native)
+        BUILD="$ROOT/build"
+        ISA_FLAGS=(-DGGML_NATIVE=ON) ;;
+    sapphirerapids)
+        BUILD="$ROOT/build-sapphirerapids"
+        ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+            -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
+            -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON -DGGML_AMX_BF16=ON) ;;
+    *) echo "build_llamacpp.sh: unknown --arch $ARCH (native or sapphirerapids)" >&2; exit 2 ;;
+esac
 BIN="$BUILD/bin"
 
 if [[ -x "$BIN/llama-bench" && -x "$BIN/llama-quantize" ]]; then
@@ -73,8 +89,8 @@ fi
 
 record_version
 log "llama.cpp source: $(cat "$ROOT/LLAMA_CPP_VERSION")"
-log "configuring (Release, GGML_NATIVE=ON, LLAMA_CURL=OFF, CPU only) in $BUILD"
-cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+log "configuring (Release, ${ISA_FLAGS[*]}, LLAMA_CURL=OFF, CPU only) in $BUILD"
+cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release "${ISA_FLAGS[@]}" -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
     -DLLAMA_BUILD_TOOLS=ON -DBUILD_SHARED_LIBS=OFF >&2
 log "building llama-bench and llama-quantize with $JOBS jobs (a few minutes on 2 cores)"

@@ -79,13 +79,23 @@ fn nvrtc_version() -> (i32, i32) {
 
 /// Tuning overrides of the kernels' compile-time constants, for
 /// experiments: `NANOINFER_CUDA_GEMV_PREFETCH=BYTES` (how much of each
-/// weight row a GEMV warp prefetches into L2 before it starts).
+/// weight row a GEMV warp prefetches into L2 before it starts) and
+/// `NANOINFER_CUDA_DEFINES="-DNAME=VALUE ..."` (any `#ifndef` constant of
+/// the kernels, e.g. `W4_D`, `W4_PREFETCH`).
 fn tuning_defines() -> Vec<String> {
-    std::env::var("NANOINFER_CUDA_GEMV_PREFETCH")
+    let prefetch = std::env::var("NANOINFER_CUDA_GEMV_PREFETCH")
         .ok()
         .and_then(|v| v.parse::<u32>().ok())
-        .map(|bytes| format!("-DGEMV_PREFETCH_BYTES={bytes}"))
+        .map(|bytes| format!("-DGEMV_PREFETCH_BYTES={bytes}"));
+    let extra = std::env::var("NANOINFER_CUDA_DEFINES").unwrap_or_default();
+    prefetch
         .into_iter()
+        .chain(
+            extra
+                .split_whitespace()
+                .filter(|d| d.starts_with("-D"))
+                .map(str::to_string),
+        )
         .collect()
 }
 
