@@ -58,7 +58,13 @@ run() {
             --config "$CARRY/config.json" --out "$work"
     fi
     for q in BF16 Q8_0; do
-        [[ -f "$work/$q.gguf" ]] || "$CARRY/llama-quantize" "$work/F32.gguf" "$work/$q.gguf" "$q" >/dev/null 2>&1
+        [[ -f "$work/$q.gguf" ]] && continue
+        if ! "$CARRY/llama-quantize" "$work/F32.gguf" "$work/$q.gguf.tmp" "$q" >"$work/quantize-$q.log" 2>&1; then
+            echo "llama-quantize to $q failed:" >&2
+            tail -5 "$work/quantize-$q.log" >&2
+            continue
+        fi
+        mv "$work/$q.gguf.tmp" "$work/$q.gguf"
     done
     cc -O2 -march=native -pthread -o "$work/membw" "$CARRY/membw.c" 2>/dev/null || true
     local cpu flags
@@ -77,7 +83,11 @@ run() {
                 Q8_0) model="$work/f32"; quant=(--quant q8_0) ;;
             esac
             local lj nj
-            lj="$("${pin[@]}" "$CARRY/llama-bench" -m "$gguf" -p 512 -n 128 -t 2 -r 3 -o json 2>/dev/null)"
+            lj="$("${pin[@]}" "$CARRY/llama-bench" -m "$gguf" -p 512 -n 128 -t 2 -r 3 -o json 2>"$work/llama-bench.err")" || {
+                echo "llama-bench failed on $gguf:" >&2
+                tail -5 "$work/llama-bench.err" >&2
+                lj='[{"n_prompt": 512, "n_gen": 0, "avg_ts": "nan"}, {"n_prompt": 0, "n_gen": 128, "avg_ts": "nan"}]'
+            }
             nj="$("${pin[@]}" "$CARRY/nanoinfer" bench --model "$model" "${quant[@]}" -p 512 -n 128 -t 2 -r 3 --json)"
             res[$p,llama_pp,$r]=$(echo "$lj" | python3 -c 'import json,sys; print(next(t["avg_ts"] for t in json.load(sys.stdin) if t["n_prompt"]>0))')
             res[$p,llama_tg,$r]=$(echo "$lj" | python3 -c 'import json,sys; print(next(t["avg_ts"] for t in json.load(sys.stdin) if t["n_gen"]>0))')
