@@ -28,9 +28,10 @@ const TILE_ROWS: usize = 16;
 /// Input pairs of one k step (one B tile).
 const STEP_PAIRS: usize = TILE_ROWS;
 /// Row blocks per column group: their last partial B tiles are copied once
-/// per group, and the group's weights (≤ 4 × k × 32 bytes) stay in L2 while
-/// every row tile passes over them.
-const GROUP_BLOCKS: usize = 4;
+/// per group, the group's weights (≤ 8 × k × 32 bytes) stay in L2 while
+/// every row tile passes over them, and each pair of A tiles is read from L2
+/// once and then from L1 by the group's other column pairs.
+const GROUP_BLOCKS: usize = 8;
 
 /// The tile registers' operations (AMX instructions, or a scalar model).
 /// Tiles are 16 rows × 64 bytes.

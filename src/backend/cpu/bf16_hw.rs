@@ -25,7 +25,10 @@ pub enum Bf16Path {
 /// Activation rows from which AMX runs (one full 16-row tile).
 pub const AMX_MIN_ROWS: usize = 16;
 /// Activation rows from which AVX-512 BF16 runs: below, the f32 kernels are
-/// bound by memory too, so rounding the activations would buy nothing.
+/// bound by memory too, so rounding the activations would buy nothing. Only
+/// on CPUs without AMX: on a Sapphire Rapids-class Xeon `vdpbf16ps` ran at
+/// 0.6–0.7× the f32 kernels (8 × 32 register tiles, 16 and 512 rows), while
+/// AMD's Zen 4 does twice the multiply-adds per `vdpbf16ps` as per FMA.
 pub const DOT_MIN_ROWS: usize = 4;
 
 /// Whether this CPU (and its switches) runs `path`.
@@ -43,6 +46,19 @@ thread_local! {
     static FORCED: std::cell::Cell<Option<Option<Bf16Path>>> = const { std::cell::Cell::new(None) };
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Benchmarks: the AMX path's columns per task, instead of its choice.
+    static FORCED_BLOCK: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// Forces this thread's AMX matmuls to `block` columns per task (`None`:
+/// chosen by size).
+#[cfg(test)]
+pub(crate) fn force_amx_block(block: Option<usize>) {
+    FORCED_BLOCK.with(|f| f.set(block));
+}
+
 /// Forces this thread's packed BF16 matmuls onto `path` (`None`: the f32
 /// kernels) until called with `auto = true`.
 #[cfg(test)]
@@ -56,9 +72,10 @@ pub fn bf16_path(m: usize) -> Option<Bf16Path> {
     if let Some(forced) = FORCED.with(|f| f.get()) {
         return forced.filter(|&p| available(p));
     }
-    if m >= AMX_MIN_ROWS && has_amx_bf16() {
+    let amx = has_amx_bf16();
+    if m >= AMX_MIN_ROWS && amx {
         Some(Bf16Path::Amx)
-    } else if m >= DOT_MIN_ROWS && has_avx512_bf16() {
+    } else if m >= DOT_MIN_ROWS && !amx && has_avx512_bf16() {
         Some(Bf16Path::Dot)
     } else {
         None
@@ -121,6 +138,25 @@ impl Bf16Acts {
         for (row, src) in dst.chunks_mut(stride).zip(x[..m * k].chunks(k)) {
             convert_row(src, &mut row[..k]);
         }
+    }
+
+    /// Output columns per pool task for `n` columns on `threads` threads, if
+    /// this path wants its own: AMX reads all the activations once per task,
+    /// and re-reads them per 32 columns from L2 instead of L1, so it takes the
+    /// widest of 128, 64, 32 columns that still gives every thread a task.
+    pub(crate) fn column_block(&self, n: usize, threads: usize) -> Option<usize> {
+        if self.path != Bf16Path::Amx {
+            return None;
+        }
+        #[cfg(test)]
+        if let Some(b) = FORCED_BLOCK.with(|f| f.get()) {
+            return Some(b);
+        }
+        let block = [128, 64, 32]
+            .into_iter()
+            .find(|&b| n.div_ceil(b) >= threads)
+            .unwrap_or(16);
+        Some(block)
     }
 
     /// The first value of row `r` (rows up to `m` rounded up to 16 exist).
@@ -384,8 +420,13 @@ pub(crate) mod testing {
             },
         ];
         let n = 40 + 17 + 24;
-        for path in paths {
+        let runs = paths.iter().flat_map(|&p| match p {
+            Bf16Path::Amx => vec![(p, None), (p, Some(16)), (p, Some(128))],
+            Bf16Path::Dot => vec![(p, None)],
+        });
+        for (path, block) in runs {
             force_path(Some(path), false);
+            force_amx_block(block);
             for m in [4usize, 16, 17, 40, 100] {
                 let x = pseudo_random(m * k, m as u32);
                 let mut out = vec![f32::NAN; m * n];
@@ -405,13 +446,14 @@ pub(crate) mod testing {
                         };
                         assert!(
                             (got - want).abs() <= tol,
-                            "{path:?} m={m} [{r},{c}]: {got} vs {want}"
+                            "{path:?} {block:?} m={m} [{r},{c}]: {got} vs {want}"
                         );
                     }
                 }
             }
         }
         force_path(None, true);
+        force_amx_block(None);
     }
 
     #[test]
@@ -460,9 +502,11 @@ pub(crate) mod testing {
 }
 
 /// Timing, not a check: `cargo test --release --lib bench_bf16_hw --
-/// --ignored --nocapture` (`BENCH_THREADS=2`, `BENCH_ROWS=512,16`).
+/// --ignored --nocapture` (`BENCH_THREADS=2` (a list), `BENCH_ROWS=512,16`,
+/// `BENCH_AMX_BLOCKS=32,64`: AMX again at these columns per task).
 /// SmolLM2-135M's matrices through `matmul`, on the f32 kernels, AVX-512
-/// BF16 and AMX (those this CPU has), in GFLOP/s.
+/// BF16 and AMX (those this CPU has), in GFLOP/s. The same weights are
+/// reused, so all but the LM head (56 MB) stay in cache.
 #[cfg(test)]
 mod bench {
     use super::testing::weights;
@@ -470,18 +514,38 @@ mod bench {
     use crate::backend::cpu::{matmul, Matrix, MatrixData, ThreadPool};
     use std::time::Instant;
 
+    fn list(var: &str, default: &str) -> Vec<usize> {
+        std::env::var(var)
+            .unwrap_or_else(|_| default.into())
+            .split(',')
+            .filter(|v| !v.trim().is_empty())
+            .map(|v| v.trim().parse().expect("a list of numbers"))
+            .collect()
+    }
+
+    /// Median seconds per `matmul` of `m` rows by `mat`.
+    fn time(pool: &ThreadPool, mat: &Matrix, m: usize) -> f64 {
+        let x = crate::backend::cpu::matmul::tests::pseudo_random(m * mat.cols, 2);
+        let mut out = vec![0f32; m * mat.rows];
+        let flops = 2.0 * (m * mat.rows * mat.cols) as f64;
+        let reps = ((2e10 / flops) as usize).clamp(3, 200);
+        matmul(pool, &x, m, &[mat], &mut out);
+        let mut times: Vec<f64> = (0..5)
+            .map(|_| {
+                let start = Instant::now();
+                for _ in 0..reps {
+                    matmul(pool, &x, m, &[mat], &mut out);
+                }
+                start.elapsed().as_secs_f64() / reps as f64
+            })
+            .collect();
+        times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        times[times.len() / 2]
+    }
+
     #[test]
     #[ignore]
     fn bench_bf16_hw() {
-        let list = |var: &str, default: &str| -> Vec<usize> {
-            std::env::var(var)
-                .unwrap_or_else(|_| default.into())
-                .split(',')
-                .map(|v| v.trim().parse().expect("a list of numbers"))
-                .collect()
-        };
-        let threads = list("BENCH_THREADS", "2")[0];
-        let pool = ThreadPool::new(threads);
         let shapes = [
             ("q/o 576x576", 576, 576),
             ("k_proj 192x576", 192, 576),
@@ -489,48 +553,52 @@ mod bench {
             ("down 576x1536", 576, 1536),
             ("lm_head 49152x576", 49152, 576),
         ];
-        let mut paths: Vec<(&str, Option<Bf16Path>)> = vec![("f32", None)];
+        let mats: Vec<(&str, Matrix)> = shapes
+            .iter()
+            .map(|&(name, n, k)| {
+                let data = MatrixData::BF16Packed(weights(n, k, 1).0);
+                (
+                    name,
+                    Matrix {
+                        rows: n,
+                        cols: k,
+                        data,
+                    },
+                )
+            })
+            .collect();
+        // (label, path, AMX columns per task)
+        let mut runs: Vec<(String, Option<Bf16Path>, Option<usize>)> =
+            vec![("f32".into(), None, None)];
         for (name, p) in [("avx512bf16", Bf16Path::Dot), ("amx", Bf16Path::Amx)] {
             if available(p) {
-                paths.push((name, Some(p)));
+                runs.push((name.into(), Some(p), None));
             } else {
                 println!("{name}: not available on this CPU");
             }
         }
-        println!("{threads} threads");
-        for &m in &list("BENCH_ROWS", "512,16") {
-            for &(name, n, k) in &shapes {
-                let mat = Matrix {
-                    rows: n,
-                    cols: k,
-                    data: MatrixData::BF16Packed(weights(n, k, 1).0),
-                };
-                let x = crate::backend::cpu::matmul::tests::pseudo_random(m * k, 2);
-                let mut out = vec![0f32; m * n];
-                let flops = 2.0 * (m * n * k) as f64;
-                let reps = ((2e10 / flops) as usize).clamp(3, 200);
-                let mut line = format!("m={m:>4} {name:>18}:");
-                for &(pname, path) in &paths {
-                    force_path(path, false);
-                    matmul(&pool, &x, m, &[&mat], &mut out);
-                    let mut times = Vec::new();
-                    for _ in 0..5 {
-                        let start = Instant::now();
-                        for _ in 0..reps {
-                            matmul(&pool, &x, m, &[&mat], &mut out);
-                        }
-                        times.push(start.elapsed().as_secs_f64() / reps as f64);
+        if available(Bf16Path::Amx) {
+            for b in list("BENCH_AMX_BLOCKS", "") {
+                runs.push((format!("amx/{b}"), Some(Bf16Path::Amx), Some(b)));
+            }
+        }
+        for threads in list("BENCH_THREADS", "2") {
+            let pool = ThreadPool::new(threads);
+            println!("{threads} threads, GFLOP/s:");
+            for &m in &list("BENCH_ROWS", "512,16") {
+                for (name, mat) in &mats {
+                    let flops = 2.0 * (m * mat.rows * mat.cols) as f64;
+                    let mut line = format!("m={m:>4} {name:>18}:");
+                    for (label, path, block) in &runs {
+                        force_path(*path, false);
+                        force_amx_block(*block);
+                        let t = time(&pool, mat, m);
+                        line += &format!(" {label} {:.0}", flops / t / 1e9);
                     }
-                    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-                    let t = times[times.len() / 2];
-                    line += &format!(
-                        " {pname} {:>7.1} GFLOP/s ({:.3} ms)",
-                        flops / t / 1e9,
-                        t * 1e3
-                    );
+                    force_path(None, true);
+                    force_amx_block(None);
+                    println!("{line}");
                 }
-                force_path(None, true);
-                println!("{line}");
             }
         }
     }

@@ -273,6 +273,11 @@ fn matmul_with(
         });
     let block = if use_gemm {
         gemm::NR
+    } else if let Some(b) = acts
+        .bf16
+        .and_then(|a| a.column_block(n_here, pool.threads()))
+    {
+        b
     } else {
         column_block(n_here, pool.threads())
     };
