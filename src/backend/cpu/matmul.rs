@@ -13,6 +13,7 @@
 //! into one output row.
 
 use super::bf16::{PackedBf16, BLOCK_ROWS as BF16_BLOCK_ROWS};
+use super::bf16_hw::{bf16_hw_blocks, with_acts, Bf16Acts};
 use super::bf16_kernels::bf16_blocks;
 use super::elem::{Bf16, WeightElem, F16};
 use super::gemm;
@@ -138,6 +139,8 @@ thread_local! {
 struct Acts<'a> {
     q8: Option<&'a QActs>,
     q4: Option<&'a Q4Acts>,
+    /// BF16 activations when packed BF16 weights run a BF16 hardware path.
+    bf16: Option<&'a Bf16Acts>,
 }
 
 fn as_q4(w: &Matrix) -> Option<&Q4Matrix> {
@@ -234,7 +237,13 @@ fn matmul_quantized(
                 q4a.quantize(x, m, k);
                 acts.q4 = Some(&*q4a);
             }
-            matmul_with(pool, x, m, weights, out, offset, stride, acts);
+            let packed_bf16 = weights
+                .iter()
+                .any(|w| matches!(w.data, MatrixData::BF16Packed(_)));
+            with_acts(x, m, k, packed_bf16, |bf16| {
+                let acts = Acts { bf16, ..acts };
+                matmul_with(pool, x, m, weights, out, offset, stride, acts);
+            });
         })
     });
 }
@@ -264,6 +273,11 @@ fn matmul_with(
         });
     let block = if use_gemm {
         gemm::NR
+    } else if let Some(b) = acts
+        .bf16
+        .and_then(|a| a.column_block(n_here, pool.threads()))
+    {
+        b
     } else {
         column_block(n_here, pool.threads())
     };
@@ -310,7 +324,10 @@ fn matmul_with(
                 MatrixData::BF16(d) => run_block(isa, x, m, k, d, c0, c1, out_base, n_total),
                 MatrixData::BF16Packed(p) => {
                     let (b0, b1) = (c0 / BF16_BLOCK_ROWS, c1.div_ceil(BF16_BLOCK_ROWS));
-                    bf16_blocks(isa, x, m, p, b0, b1, out_base, n_total)
+                    match acts.bf16 {
+                        Some(a) => bf16_hw_blocks(a, p, b0, b1, out_base, n_total),
+                        None => bf16_blocks(isa, x, m, p, b0, b1, out_base, n_total),
+                    }
                 }
                 MatrixData::Q8_0(q) => {
                     let qa = acts.q8.expect("activations quantized for Q8_0 weights");
@@ -568,6 +585,18 @@ pub(crate) mod tests {
             .collect()
     }
 
+    /// The activations packed BF16 weights multiply: rounded to bf16 when
+    /// this CPU runs a BF16 hardware path for `m` rows.
+    fn bf16_hw_input(x: &[f32], m: usize) -> Vec<f32> {
+        match super::super::bf16_hw::bf16_path(m) {
+            Some(_) => x
+                .iter()
+                .map(|v| half::bf16::from_f32(*v).to_f32())
+                .collect(),
+            None => x.to_vec(),
+        }
+    }
+
     #[test]
     fn matches_reference_for_all_dtypes_and_shapes() {
         let pool = ThreadPool::new(2);
@@ -601,7 +630,7 @@ pub(crate) mod tests {
                 ),
                 (
                     MatrixData::BF16Packed(PackedBf16::pack(n, k, &bf).unwrap()),
-                    reference(&x, m, k, &bf_f32, n),
+                    reference(&bf16_hw_input(&x, m), m, k, &bf_f32, n),
                 ),
                 (
                     MatrixData::BF16(HostSlice::from_vec(bf)),
