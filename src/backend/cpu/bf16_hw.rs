@@ -82,6 +82,24 @@ pub fn bf16_path(m: usize) -> Option<Bf16Path> {
     }
 }
 
+/// `NANOINFER_BF16_ROUND_ACTS=1`: a product that would take the AMX path if
+/// this CPU had it rounds its activations to BF16 first and runs the f32
+/// kernels, so a machine without AMX reproduces AMX's numerics (up to the
+/// order of the f32 sums), e.g. to measure their perplexity.
+pub fn emulate_amx_rounding(m: usize) -> bool {
+    static ON: once_cell::sync::Lazy<bool> = once_cell::sync::Lazy::new(|| {
+        std::env::var("NANOINFER_BF16_ROUND_ACTS").is_ok_and(|v| v == "1")
+    });
+    *ON && m >= AMX_MIN_ROWS && bf16_path(m).is_none()
+}
+
+/// `x` rounded to BF16 and widened back (the values AMX multiplies).
+pub fn round_to_bf16(x: &[f32]) -> Vec<f32> {
+    x.iter()
+        .map(|&v| f32::from_bits(u32::from(to_bf16(v)) << 16))
+        .collect()
+}
+
 /// 64 bytes of BF16 activations: one AMX tile row, cache-line aligned.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]

@@ -13,7 +13,7 @@
 //! into one output row.
 
 use super::bf16::{PackedBf16, BLOCK_ROWS as BF16_BLOCK_ROWS};
-use super::bf16_hw::{bf16_hw_blocks, with_acts, Bf16Acts};
+use super::bf16_hw::{bf16_hw_blocks, emulate_amx_rounding, round_to_bf16, with_acts, Bf16Acts};
 use super::bf16_kernels::bf16_blocks;
 use super::elem::{Bf16, WeightElem, F16};
 use super::gemm;
@@ -240,6 +240,13 @@ fn matmul_quantized(
             let packed_bf16 = weights
                 .iter()
                 .any(|w| matches!(w.data, MatrixData::BF16Packed(_)));
+            let rounded;
+            let x = if packed_bf16 && emulate_amx_rounding(m) {
+                rounded = round_to_bf16(&x[..m * k]);
+                &rounded[..]
+            } else {
+                x
+            };
             with_acts(x, m, k, packed_bf16, |bf16| {
                 let acts = Acts { bf16, ..acts };
                 matmul_with(pool, x, m, weights, out, offset, stride, acts);
