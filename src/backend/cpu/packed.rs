@@ -25,8 +25,9 @@ pub trait PackedElem: WeightElem {
     const NAME: &'static str;
     /// Consecutive inputs one line holds for the 16 rows of a block.
     const INPUTS: usize;
-    /// Up to this many activation rows share a register tile (AVX-512).
-    const TILE_ROWS: usize = 8;
+    /// Whether prefill tiles prefetch the next blocks' lines as they read
+    /// their own (see `packed_kernels.rs`).
+    const PREFILL_PREFETCH: bool = true;
     /// One 64-byte, 64-aligned line.
     type Line: Copy + Default + Send + Sync + 'static;
 

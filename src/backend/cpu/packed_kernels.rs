@@ -39,7 +39,7 @@ pub unsafe fn packed_blocks<E: PackedElem>(
     debug_assert!(x.len() >= m * w.cols && b1 <= w.rows.div_ceil(BLOCK_ROWS));
     let k = w.cols;
     let max_rows = match isa {
-        Isa::Avx512 => E::TILE_ROWS,
+        Isa::Avx512 => 8,
         _ => 4,
     };
     // Row groups of nearly equal size (12 rows: 6 + 6, not 8 + 4).
@@ -107,7 +107,8 @@ pub unsafe fn packed_blocks<E: PackedElem>(
             let mut b = b0;
             while b < b1 {
                 let nb = nb_at(b);
-                run(r, mr, b, nb, (nb, nb));
+                let ahead = if E::PREFILL_PREFETCH { nb } else { 0 };
+                run(r, mr, b, nb, (nb, ahead));
                 b += nb;
             }
         }
