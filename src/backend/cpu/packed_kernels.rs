@@ -188,51 +188,86 @@ unsafe fn dispatch_avx512<E: PackedElem>(mr: usize, nb: usize, t: Tile<E>) {
     }
 }
 
-/// `R` rows × `NB` blocks. Small tiles of two-input lines keep the even and
-/// odd inputs in separate accumulators so enough FMA chains run in parallel.
+/// Lines per pair of inputs: 2 for F32, 1 for BF16/F16.
+const fn pair_lines<E: PackedElem>() -> usize {
+    2 / E::INPUTS
+}
+
+/// Inputs `2q, 2q+1` of a block's 16 rows, from the line(s) at `line`
+/// (F32: two lines, so every tile step covers two inputs whatever the
+/// format, and the row addresses of the activations are computed once per
+/// two inputs).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn pair512<E: PackedElem>(line: *const E::Line) -> [__m512; 2] {
+    let load = |l: *const E::Line| E::widen512(_mm512_load_si512(l as *const _));
+    if E::INPUTS == 2 {
+        load(line)
+    } else {
+        [load(line)[0], load(line.add(1))[0]]
+    }
+}
+
+/// [`pair512`] for rows `8h..8h + 8` (AVX2).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pair256<E: PackedElem>(line: *const E::Line, h: usize) -> [__m256; 2] {
+    if E::INPUTS == 2 {
+        E::widen256(line, h)
+    } else {
+        [E::widen256(line, h)[0], E::widen256(line.add(1), h)[0]]
+    }
+}
+
+/// `R` rows × `NB` blocks, two inputs per step. Small tiles keep the even
+/// and odd inputs in separate accumulators so enough FMA chains run in
+/// parallel.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn tile_avx512<E: PackedElem, const R: usize, const NB: usize>(t: Tile<E>) {
-    let split = E::INPUTS == 2 && R * NB <= 4;
+    let split = R * NB <= 4;
     let odd = usize::from(split);
+    let pl = pair_lines::<E>();
     let mut acc = [[[_mm512_setzero_ps(); 2]; NB]; R];
-    let full = t.k / E::INPUTS;
-    for p in 0..full {
+    let pairs = t.k / 2;
+    for q in 0..pairs {
         let mut wv = [[_mm512_setzero_ps(); 2]; NB];
         for (n, wn) in wv.iter_mut().enumerate() {
-            // Few rows are bound by memory: ask for the stream early. More
-            // rows: fetch the same line of the next blocks, spreading their
-            // reads over this tile's FMAs.
-            if R <= 2 {
-                let ahead = n * t.steps + p + PREFETCH_LINES;
-                _mm_prefetch::<_MM_HINT_T0>(t.w.wrapping_add(ahead) as *const i8);
-            } else if n < t.ahead.1 {
-                let ahead = (t.ahead.0 + n) * t.steps + p;
-                _mm_prefetch::<_MM_HINT_T0>(t.w.wrapping_add(ahead) as *const i8);
+            let p = q * pl;
+            for l in 0..pl {
+                // Few rows are bound by memory: ask for the stream early.
+                // More rows: fetch the same line of the next blocks,
+                // spreading their reads over this tile's FMAs.
+                if R <= 2 {
+                    let ahead = n * t.steps + p + l + PREFETCH_LINES;
+                    _mm_prefetch::<_MM_HINT_T0>(t.w.wrapping_add(ahead) as *const i8);
+                } else if n < t.ahead.1 {
+                    let ahead = (t.ahead.0 + n) * t.steps + p + l;
+                    _mm_prefetch::<_MM_HINT_T0>(t.w.wrapping_add(ahead) as *const i8);
+                }
             }
-            *wn = E::widen512(_mm512_load_si512(t.w.add(n * t.steps + p) as *const _));
+            *wn = pair512::<E>(t.w.add(n * t.steps + p));
         }
         for (r, acc_r) in acc.iter_mut().enumerate() {
-            let x = t.x.add(r * t.k + E::INPUTS * p);
-            for s in 0..E::INPUTS {
-                let xs = _mm512_set1_ps(*x.add(s));
-                let a = if s == 0 { 0 } else { odd };
-                for n in 0..NB {
-                    acc_r[n][a] = _mm512_fmadd_ps(xs, wv[n][s], acc_r[n][a]);
-                }
+            let x = t.x.add(r * t.k + 2 * q);
+            let (xe, xo) = (_mm512_set1_ps(*x), _mm512_set1_ps(*x.add(1)));
+            for n in 0..NB {
+                acc_r[n][0] = _mm512_fmadd_ps(xe, wv[n][0], acc_r[n][0]);
+                acc_r[n][odd] = _mm512_fmadd_ps(xo, wv[n][1], acc_r[n][odd]);
             }
         }
     }
-    let rem = t.k % E::INPUTS;
-    if rem > 0 {
-        // Last inputs alone: the rest of their line is padding.
+    if t.k % 2 == 1 {
+        // Last input alone: the rest of its line is padding (or, for F32,
+        // the next line is not read).
         for n in 0..NB {
-            let wn = E::widen512(_mm512_load_si512(t.w.add(n * t.steps + full) as *const _));
+            let line = t.w.add(n * t.steps + pairs * pl);
+            let we = E::widen512(_mm512_load_si512(line as *const _))[0];
             for (r, acc_r) in acc.iter_mut().enumerate() {
-                for (s, w) in wn.iter().enumerate().take(rem) {
-                    let xs = _mm512_set1_ps(*t.x.add(r * t.k + E::INPUTS * full + s));
-                    acc_r[n][0] = _mm512_fmadd_ps(xs, *w, acc_r[n][0]);
-                }
+                let xe = _mm512_set1_ps(*t.x.add(r * t.k + t.k - 1));
+                acc_r[n][0] = _mm512_fmadd_ps(xe, we, acc_r[n][0]);
             }
         }
     }
@@ -250,39 +285,40 @@ unsafe fn tile_avx512<E: PackedElem, const R: usize, const NB: usize>(t: Tile<E>
     }
 }
 
-/// `R` rows × 1 block, each line as two halves (rows 0–7, 8–15).
+/// `R` rows × 1 block, each line as two halves (rows 0–7, 8–15), two
+/// inputs per step.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_avx2<E: PackedElem, const R: usize>(t: Tile<E>) {
-    let split = E::INPUTS == 2 && R <= 2;
+    let split = R <= 2;
     let odd = usize::from(split);
+    let pl = pair_lines::<E>();
     let mut acc = [[[_mm256_setzero_ps(); 2]; 2]; R];
-    let full = t.k / E::INPUTS;
-    for p in 0..full {
+    let pairs = t.k / 2;
+    for q in 0..pairs {
+        let p = q * pl;
         if R <= 2 {
-            _mm_prefetch::<_MM_HINT_T0>(t.w.wrapping_add(p + PREFETCH_LINES) as *const i8);
+            for l in 0..pl {
+                _mm_prefetch::<_MM_HINT_T0>(t.w.wrapping_add(p + l + PREFETCH_LINES) as *const i8);
+            }
         }
-        let wv = [E::widen256(t.w.add(p), 0), E::widen256(t.w.add(p), 1)];
+        let wv = [pair256::<E>(t.w.add(p), 0), pair256::<E>(t.w.add(p), 1)];
         for (r, acc_r) in acc.iter_mut().enumerate() {
-            let x = t.x.add(r * t.k + E::INPUTS * p);
-            for s in 0..E::INPUTS {
-                let xs = _mm256_broadcast_ss(&*x.add(s));
-                let a = if s == 0 { 0 } else { odd };
-                for h in 0..2 {
-                    acc_r[h][a] = _mm256_fmadd_ps(xs, wv[h][s], acc_r[h][a]);
-                }
+            let x = t.x.add(r * t.k + 2 * q);
+            let (xe, xo) = (_mm256_broadcast_ss(&*x), _mm256_broadcast_ss(&*x.add(1)));
+            for h in 0..2 {
+                acc_r[h][0] = _mm256_fmadd_ps(xe, wv[h][0], acc_r[h][0]);
+                acc_r[h][odd] = _mm256_fmadd_ps(xo, wv[h][1], acc_r[h][odd]);
             }
         }
     }
-    let rem = t.k % E::INPUTS;
-    if rem > 0 {
-        let wv = [E::widen256(t.w.add(full), 0), E::widen256(t.w.add(full), 1)];
+    if t.k % 2 == 1 {
+        let line = t.w.add(pairs * pl);
+        let we = [E::widen256(line, 0)[0], E::widen256(line, 1)[0]];
         for (r, acc_r) in acc.iter_mut().enumerate() {
-            for s in 0..rem {
-                let xs = _mm256_broadcast_ss(&*t.x.add(r * t.k + E::INPUTS * full + s));
-                for h in 0..2 {
-                    acc_r[h][0] = _mm256_fmadd_ps(xs, wv[h][s], acc_r[h][0]);
-                }
+            let xe = _mm256_broadcast_ss(&*t.x.add(r * t.k + t.k - 1));
+            for h in 0..2 {
+                acc_r[h][0] = _mm256_fmadd_ps(xe, we[h], acc_r[h][0]);
             }
         }
     }
