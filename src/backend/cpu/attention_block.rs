@@ -67,11 +67,15 @@ pub unsafe fn block(
         s.keys_t.resize(hd * padded, 0.0);
         s.values.resize(n_pos * hd, 0.0);
         s.scores.resize(MAX_QUERIES * padded, 0.0);
+        // Through a raw pointer: stores into the Vec would make the
+        // compiler reload its pointer for every element.
+        let kt = s.keys_t.as_mut_ptr();
         for p in 0..n_pos {
             let base = seq.kv.slot(p) * kv_width + kv_head * hd;
             let k = &keys[base..base + hd];
             for (d, &v) in k.iter().enumerate() {
-                *s.keys_t.get_unchecked_mut(d * padded + p) = v;
+                // SAFETY: d < hd and p < n_pos <= padded, within hd · padded.
+                *kt.add(d * padded + p) = v;
             }
             s.values[p * hd..(p + 1) * hd].copy_from_slice(&values[base..base + hd]);
         }
