@@ -19,12 +19,19 @@ use std::arch::x86_64::*;
 /// Rows of a packed block (one 512-bit vector of f32 outputs).
 pub const BLOCK_ROWS: usize = 16;
 
+/// The most activation rows of an AVX-512 register tile (12 rows × 2
+/// blocks: 24 accumulators, 4 weight vectors, 2 broadcasts of 32 registers).
+pub const MAX_TILE_ROWS: usize = 12;
+
 /// A weight element type with a packed 64-byte line layout.
 pub trait PackedElem: WeightElem {
     /// The format's name in messages ("F32", "BF16", "F16").
     const NAME: &'static str;
     /// Consecutive inputs one line holds for the 16 rows of a block.
     const INPUTS: usize;
+    /// Up to this many activation rows share a register tile (AVX-512;
+    /// at most [`MAX_TILE_ROWS`]).
+    const TILE_ROWS: usize = 8;
     /// Whether prefill tiles prefetch the next blocks' lines as they read
     /// their own (see `packed_kernels.rs`).
     const PREFILL_PREFETCH: bool = true;

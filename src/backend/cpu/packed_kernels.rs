@@ -2,9 +2,10 @@
 //! x[r, j] · w[c, j]` with f32 activations and accumulation, for every
 //! [`PackedElem`] (F32, BF16, F16).
 //!
-//! One register tile is up to 8 activation rows × 2 blocks (16 columns
-//! each); more rows run as groups of at most 8 (8 × 32 measured faster than
-//! 16 × 16 at 16 rows: 16 broadcasts per 32 FMAs instead of 32). Each 64-byte line (16 columns × `INPUTS` inputs) is
+//! One register tile is up to 8 (F32: 12) activation rows × 2 blocks (16
+//! columns each); more rows run as groups of at most that many (8 × 32
+//! measured faster than 16 × 16 at 16 rows: 16 broadcasts per 32 FMAs
+//! instead of 32). Each 64-byte line (16 columns × `INPUTS` inputs) is
 //! widened once and feeds an FMA per activation row and input, with the
 //! activation broadcast from memory; outputs come out as whole vectors, so
 //! no horizontal sums. Decode (1 row) streams the weights once, front to
@@ -13,7 +14,7 @@
 //! of 8 rows. Scalar fallback for the rest.
 
 use super::isa::Isa;
-use super::packed::{Packed, PackedElem, BLOCK_ROWS};
+use super::packed::{Packed, PackedElem, BLOCK_ROWS, MAX_TILE_ROWS};
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -39,7 +40,7 @@ pub unsafe fn packed_blocks<E: PackedElem>(
     debug_assert!(x.len() >= m * w.cols && b1 <= w.rows.div_ceil(BLOCK_ROWS));
     let k = w.cols;
     let max_rows = match isa {
-        Isa::Avx512 => 8,
+        Isa::Avx512 => E::TILE_ROWS.min(MAX_TILE_ROWS),
         _ => 4,
     };
     // Row groups of nearly equal size (12 rows: 6 + 6, not 8 + 4).
@@ -176,7 +177,11 @@ unsafe fn dispatch_avx512<E: PackedElem>(mr: usize, nb: usize, t: Tile<E>) {
         (5, 2) => tile_avx512::<E, 5, 2>(t),
         (6, 2) => tile_avx512::<E, 6, 2>(t),
         (7, 2) => tile_avx512::<E, 7, 2>(t),
-        (_, 2) => tile_avx512::<E, 8, 2>(t),
+        (8, 2) => tile_avx512::<E, 8, 2>(t),
+        (9, 2) => tile_avx512::<E, 9, 2>(t),
+        (10, 2) => tile_avx512::<E, 10, 2>(t),
+        (11, 2) => tile_avx512::<E, 11, 2>(t),
+        (_, 2) => tile_avx512::<E, 12, 2>(t),
         (1, _) => tile_avx512::<E, 1, 1>(t),
         (2, _) => tile_avx512::<E, 2, 1>(t),
         (3, _) => tile_avx512::<E, 3, 1>(t),
@@ -184,7 +189,11 @@ unsafe fn dispatch_avx512<E: PackedElem>(mr: usize, nb: usize, t: Tile<E>) {
         (5, _) => tile_avx512::<E, 5, 1>(t),
         (6, _) => tile_avx512::<E, 6, 1>(t),
         (7, _) => tile_avx512::<E, 7, 1>(t),
-        _ => tile_avx512::<E, 8, 1>(t),
+        (8, _) => tile_avx512::<E, 8, 1>(t),
+        (9, _) => tile_avx512::<E, 9, 1>(t),
+        (10, _) => tile_avx512::<E, 10, 1>(t),
+        (11, _) => tile_avx512::<E, 11, 1>(t),
+        _ => tile_avx512::<E, 12, 1>(t),
     }
 }
 
@@ -360,7 +369,7 @@ mod tests {
         v
     }
 
-    /// Every tile shape (1..=8 rows, 1 or 2 blocks, partial blocks, odd
+    /// Every tile shape (1..=12 rows, 1 or 2 blocks, partial blocks, odd
     /// `k`), both loop orders (≤ 4 and > 4 row groups), against an f64
     /// reference, for every ISA this CPU runs; a block range in the middle
     /// leaves the other columns untouched.
@@ -380,7 +389,9 @@ mod tests {
                 .collect();
             let p = Packed::pack(n, k, &w).unwrap();
             let blocks = n.div_ceil(BLOCK_ROWS);
-            for m in [1usize, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 20, 37] {
+            for m in [
+                1usize, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12, 16, 17, 20, 23, 37, 61, 72,
+            ] {
                 let x = pseudo_random(m * k, m as u32 + 7);
                 for isa in isas() {
                     for (b0, b1) in [(0, blocks), (blocks / 2, blocks)] {
