@@ -372,4 +372,38 @@ mod tests {
             check_against_reference(&pool, &shape, &seqs, &q, &keys, &vals, rows);
         }
     }
+
+    /// Prefill windows past 64 positions (whole and partial 64-position
+    /// chunks of scores), groups of 1 to 5 query heads per KV head (passes
+    /// of up to 4 heads and a remainder), head_dim 80 (a 16-wide remainder
+    /// in the weighted sum).
+    #[test]
+    fn prefill_blocks_cover_long_windows_and_head_groups() {
+        let pool = ThreadPool::new(2);
+        for &(h, kvh, hd) in &[
+            (9usize, 3usize, 64usize),
+            (10, 2, 32),
+            (4, 4, 16),
+            (8, 2, 80),
+        ] {
+            let shape = AttnShape {
+                n_heads: h,
+                n_kv_heads: kvh,
+                head_dim: hd,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            let slots: Vec<u32> = (0..150).map(|i| (i * 11 % 151) as u32).collect();
+            let seqs = [AttnSeq {
+                start: 0,
+                len: 131,
+                context_len: 17,
+                kv: KvMapping::Slots(&slots),
+            }];
+            let rows = 131;
+            let q = values(rows * h * hd, 7);
+            let keys = values(151 * kvh * hd, 8);
+            let vals = values(151 * kvh * hd, 9);
+            check_against_reference(&pool, &shape, &seqs, &q, &keys, &vals, rows);
+        }
+    }
 }

@@ -3,6 +3,10 @@
 //! keys of the causal window are gathered once, transposed, so a query's
 //! scores for 16 positions come out of one vector of FMAs; softmax uses a
 //! vectorized exp and the weighted sum of values runs over whole vectors.
+//! The query heads of a row that share the KV head (up to [`MAX_QUERIES`]
+//! at once) go through the keys and values together: each key or value
+//! vector loaded feeds an FMA per head, and the heads' accumulators are
+//! independent FMA chains.
 
 use super::attention::{AttnSeq, AttnShape};
 #[cfg(target_arch = "x86_64")]
@@ -14,6 +18,9 @@ use std::arch::x86_64::*;
 
 /// Query rows per task.
 pub const ROW_BLOCK: usize = 16;
+
+/// Query heads of one row that share a pass over the keys and values.
+const MAX_QUERIES: usize = 4;
 
 #[derive(Default)]
 struct Scratch {
@@ -59,12 +66,16 @@ pub unsafe fn block(
         let s = &mut *s.borrow_mut();
         s.keys_t.resize(hd * padded, 0.0);
         s.values.resize(n_pos * hd, 0.0);
-        s.scores.resize(padded, 0.0);
+        s.scores.resize(MAX_QUERIES * padded, 0.0);
+        // Through a raw pointer: stores into the Vec would make the
+        // compiler reload its pointer for every element.
+        let kt = s.keys_t.as_mut_ptr();
         for p in 0..n_pos {
             let base = seq.kv.slot(p) * kv_width + kv_head * hd;
             let k = &keys[base..base + hd];
             for (d, &v) in k.iter().enumerate() {
-                *s.keys_t.get_unchecked_mut(d * padded + p) = v;
+                // SAFETY: d < hd and p < n_pos <= padded, within hd · padded.
+                *kt.add(d * padded + p) = v;
             }
             s.values[p * hd..(p + 1) * hd].copy_from_slice(&values[base..base + hd]);
         }
@@ -74,93 +85,150 @@ pub unsafe fn block(
         for i in first..last {
             let row = seq.start + i;
             let visible = seq.context_len + i + 1;
-            for head in kv_head * group..(kv_head + 1) * group {
-                let qv = q.as_ptr().add(row * q_stride + head * hd);
-                scores(
-                    qv,
+            let mut head = kv_head * group;
+            while head < (kv_head + 1) * group {
+                // Heads `head..head + n` are `hd` apart in the query and output rows.
+                let n = ((kv_head + 1) * group - head).min(MAX_QUERIES);
+                let queries = Queries {
+                    q: q.as_ptr().add(row * q_stride + head * hd),
+                    out: out.add(row * h * hd + head * hd),
                     hd,
-                    &s.keys_t,
                     padded,
                     visible,
-                    shape.scale,
-                    &mut s.scores,
-                );
-                let inv_sum = softmax_unnormalized(&mut s.scores[..visible]);
-                weighted_sum(
-                    &s.scores[..visible],
-                    &s.values,
-                    hd,
-                    inv_sum,
-                    out.add(row * h * hd + head * hd),
-                );
+                };
+                match n {
+                    1 => scores::<1>(queries, &s.keys_t, shape.scale, &mut s.scores),
+                    2 => scores::<2>(queries, &s.keys_t, shape.scale, &mut s.scores),
+                    3 => scores::<3>(queries, &s.keys_t, shape.scale, &mut s.scores),
+                    _ => scores::<4>(queries, &s.keys_t, shape.scale, &mut s.scores),
+                }
+                let mut inv_sums = [0f32; MAX_QUERIES];
+                for (j, inv) in inv_sums.iter_mut().enumerate().take(n) {
+                    *inv = softmax_unnormalized(&mut s.scores[j * padded..j * padded + visible]);
+                }
+                match n {
+                    1 => weighted_sum::<1>(queries, &s.scores, &s.values, &inv_sums),
+                    2 => weighted_sum::<2>(queries, &s.scores, &s.values, &inv_sums),
+                    3 => weighted_sum::<3>(queries, &s.scores, &s.values, &inv_sums),
+                    _ => weighted_sum::<4>(queries, &s.scores, &s.values, &inv_sums),
+                }
+                head += n;
             }
         }
     });
 }
 
-/// `scores[p] = scale · q · k_p` for `p < visible` (whole 16-blocks are written).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn scores(
+/// `Q` query heads of one row: query `j` at `q + j·hd`, its output at
+/// `out + j·hd`, its scores at `scores[j·padded..]`; positions `0..visible`.
+#[derive(Clone, Copy)]
+struct Queries {
     q: *const f32,
+    out: *mut f32,
     hd: usize,
-    keys_t: &[f32],
     padded: usize,
     visible: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
-    let kt = keys_t.as_ptr();
-    let scale_v = _mm512_set1_ps(scale);
+}
+
+/// `scores[j·padded + p] = scale · q_j · k_p` for `j < Q`, `p < visible`
+/// (whole 16-blocks are written).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn scores<const Q: usize>(qs: Queries, keys_t: &[f32], scale: f32, out: &mut [f32]) {
+    let end = qs.visible.div_ceil(16) * 16;
     let mut p = 0;
-    while p + 64 <= visible.div_ceil(16) * 16 {
-        let mut acc = [_mm512_setzero_ps(); 4];
-        for d in 0..hd {
-            let qd = _mm512_set1_ps(*q.add(d));
-            let row = kt.add(d * padded + p);
-            for (j, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(qd, _mm512_loadu_ps(row.add(16 * j)), *a);
-            }
-        }
-        for (j, a) in acc.iter().enumerate() {
-            _mm512_storeu_ps(out.as_mut_ptr().add(p + 16 * j), _mm512_mul_ps(*a, scale_v));
-        }
+    while p + 64 <= end {
+        score_chunk::<Q, 4>(qs, keys_t, p, scale, out);
         p += 64;
     }
-    while p < visible {
-        let mut acc = _mm512_setzero_ps();
-        for d in 0..hd {
-            acc = _mm512_fmadd_ps(
-                _mm512_set1_ps(*q.add(d)),
-                _mm512_loadu_ps(kt.add(d * padded + p)),
-                acc,
-            );
-        }
-        _mm512_storeu_ps(out.as_mut_ptr().add(p), _mm512_mul_ps(acc, scale_v));
-        p += 16;
+    match (end - p) / 16 {
+        3 => score_chunk::<Q, 3>(qs, keys_t, p, scale, out),
+        2 => score_chunk::<Q, 2>(qs, keys_t, p, scale, out),
+        1 => score_chunk::<Q, 1>(qs, keys_t, p, scale, out),
+        _ => {}
     }
 }
 
-/// `out = inv_sum · Σ_p w[p] · values[p]`.
+/// [`scores`] for positions `p..p + 16·W`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn weighted_sum(w: &[f32], values: &[f32], hd: usize, inv_sum: f32, out: *mut f32) {
-    let v = values.as_ptr();
-    let mut d0 = 0;
-    while d0 < hd {
-        let width = (hd - d0).min(64) / 16;
-        let mut acc = [_mm512_setzero_ps(); 4];
-        for (p, &wp) in w.iter().enumerate() {
-            let wv = _mm512_set1_ps(wp);
-            let row = v.add(p * hd + d0);
-            for (j, a) in acc.iter_mut().enumerate().take(width) {
-                *a = _mm512_fmadd_ps(wv, _mm512_loadu_ps(row.add(16 * j)), *a);
+unsafe fn score_chunk<const Q: usize, const W: usize>(
+    qs: Queries,
+    keys_t: &[f32],
+    p: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    debug_assert!(keys_t.len() >= qs.hd * qs.padded && out.len() >= Q * qs.padded);
+    let kt = keys_t.as_ptr();
+    let mut acc = [[_mm512_setzero_ps(); W]; Q];
+    for d in 0..qs.hd {
+        let row = kt.add(d * qs.padded + p);
+        let k: [__m512; W] = std::array::from_fn(|j| _mm512_loadu_ps(row.add(16 * j)));
+        for (j, acc_j) in acc.iter_mut().enumerate() {
+            let qd = _mm512_set1_ps(*qs.q.add(j * qs.hd + d));
+            for (a, kv) in acc_j.iter_mut().zip(k) {
+                *a = _mm512_fmadd_ps(qd, kv, *a);
             }
         }
-        let s = _mm512_set1_ps(inv_sum);
-        for (j, a) in acc.iter().enumerate().take(width) {
-            _mm512_storeu_ps(out.add(d0 + 16 * j), _mm512_mul_ps(*a, s));
+    }
+    let scale_v = _mm512_set1_ps(scale);
+    for (j, acc_j) in acc.iter().enumerate() {
+        for (w, a) in acc_j.iter().enumerate() {
+            let o = out.as_mut_ptr().add(j * qs.padded + p + 16 * w);
+            _mm512_storeu_ps(o, _mm512_mul_ps(*a, scale_v));
+        }
+    }
+}
+
+/// `out_j = inv_sums[j] · Σ_p scores[j·padded + p] · values[p]` for `j < Q`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn weighted_sum<const Q: usize>(
+    qs: Queries,
+    scores: &[f32],
+    values: &[f32],
+    inv_sums: &[f32; MAX_QUERIES],
+) {
+    let mut d0 = 0;
+    while d0 < qs.hd {
+        let width = (qs.hd - d0).min(64) / 16;
+        match width {
+            4 => sum_chunk::<Q, 4>(qs, scores, values, inv_sums, d0),
+            3 => sum_chunk::<Q, 3>(qs, scores, values, inv_sums, d0),
+            2 => sum_chunk::<Q, 2>(qs, scores, values, inv_sums, d0),
+            _ => sum_chunk::<Q, 1>(qs, scores, values, inv_sums, d0),
         }
         d0 += width * 16;
+    }
+}
+
+/// [`weighted_sum`] for dimensions `d0..d0 + 16·W`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn sum_chunk<const Q: usize, const W: usize>(
+    qs: Queries,
+    scores: &[f32],
+    values: &[f32],
+    inv_sums: &[f32; MAX_QUERIES],
+    d0: usize,
+) {
+    debug_assert!(values.len() >= qs.visible * qs.hd && scores.len() >= Q * qs.padded);
+    let (v, w) = (values.as_ptr(), scores.as_ptr());
+    let mut acc = [[_mm512_setzero_ps(); W]; Q];
+    for p in 0..qs.visible {
+        let row = v.add(p * qs.hd + d0);
+        let vv: [__m512; W] = std::array::from_fn(|j| _mm512_loadu_ps(row.add(16 * j)));
+        for (j, acc_j) in acc.iter_mut().enumerate() {
+            let wp = _mm512_set1_ps(*w.add(j * qs.padded + p));
+            for (a, x) in acc_j.iter_mut().zip(vv) {
+                *a = _mm512_fmadd_ps(wp, x, *a);
+            }
+        }
+    }
+    for (j, acc_j) in acc.iter().enumerate() {
+        let s = _mm512_set1_ps(inv_sums[j]);
+        for (i, a) in acc_j.iter().enumerate() {
+            _mm512_storeu_ps(qs.out.add(j * qs.hd + d0 + 16 * i), _mm512_mul_ps(*a, s));
+        }
     }
 }

@@ -181,8 +181,8 @@ pub(crate) unsafe fn amx_blocks_with<T: Tiles>(
     stride: usize,
 ) {
     debug_assert!(a.k == w.cols && b1 <= w.rows.div_ceil(BLOCK_ROWS));
-    let full_steps = w.pairs / STEP_PAIRS;
-    let tail_pairs = w.pairs % STEP_PAIRS;
+    let full_steps = w.steps / STEP_PAIRS;
+    let tail_pairs = w.steps % STEP_PAIRS;
     debug_assert!(a.stride >= (full_steps + usize::from(tail_pairs > 0)) * 2 * STEP_PAIRS);
     let a_stride = a.stride * 2;
     let row_tiles = a.m.div_ceil(TILE_ROWS);

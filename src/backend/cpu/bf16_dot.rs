@@ -105,7 +105,7 @@ pub(crate) unsafe fn dot_blocks_with<O: DotOps>(
             ahead,
             x: a.row_ptr(r),
             x_stride: a.stride,
-            pairs: w.pairs,
+            pairs: w.steps,
             w: w.block_ptr(b),
             out: out.add(r * stride + b * BLOCK_ROWS),
             stride,

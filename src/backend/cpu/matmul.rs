@@ -4,9 +4,9 @@
 //! Few activation rows (decode, small batches): a register tile of up to 4
 //! activation rows × 4 weight rows accumulates 16 dot products at once, so
 //! each weight vector loaded feeds 4 FMAs. Many rows (prefill) on AVX-512: the
-//! packed GEMM of `gemm.rs`. BF16 weights repacked at load
-//! ([`Matrix::into_cpu_layout`]) run the kernels of `bf16_kernels.rs` for
-//! any number of rows instead. Q8_0 weights: the int8 kernels of
+//! packed GEMM of `gemm.rs`. Dense weights repacked at load
+//! ([`Matrix::into_cpu_layout`]) run the kernels of `packed_kernels.rs`
+//! (BF16 through `bf16_kernels.rs`) for any number of rows instead. Q8_0 weights: the int8 kernels of
 //! `q8_kernels.rs`; int4 weights (AWQ/GPTQ) the kernels of `q4_kernels.rs`
 //! (act-order weights get their inputs permuted first). Work is split over output-column blocks, so several
 //! weights (q/k/v or gate/up) run as one parallel job writing side by side
@@ -16,8 +16,12 @@ use super::bf16::{PackedBf16, BLOCK_ROWS as BF16_BLOCK_ROWS};
 use super::bf16_hw::{bf16_hw_blocks, emulate_amx_rounding, round_to_bf16, with_acts, Bf16Acts};
 use super::bf16_kernels::bf16_blocks;
 use super::elem::{Bf16, WeightElem, F16};
+use super::f16_packed::PackedF16;
+use super::f32_packed::PackedF32;
 use super::gemm;
 use super::isa::{isa, Isa};
+use super::packed::BLOCK_ROWS as PACKED_BLOCK_ROWS;
+use super::packed_kernels::packed_blocks;
 use super::q4::{Q4Acts, Q4Matrix};
 use super::q4_kernels::q4_blocks;
 use super::q8::{Q8Matrix, QActs, BLOCK_ROWS};
@@ -34,8 +38,12 @@ pub enum MatrixData {
     F32(HostSlice<f32>),
     F16(HostSlice<F16>),
     BF16(HostSlice<Bf16>),
-    /// BF16 repacked for the kernels (see [`PackedBf16`]); made once at load
+    /// F32 repacked for the kernels (see [`PackedF32`]); made once at load
     /// by [`Matrix::into_cpu_layout`].
+    F32Packed(PackedF32),
+    /// F16 repacked for the kernels (see [`PackedF16`]), like `F32Packed`.
+    F16Packed(PackedF16),
+    /// BF16 repacked for the kernels (see [`PackedBf16`]), like `F32Packed`.
     BF16Packed(PackedBf16),
     /// Int8 weights with per-group scales (see [`Q8Matrix`]).
     Q8_0(Q8Matrix),
@@ -53,8 +61,8 @@ pub struct Matrix {
 impl Matrix {
     pub fn dtype_name(&self) -> &'static str {
         match self.data {
-            MatrixData::F32(_) => "f32",
-            MatrixData::F16(_) => "f16",
+            MatrixData::F32(_) | MatrixData::F32Packed(_) => "f32",
+            MatrixData::F16(_) | MatrixData::F16Packed(_) => "f16",
             MatrixData::BF16(_) | MatrixData::BF16Packed(_) => "bf16",
             MatrixData::Q8_0(_) => "q8_0",
             MatrixData::Q4(_) => "int4",
@@ -68,6 +76,8 @@ impl Matrix {
             MatrixData::F32(d) => out.copy_from_slice(&d[range]),
             MatrixData::F16(d) => widen(&d[range], out),
             MatrixData::BF16(d) => widen(&d[range], out),
+            MatrixData::F32Packed(p) => p.row_to_f32(r, out),
+            MatrixData::F16Packed(p) => p.row_to_f32(r, out),
             MatrixData::BF16Packed(p) => p.row_to_f32(r, out),
             MatrixData::Q8_0(q) => q.row_to_f32(r, out),
             MatrixData::Q4(q) => q.row_to_f32(r, out),
@@ -79,19 +89,24 @@ impl Matrix {
         match &self.data {
             MatrixData::F32(_) => self.rows * self.cols * 4,
             MatrixData::F16(_) | MatrixData::BF16(_) => self.rows * self.cols * 2,
+            MatrixData::F32Packed(p) => p.size_in_bytes(),
+            MatrixData::F16Packed(p) => p.size_in_bytes(),
             MatrixData::BF16Packed(p) => p.size_in_bytes(),
             MatrixData::Q8_0(q) => q.size_in_bytes(),
             MatrixData::Q4(q) => q.size_in_bytes(),
         }
     }
 
-    /// The matrix in the layout the CPU kernels read fastest: BF16 weights
-    /// are repacked (a copy; the mapped checkpoint is no longer referenced),
-    /// every other dtype is returned as is. Call once at load, for CPU
-    /// inference only (other backends read `MatrixData::BF16` directly).
+    /// The matrix in the layout the CPU kernels read fastest: dense (F32,
+    /// F16, BF16) weights are repacked (a copy; the mapped checkpoint is no
+    /// longer referenced), quantized ones are returned as they are. Call
+    /// once at load, for CPU inference only (other backends read the
+    /// unpacked variants directly).
     pub fn into_cpu_layout(self) -> Result<Matrix> {
         let Matrix { rows, cols, data } = self;
         let data = match data {
+            MatrixData::F32(d) => MatrixData::F32Packed(PackedF32::pack(rows, cols, &d)?),
+            MatrixData::F16(d) => MatrixData::F16Packed(PackedF16::pack(rows, cols, &d)?),
             MatrixData::BF16(d) => MatrixData::BF16Packed(PackedBf16::pack(rows, cols, &d)?),
             other => other,
         };
@@ -121,7 +136,7 @@ impl OutPtr {
 
 const MAX_SEGMENTS: usize = 4;
 // Column blocks of every task start a packed block of either format.
-const _: () = assert!(BF16_BLOCK_ROWS == BLOCK_ROWS && gemm::NR.is_multiple_of(BLOCK_ROWS));
+const _: () = assert!(PACKED_BLOCK_ROWS == BLOCK_ROWS && gemm::NR.is_multiple_of(BLOCK_ROWS));
 /// Activation rows from which dense weights go through the packed GEMM.
 const GEMM_MIN_ROWS: usize = 8;
 
@@ -329,6 +344,14 @@ fn matmul_with(
                 MatrixData::F32(d) => run_block(isa, x, m, k, d, c0, c1, out_base, n_total),
                 MatrixData::F16(d) => run_block(isa, x, m, k, d, c0, c1, out_base, n_total),
                 MatrixData::BF16(d) => run_block(isa, x, m, k, d, c0, c1, out_base, n_total),
+                MatrixData::F32Packed(p) => {
+                    let (b0, b1) = (c0 / BLOCK_ROWS, c1.div_ceil(BLOCK_ROWS));
+                    packed_blocks(isa, x, m, p, b0, b1, out_base, n_total)
+                }
+                MatrixData::F16Packed(p) => {
+                    let (b0, b1) = (c0 / BLOCK_ROWS, c1.div_ceil(BLOCK_ROWS));
+                    packed_blocks(isa, x, m, p, b0, b1, out_base, n_total)
+                }
                 MatrixData::BF16Packed(p) => {
                     let (b0, b1) = (c0 / BF16_BLOCK_ROWS, c1.div_ceil(BF16_BLOCK_ROWS));
                     match acts.bf16 {
@@ -749,62 +772,82 @@ pub(crate) mod tests {
 }
 
 /// Timing, not a check: `cargo test --release --lib bench_bf16_layouts --
-/// --ignored --nocapture` (`BENCH_ROWS=1,16`). SmolLM2-135M's matrices (30
-/// layers + LM head, 269 MB per layout, so nothing stays cached) as raw BF16
-/// and packed, interleaved, 2 threads.
+/// --ignored --nocapture` (`bench_f32_layouts`, `bench_f16_layouts` alike;
+/// `BENCH_ROWS=1,16`, `BENCH_HEAD=0|1`). SmolLM2-135M's matrices (30 layers
+/// + the LM head, which is left out by default above 16 rows as in prefill;
+/// 269 MB per layout in BF16, so nothing stays cached) as raw and packed,
+/// interleaved, 2 threads.
 #[cfg(test)]
 mod bench {
     use super::*;
     use std::time::Instant;
 
-    #[test]
-    #[ignore]
-    fn bench_bf16_layouts() {
+    /// `rows × cols` random weights of about ±0.01, as `dtype`.
+    fn random(seed: &mut u32, rows: usize, cols: usize, dtype: &str) -> Matrix {
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|_| {
+                *seed = seed.wrapping_mul(1664525).wrapping_add(1013904223);
+                ((*seed >> 9) % 2000) as f32 / 1e5
+            })
+            .collect();
+        let data = match dtype {
+            "f32" => MatrixData::F32(HostSlice::from_vec(w)),
+            "bf16" => MatrixData::BF16(HostSlice::from_vec(
+                w.iter()
+                    .map(|v| Bf16(half::bf16::from_f32(*v).to_bits()))
+                    .collect(),
+            )),
+            _ => MatrixData::F16(HostSlice::from_vec(
+                w.iter()
+                    .map(|v| F16(half::f16::from_f32(*v).to_bits()))
+                    .collect(),
+            )),
+        };
+        Matrix { rows, cols, data }
+    }
+
+    fn bench_layouts(dtype: &str) {
         let pool = ThreadPool::new(2);
         let (d, inter, layers, vocab) = (576, 1536, 30, 49152);
-        let mut seed = 1u32;
-        let mut mat = |rows: usize, cols: usize| {
-            let w: Vec<Bf16> = (0..rows * cols)
-                .map(|_| {
-                    seed = seed.wrapping_mul(1664525).wrapping_add(1013904223);
-                    Bf16(half::bf16::from_f32(((seed >> 9) % 2000) as f32 / 1e5).to_bits())
-                })
-                .collect();
-            let raw = Matrix {
-                rows,
-                cols,
-                data: MatrixData::BF16(HostSlice::from_vec(w)),
-            };
-            let packed = Matrix {
-                rows,
-                cols,
-                data: match &raw.data {
-                    MatrixData::BF16(d) => {
-                        MatrixData::BF16Packed(PackedBf16::pack(rows, cols, d).unwrap())
-                    }
-                    _ => unreachable!(),
-                },
-            };
-            (raw, packed)
-        };
-        // Per layer: qkv (960 × 576), o (576 × 576), gate+up (2 × 1536 × 576), down (576 × 1536).
-        let mut all = Vec::new();
-        for _ in 0..layers {
-            all.push(vec![mat(960, d)]);
-            all.push(vec![mat(d, d)]);
-            all.push(vec![mat(inter, d), mat(inter, d)]);
-            all.push(vec![mat(d, inter)]);
-        }
-        all.push(vec![mat(vocab, d)]);
         let rows: Vec<usize> = std::env::var("BENCH_ROWS")
             .unwrap_or_else(|_| "1,16".into())
             .split(',')
             .map(|v| v.parse().unwrap())
             .collect();
-        let bytes: usize = all.iter().flatten().map(|(r, _)| r.size_in_bytes()).sum();
+        let head = std::env::var("BENCH_HEAD").ok();
+        // Per layer: qkv (960 × 576), o (576 × 576), gate+up (2 × 1536 × 576), down (576 × 1536).
+        let mut shapes = Vec::new();
+        for _ in 0..layers {
+            shapes.push(vec![(960, d)]);
+            shapes.push(vec![(d, d)]);
+            shapes.push(vec![(inter, d), (inter, d)]);
+            shapes.push(vec![(d, inter)]);
+        }
         for &m in &rows {
+            let with_head = head.as_deref().map_or(m <= 16, |h| h == "1");
+            let mut all_shapes = shapes.clone();
+            if with_head {
+                all_shapes.push(vec![(vocab, d)]);
+            }
+            let mut seed = 1u32;
+            let all: Vec<Vec<(Matrix, Matrix)>> = all_shapes
+                .iter()
+                .map(|ws| {
+                    ws.iter()
+                        .map(|&(r, c)| {
+                            let s0 = seed;
+                            let raw = random(&mut seed, r, c, dtype);
+                            let packed =
+                                random(&mut { s0 }, r, c, dtype).into_cpu_layout().unwrap();
+                            (raw, packed)
+                        })
+                        .collect()
+                })
+                .collect();
+            let bytes: usize = all.iter().flatten().map(|(r, _)| r.size_in_bytes()).sum();
+            let params: usize = all.iter().flatten().map(|(r, _)| r.rows * r.cols).sum();
             let x: Vec<f32> = (0..m * inter).map(|i| (i % 7) as f32 * 0.1).collect();
-            let mut out = vec![0f32; m * vocab];
+            let mut out = vec![0f32; m * if with_head { vocab } else { 2 * inter }];
             let mut times = [Vec::new(), Vec::new()];
             for rep in 0..6 {
                 for (which, t) in times.iter_mut().enumerate() {
@@ -825,13 +868,32 @@ mod bench {
                 t.sort_by(|a, b| a.partial_cmp(b).unwrap());
                 let med = t[t.len() / 2];
                 println!(
-                    "m={m:>3} {name:>6}: {:.2} ms per pass (median of {}), {:.1} GB/s, {:.1} GFLOP/s",
+                    "{dtype} m={m:>3} {name:>6}: {:.2} ms per pass (median of {}, min {:.2}), {:.1} GB/s, {:.1} GFLOP/s",
                     med * 1e3,
                     t.len(),
+                    t[0] * 1e3,
                     bytes as f64 / med / 1e9,
-                    2.0 * m as f64 * (bytes / 2) as f64 / med / 1e9
+                    2.0 * m as f64 * params as f64 / med / 1e9
                 );
             }
         }
+    }
+
+    #[test]
+    #[ignore]
+    fn bench_bf16_layouts() {
+        bench_layouts("bf16");
+    }
+
+    #[test]
+    #[ignore]
+    fn bench_f32_layouts() {
+        bench_layouts("f32");
+    }
+
+    #[test]
+    #[ignore]
+    fn bench_f16_layouts() {
+        bench_layouts("f16");
     }
 }
