@@ -39,7 +39,8 @@ prepare() {
     du -sh "$CARRY"
 }
 
-median() { python3 -c 'import statistics,sys; v=[float(x) for x in sys.argv[1:] if x]; print(f"{statistics.median(v):.1f}" if v else "n/a")' "$@"; }
+median() { python3 -c 'import math,statistics,sys; v=[float(x) for x in sys.argv[1:] if x and not math.isnan(float(x))]; print(f"{statistics.median(v):.1f}" if v else "nan")' "$@"; }
+ratio() { python3 -c 'import sys; a,b=map(float,sys.argv[1:]); print("n/a" if a!=a or b!=b else f"{a/b:.2f}×")' "$1" "$2"; }
 
 run() {
     local runs=3 cores=2,3 precisions="F32 BF16 Q8_0" work=/tmp/nanoinfer-cpu
@@ -111,7 +112,7 @@ run() {
         op=$(median $(for r in $(seq 1 "$runs"); do echo "${res[$p,ours_pp,$r]}"; done))
         lt=$(median $(for r in $(seq 1 "$runs"); do echo "${res[$p,llama_tg,$r]}"; done))
         ot=$(median $(for r in $(seq 1 "$runs"); do echo "${res[$p,ours_tg,$r]}"; done))
-        echo "| $p | $lp | $op | $(python3 -c "print(f'{$op/$lp:.2f}×')") | $lt | $ot | $(python3 -c "print(f'{$ot/$lt:.2f}×')") |"
+        echo "| $p | $lp | $op | $(ratio "$op" "$lp") | $lt | $ot | $(ratio "$ot" "$lt") |"
     done
     if [[ " $precisions " == *" BF16 "* ]]; then
         echo "BF16 pp512 without AMX (NANOINFER_AMX=0): $(median $(for r in $(seq 1 "$runs"); do echo "${res[BF16,noamx_pp,$r]}"; done))"
