@@ -639,6 +639,7 @@ pub(crate) mod tests {
             (20, 400, 70),
             (8, 576, 33),
             (13, 193, 96),
+            (64, 577, 50),
         ] {
             let x = pseudo_random(m * k, 1);
             let w = pseudo_random(n * k, 2);
@@ -657,6 +658,14 @@ pub(crate) mod tests {
                 (
                     MatrixData::F32(HostSlice::from_vec(w.clone())),
                     want.clone(),
+                ),
+                (
+                    MatrixData::F32Packed(PackedF32::pack(n, k, &w).unwrap()),
+                    want.clone(),
+                ),
+                (
+                    MatrixData::F16Packed(PackedF16::pack(n, k, &hf).unwrap()),
+                    reference(&x, m, k, &hf_f32, n),
                 ),
                 (
                     MatrixData::BF16Packed(PackedBf16::pack(n, k, &bf).unwrap()),
@@ -688,6 +697,63 @@ pub(crate) mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn cpu_layout_packs_dense_weights_and_keeps_their_rows() {
+        let (n, k) = (21, 10);
+        let w = pseudo_random(n * k, 9);
+        let dense = [
+            MatrixData::F32(HostSlice::from_vec(w.clone())),
+            MatrixData::F16(HostSlice::from_vec(
+                w.iter()
+                    .map(|v| F16(half::f16::from_f32(*v).to_bits()))
+                    .collect(),
+            )),
+            MatrixData::BF16(HostSlice::from_vec(
+                w.iter()
+                    .map(|v| Bf16(half::bf16::from_f32(*v).to_bits()))
+                    .collect(),
+            )),
+        ];
+        for data in dense {
+            let raw = Matrix {
+                rows: n,
+                cols: k,
+                data,
+            };
+            let mut want = vec![vec![0f32; k]; n];
+            for (r, row) in want.iter_mut().enumerate() {
+                raw.row_to_f32(r, row);
+            }
+            let name = raw.dtype_name();
+            let packed = raw.into_cpu_layout().unwrap();
+            assert!(
+                matches!(
+                    packed.data,
+                    MatrixData::F32Packed(_) | MatrixData::F16Packed(_) | MatrixData::BF16Packed(_)
+                ),
+                "{name} was not packed"
+            );
+            assert_eq!(packed.dtype_name(), name);
+            // 2 row blocks of 16; F32 one line per input, F16/BF16 per pair.
+            let lines = if name == "f32" { k } else { k.div_ceil(2) };
+            assert_eq!(packed.size_in_bytes(), 2 * lines * 64, "{name}");
+            let mut row = vec![0f32; k];
+            for (r, want) in want.iter().enumerate() {
+                packed.row_to_f32(r, &mut row);
+                assert_eq!(&row, want, "{name} row {r}");
+            }
+        }
+        let q = Matrix {
+            rows: 16,
+            cols: 32,
+            data: MatrixData::Q8_0(Q8Matrix::quantize(16, 32, 32, &pseudo_random(512, 3)).unwrap()),
+        };
+        assert!(matches!(
+            q.into_cpu_layout().unwrap().data,
+            MatrixData::Q8_0(_)
+        ));
     }
 
     #[test]
@@ -774,9 +840,9 @@ pub(crate) mod tests {
 /// Timing, not a check: `cargo test --release --lib bench_bf16_layouts --
 /// --ignored --nocapture` (`bench_f32_layouts`, `bench_f16_layouts` alike;
 /// `BENCH_ROWS=1,16`, `BENCH_HEAD=0|1`). SmolLM2-135M's matrices (30 layers
-/// + the LM head, which is left out by default above 16 rows as in prefill;
-/// 269 MB per layout in BF16, so nothing stays cached) as raw and packed,
-/// interleaved, 2 threads.
+/// and the LM head, which is left out by default above 16 rows as in
+/// prefill; 269 MB per layout in BF16, so nothing stays cached) as raw and
+/// packed, interleaved, 2 threads.
 #[cfg(test)]
 mod bench {
     use super::*;
