@@ -17,6 +17,7 @@
 
 use super::bf16::{Line, PackedBf16, BLOCK_ROWS};
 use super::bf16_hw::Bf16Acts;
+use super::packed_kernels::schedule_tiles;
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -67,11 +68,6 @@ pub unsafe fn dot_blocks(
     );
 }
 
-/// Up to this many row groups, blocks go in the outer loop.
-const FEW_GROUPS: usize = 4;
-/// With several row groups, how many block steps ahead the prefetch runs
-/// (as `bf16_kernels.rs` measured for the f32 kernels).
-const GROUP_PREFETCH_STEPS: usize = 4;
 /// How far ahead (in lines of one block) the 1–2 row tiles prefetch.
 const PREFETCH_LINES: usize = 32;
 /// Most activation rows of one register tile.
@@ -94,12 +90,6 @@ pub(crate) unsafe fn dot_blocks_with<O: DotOps>(
     if m == 0 {
         return;
     }
-    let groups = m.div_ceil(MAX_ROWS);
-    let group_rows = |g: usize| {
-        let r0 = g * m / groups;
-        (r0, (g + 1) * m / groups - r0)
-    };
-    let nb_at = |b: usize| if b1 - b >= 2 { 2 } else { 1 };
     let run = |r: usize, mr: usize, b: usize, nb: usize, ahead: (usize, usize)| {
         let t = Tile {
             ahead,
@@ -113,33 +103,7 @@ pub(crate) unsafe fn dot_blocks_with<O: DotOps>(
         };
         dispatch::<O>(mr, nb, t);
     };
-    if groups <= FEW_GROUPS {
-        // Batched decode: every group meets a block while it is in L1; the
-        // groups split the prefetch of the blocks a few steps ahead.
-        let steps = if groups > 1 { GROUP_PREFETCH_STEPS } else { 1 };
-        let mut b = b0;
-        while b < b1 {
-            let nb = nb_at(b);
-            for g in 0..groups {
-                let (r, mr) = group_rows(g);
-                let (first, end) = (g * nb / groups, (g + 1) * nb / groups);
-                run(r, mr, b, nb, (steps * nb + first, end - first));
-            }
-            b += nb;
-        }
-    } else {
-        // Prefill: a group's activations stay in L1 while it meets every
-        // block of this call (which stay in L2 for the next group).
-        for g in 0..groups {
-            let (r, mr) = group_rows(g);
-            let mut b = b0;
-            while b < b1 {
-                let nb = nb_at(b);
-                run(r, mr, b, nb, (nb, nb));
-                b += nb;
-            }
-        }
-    }
+    schedule_tiles(m, MAX_ROWS, b0, b1, true, true, run);
 }
 
 unsafe fn dispatch<O: DotOps>(mr: usize, nb: usize, t: Tile) {

@@ -43,19 +43,7 @@ pub unsafe fn packed_blocks<E: PackedElem>(
         Isa::Avx512 => E::TILE_ROWS.min(MAX_TILE_ROWS),
         _ => 4,
     };
-    // Row groups of nearly equal size (12 rows: 6 + 6, not 8 + 4).
-    let groups = m.div_ceil(max_rows);
-    let group_rows = |g: usize| {
-        let r0 = g * m / groups;
-        (r0, (g + 1) * m / groups - r0)
-    };
-    let nb_at = |b: usize| {
-        if isa == Isa::Avx512 && b1 - b >= 2 {
-            2
-        } else {
-            1
-        }
-    };
+    let pair_blocks = isa == Isa::Avx512;
     let run = |r: usize, mr: usize, b: usize, nb: usize, ahead: (usize, usize)| {
         let t = Tile::<E> {
             ahead,
@@ -80,6 +68,30 @@ pub unsafe fn packed_blocks<E: PackedElem>(
             _ => tile_scalar(mr, t),
         }
     };
+    schedule_tiles(m, max_rows, b0, b1, pair_blocks, E::PREFILL_PREFETCH, run);
+}
+
+/// Runs a call's register tiles over activation rows `0..m` and weight
+/// blocks `b0..b1` in the order that keeps them in cache, as
+/// `run(first_row, rows, block, blocks, ahead)`: row groups of at most
+/// `max_rows`, of nearly equal size (12 rows: 6 + 6, not 8 + 4), and two
+/// blocks per tile where `pair_blocks` (one at the end). `ahead` is what
+/// the tile prefetches: (distance in lines of `blocks` blocks, its share).
+pub(crate) fn schedule_tiles(
+    m: usize,
+    max_rows: usize,
+    b0: usize,
+    b1: usize,
+    pair_blocks: bool,
+    prefill_prefetch: bool,
+    mut run: impl FnMut(usize, usize, usize, usize, (usize, usize)),
+) {
+    let groups = m.div_ceil(max_rows);
+    let group_rows = |g: usize| {
+        let r0 = g * m / groups;
+        (r0, (g + 1) * m / groups - r0)
+    };
+    let nb_at = |b: usize| if pair_blocks && b1 - b >= 2 { 2 } else { 1 };
     if groups <= FEW_GROUPS {
         // Batched decode: all rows meet each block while it is in L1, and
         // the tiles prefetch the next blocks, so reading the weights from
@@ -108,7 +120,7 @@ pub unsafe fn packed_blocks<E: PackedElem>(
             let mut b = b0;
             while b < b1 {
                 let nb = nb_at(b);
-                let ahead = if E::PREFILL_PREFETCH { nb } else { 0 };
+                let ahead = if prefill_prefetch { nb } else { 0 };
                 run(r, mr, b, nb, (nb, ahead));
                 b += nb;
             }
