@@ -67,20 +67,24 @@ pub unsafe fn block(
         s.keys_t.resize(hd * padded, 0.0);
         s.values.resize(n_pos * hd, 0.0);
         s.scores.resize(MAX_QUERIES * padded, 0.0);
-        // Through a raw pointer: stores into the Vec would make the
-        // compiler reload its pointer for every element.
+        // Keys transposed 16 positions × 16 dims at a time; positions past
+        // n_pos (None) come out as the zero padding the score kernels read.
         let kt = s.keys_t.as_mut_ptr();
-        for p in 0..n_pos {
-            let base = seq.kv.slot(p) * kv_width + kv_head * hd;
-            let k = &keys[base..base + hd];
-            for (d, &v) in k.iter().enumerate() {
-                // SAFETY: d < hd and p < n_pos <= padded, within hd · padded.
-                *kt.add(d * padded + p) = v;
+        let mut rows: [Option<&[f32]>; 16] = [None; 16];
+        for p0 in (0..padded).step_by(16) {
+            for (j, row) in rows.iter_mut().enumerate() {
+                let p = p0 + j;
+                *row = (p < n_pos).then(|| {
+                    let base = seq.kv.slot(p) * kv_width + kv_head * hd;
+                    s.values[p * hd..(p + 1) * hd].copy_from_slice(&values[base..base + hd]);
+                    &keys[base..base + hd]
+                });
             }
-            s.values[p * hd..(p + 1) * hd].copy_from_slice(&values[base..base + hd]);
-        }
-        for d in 0..hd {
-            s.keys_t[d * padded + n_pos..(d + 1) * padded].fill(0.0);
+            for d0 in (0..hd).step_by(16) {
+                // SAFETY: hd % 16 == 0 and p0 + 16 <= padded, so the 16
+                // rows `d0..d0 + 16` of columns `p0..p0 + 16` lie in keys_t.
+                transpose16(&rows, d0, kt.add(d0 * padded + p0), padded);
+            }
         }
         for i in first..last {
             let row = seq.start + i;
@@ -116,6 +120,60 @@ pub unsafe fn block(
             }
         }
     });
+}
+
+/// `out[d·stride + j] = rows[j][d0 + d]` for `d, j < 16` (0 where `rows[j]`
+/// is `None`): one 16 × 16 block, transposed in registers.
+///
+/// # Safety
+/// AVX-512F must be available; every row holds `d0 + 16` values; `out`
+/// points at 16 rows of 16 writable floats, `stride` apart.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose16(rows: &[Option<&[f32]>; 16], d0: usize, out: *mut f32, stride: usize) {
+    let r: [__m512; 16] = std::array::from_fn(|j| match rows[j] {
+        Some(row) => _mm512_loadu_ps(row[d0..d0 + 16].as_ptr()),
+        None => _mm512_setzero_ps(),
+    });
+    // t[2g], t[2g+1]: rows 2g, 2g+1 interleaved (dims 4k, 4k+1 / 4k+2, 4k+3 of lane k).
+    let t: [__m512; 16] = std::array::from_fn(|i| {
+        let (a, b) = (r[i & !1], r[i | 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_ps(a, b)
+        } else {
+            _mm512_unpackhi_ps(a, b)
+        }
+    });
+    // u[4g + i]: lane k holds dim 4k + i of rows 4g..4g + 4.
+    let u: [__m512; 16] = std::array::from_fn(|n| {
+        let (g, i) = (n / 4, n % 4);
+        let (a, b) = (t[4 * g + i / 2], t[4 * g + 2 + i / 2]);
+        if i % 2 == 0 {
+            _mm512_shuffle_ps::<0x44>(a, b)
+        } else {
+            _mm512_shuffle_ps::<0xEE>(a, b)
+        }
+    });
+    // v[8h + i], v[8h + 4 + i]: dims (i, 8 + i) and (4 + i, 12 + i) of rows 8h..8h + 8.
+    let v: [__m512; 16] = std::array::from_fn(|n| {
+        let (h, hi, i) = (n / 8, (n / 4) % 2, n % 4);
+        let (a, b) = (u[8 * h + i], u[8 * h + 4 + i]);
+        if hi == 0 {
+            _mm512_shuffle_f32x4::<0x88>(a, b)
+        } else {
+            _mm512_shuffle_f32x4::<0xDD>(a, b)
+        }
+    });
+    // Dim d: i = d % 4, from v[i + 4·((d / 4) % 2)] and the same of rows 8..16.
+    for d in 0..16 {
+        let n = d % 4 + 4 * ((d / 4) % 2);
+        let w = if d < 8 {
+            _mm512_shuffle_f32x4::<0x88>(v[n], v[8 + n])
+        } else {
+            _mm512_shuffle_f32x4::<0xDD>(v[n], v[8 + n])
+        };
+        _mm512_storeu_ps(out.add(d * stride), w);
+    }
 }
 
 /// `Q` query heads of one row: query `j` at `q + j·hd`, its output at
@@ -229,6 +287,41 @@ unsafe fn sum_chunk<const Q: usize, const W: usize>(
         let s = _mm512_set1_ps(inv_sums[j]);
         for (i, a) in acc_j.iter().enumerate() {
             _mm512_storeu_ps(qs.out.add(j * qs.hd + d0 + 16 * i), _mm512_mul_ps(*a, s));
+        }
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::matmul::tests::pseudo_random;
+
+    #[test]
+    fn transpose16_matches_scalar_with_missing_rows() {
+        if !is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let data = pseudo_random(16 * 48, 5);
+        for missing in [0usize, 1, 7, 16] {
+            let rows: [Option<&[f32]>; 16] =
+                std::array::from_fn(|j| (j < 16 - missing).then(|| &data[j * 48..(j + 1) * 48]));
+            for d0 in [0, 16, 32] {
+                let stride = 21;
+                let mut out = vec![f32::NAN; 15 * stride + 16];
+                // SAFETY: AVX-512F checked; rows hold 48 >= d0 + 16 values;
+                // out holds 16 rows of 16, `stride` apart.
+                unsafe { transpose16(&rows, d0, out.as_mut_ptr(), stride) };
+                for d in 0..16 {
+                    for j in 0..16 {
+                        let want = rows[j].map_or(0.0, |r| r[d0 + d]);
+                        assert_eq!(
+                            out[d * stride + j],
+                            want,
+                            "missing={missing} d0={d0} [{d}][{j}]"
+                        );
+                    }
+                }
+            }
         }
     }
 }
