@@ -22,13 +22,20 @@ pub const ROW_BLOCK: usize = 16;
 /// Query heads of one row that share a pass over the keys and values.
 const MAX_QUERIES: usize = 4;
 
+/// Positions per chunk of keys or values that all queries of a block meet
+/// in turn (64 × head_dim 64 × 4 B = 16 KiB).
+const POS_CHUNK: usize = 64;
+
 #[derive(Default)]
 struct Scratch {
     /// `[head_dim][positions]`, positions padded to a multiple of 16.
     keys_t: Vec<f32>,
     /// `[positions][head_dim]`.
     values: Vec<f32>,
+    /// `[query][positions]` of the block's queries (row-major by row, then head).
     scores: Vec<f32>,
+    /// `1 / Σ exp` per query.
+    inv_sums: Vec<f32>,
 }
 
 thread_local! {
@@ -86,37 +93,73 @@ pub unsafe fn block(
                 transpose16(&rows, d0, kt.add(d0 * padded + p0), padded);
             }
         }
-        for i in first..last {
+        // Every query of the block meets a chunk of keys (then of values)
+        // while it is in L1: scores chunk by chunk, softmax per query, then
+        // the weighted sums chunk by chunk, accumulated in `out`.
+        let n_queries = (last - first) * group;
+        s.scores.resize(n_queries * padded, 0.0);
+        s.inv_sums.resize(n_queries, 0.0);
+        // Row i's passes of up to MAX_QUERIES heads: (index of the pass's
+        // first query in the block, heads in the pass, their queries).
+        let passes = |i: usize| {
             let row = seq.start + i;
-            let visible = seq.context_len + i + 1;
-            let mut head = kv_head * group;
-            while head < (kv_head + 1) * group {
-                // Heads `head..head + n` are `hd` apart in the query and output rows.
-                let n = ((kv_head + 1) * group - head).min(MAX_QUERIES);
-                let queries = Queries {
+            (0..group).step_by(MAX_QUERIES).map(move |h0| {
+                let head = kv_head * group + h0;
+                let qs = Queries {
                     q: q.as_ptr().add(row * q_stride + head * hd),
                     out: out.add(row * h * hd + head * hd),
                     hd,
                     padded,
-                    visible,
                 };
-                match n {
-                    1 => scores::<1>(queries, &s.keys_t, shape.scale, &mut s.scores),
-                    2 => scores::<2>(queries, &s.keys_t, shape.scale, &mut s.scores),
-                    3 => scores::<3>(queries, &s.keys_t, shape.scale, &mut s.scores),
-                    _ => scores::<4>(queries, &s.keys_t, shape.scale, &mut s.scores),
+                ((i - first) * group + h0, (group - h0).min(MAX_QUERIES), qs)
+            })
+        };
+        for p0 in (0..padded).step_by(POS_CHUNK) {
+            for i in first..last {
+                let end = (seq.context_len + i + 1).div_ceil(16) * 16;
+                if p0 >= end {
+                    continue;
                 }
-                let mut inv_sums = [0f32; MAX_QUERIES];
-                for (j, inv) in inv_sums.iter_mut().enumerate().take(n) {
-                    *inv = softmax_unnormalized(&mut s.scores[j * padded..j * padded + visible]);
+                let w = (end.min(p0 + POS_CHUNK) - p0) / 16;
+                for (j, n, qs) in passes(i) {
+                    let sc = &mut s.scores[j * padded..];
+                    score_chunk(n, w, qs, &s.keys_t, p0, shape.scale, sc);
                 }
-                match n {
-                    1 => weighted_sum::<1>(queries, &s.scores, &s.values, &inv_sums),
-                    2 => weighted_sum::<2>(queries, &s.scores, &s.values, &inv_sums),
-                    3 => weighted_sum::<3>(queries, &s.scores, &s.values, &inv_sums),
-                    _ => weighted_sum::<4>(queries, &s.scores, &s.values, &inv_sums),
+            }
+        }
+        for i in first..last {
+            let visible = seq.context_len + i + 1;
+            for j in (i - first) * group..(i - first + 1) * group {
+                let sc = &mut s.scores[j * padded..j * padded + visible];
+                s.inv_sums[j] = softmax_unnormalized(sc);
+            }
+        }
+        for p0 in (0..n_pos).step_by(POS_CHUNK) {
+            for i in first..last {
+                let visible = seq.context_len + i + 1;
+                if p0 >= visible {
+                    continue;
                 }
-                head += n;
+                for (j, n, qs) in passes(i) {
+                    let span = (p0, visible.min(p0 + POS_CHUNK));
+                    let mut d0 = 0;
+                    while d0 < hd {
+                        let w = (hd - d0).min(64) / 16;
+                        sum_chunk(n, w, qs, &s.scores[j * padded..], &s.values, span, d0);
+                        d0 += w * 16;
+                    }
+                }
+            }
+        }
+        for i in first..last {
+            let row = out.add((seq.start + i) * h * hd + kv_head * group * hd);
+            for (hj, &inv) in s.inv_sums[(i - first) * group..][..group]
+                .iter()
+                .enumerate()
+            {
+                for d in 0..hd {
+                    *row.add(hj * hd + d) *= inv;
+                }
             }
         }
     });
@@ -176,47 +219,64 @@ unsafe fn transpose16(rows: &[Option<&[f32]>; 16], d0: usize, out: *mut f32, str
     }
 }
 
-/// `Q` query heads of one row: query `j` at `q + j·hd`, its output at
-/// `out + j·hd`, its scores at `scores[j·padded..]`; positions `0..visible`.
+/// Query heads of one row: query `j` at `q + j·hd`, its output at
+/// `out + j·hd`, its scores `padded` apart.
 #[derive(Clone, Copy)]
 struct Queries {
     q: *const f32,
     out: *mut f32,
     hd: usize,
     padded: usize,
-    visible: usize,
 }
 
-/// `scores[j·padded + p] = scale · q_j · k_p` for `j < Q`, `p < visible`
-/// (whole 16-blocks are written).
+/// `scores[j·padded + p] = scale · q_j · k_p` for the `n` queries `j` and
+/// positions `p0..p0 + 16·w` (`n <= MAX_QUERIES`, `w <= 4`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn scores<const Q: usize>(qs: Queries, keys_t: &[f32], scale: f32, out: &mut [f32]) {
-    let end = qs.visible.div_ceil(16) * 16;
-    let mut p = 0;
-    while p + 64 <= end {
-        score_chunk::<Q, 4>(qs, keys_t, p, scale, out);
-        p += 64;
+unsafe fn score_chunk(
+    n: usize,
+    w: usize,
+    qs: Queries,
+    keys_t: &[f32],
+    p0: usize,
+    scale: f32,
+    scores: &mut [f32],
+) {
+    macro_rules! go {
+        ($q:literal, $w:literal) => {
+            score_chunk_qw::<$q, $w>(qs, keys_t, p0, scale, scores)
+        };
     }
-    match (end - p) / 16 {
-        3 => score_chunk::<Q, 3>(qs, keys_t, p, scale, out),
-        2 => score_chunk::<Q, 2>(qs, keys_t, p, scale, out),
-        1 => score_chunk::<Q, 1>(qs, keys_t, p, scale, out),
-        _ => {}
+    match (n, w) {
+        (1, 1) => go!(1, 1),
+        (1, 2) => go!(1, 2),
+        (1, 3) => go!(1, 3),
+        (1, _) => go!(1, 4),
+        (2, 1) => go!(2, 1),
+        (2, 2) => go!(2, 2),
+        (2, 3) => go!(2, 3),
+        (2, _) => go!(2, 4),
+        (3, 1) => go!(3, 1),
+        (3, 2) => go!(3, 2),
+        (3, 3) => go!(3, 3),
+        (3, _) => go!(3, 4),
+        (_, 1) => go!(4, 1),
+        (_, 2) => go!(4, 2),
+        (_, 3) => go!(4, 3),
+        _ => go!(4, 4),
     }
 }
 
-/// [`scores`] for positions `p..p + 16·W`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn score_chunk<const Q: usize, const W: usize>(
+unsafe fn score_chunk_qw<const Q: usize, const W: usize>(
     qs: Queries,
     keys_t: &[f32],
     p: usize,
     scale: f32,
     out: &mut [f32],
 ) {
-    debug_assert!(keys_t.len() >= qs.hd * qs.padded && out.len() >= Q * qs.padded);
+    assert!(keys_t.len() >= qs.hd * qs.padded && out.len() >= (Q - 1) * qs.padded + p + 16 * W);
     let kt = keys_t.as_ptr();
     let mut acc = [[_mm512_setzero_ps(); W]; Q];
     for d in 0..qs.hd {
@@ -238,42 +298,66 @@ unsafe fn score_chunk<const Q: usize, const W: usize>(
     }
 }
 
-/// `out_j = inv_sums[j] · Σ_p scores[j·padded + p] · values[p]` for `j < Q`.
+/// `out_j[d0..d0 + 16·w] (+)= Σ_{p in span} scores[j·padded + p] ·
+/// values[p][d0..]` for the `n` queries `j`, accumulating onto `out_j`
+/// after the first chunk (`span.0 > 0`); the softmax scaling comes later.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn weighted_sum<const Q: usize>(
+unsafe fn sum_chunk(
+    n: usize,
+    w: usize,
     qs: Queries,
     scores: &[f32],
     values: &[f32],
-    inv_sums: &[f32; MAX_QUERIES],
+    span: (usize, usize),
+    d0: usize,
 ) {
-    let mut d0 = 0;
-    while d0 < qs.hd {
-        let width = (qs.hd - d0).min(64) / 16;
-        match width {
-            4 => sum_chunk::<Q, 4>(qs, scores, values, inv_sums, d0),
-            3 => sum_chunk::<Q, 3>(qs, scores, values, inv_sums, d0),
-            2 => sum_chunk::<Q, 2>(qs, scores, values, inv_sums, d0),
-            _ => sum_chunk::<Q, 1>(qs, scores, values, inv_sums, d0),
-        }
-        d0 += width * 16;
+    macro_rules! go {
+        ($q:literal, $w:literal) => {
+            sum_chunk_qw::<$q, $w>(qs, scores, values, span, d0)
+        };
+    }
+    match (n, w) {
+        (1, 1) => go!(1, 1),
+        (1, 2) => go!(1, 2),
+        (1, 3) => go!(1, 3),
+        (1, _) => go!(1, 4),
+        (2, 1) => go!(2, 1),
+        (2, 2) => go!(2, 2),
+        (2, 3) => go!(2, 3),
+        (2, _) => go!(2, 4),
+        (3, 1) => go!(3, 1),
+        (3, 2) => go!(3, 2),
+        (3, 3) => go!(3, 3),
+        (3, _) => go!(3, 4),
+        (_, 1) => go!(4, 1),
+        (_, 2) => go!(4, 2),
+        (_, 3) => go!(4, 3),
+        _ => go!(4, 4),
     }
 }
 
-/// [`weighted_sum`] for dimensions `d0..d0 + 16·W`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn sum_chunk<const Q: usize, const W: usize>(
+unsafe fn sum_chunk_qw<const Q: usize, const W: usize>(
     qs: Queries,
     scores: &[f32],
     values: &[f32],
-    inv_sums: &[f32; MAX_QUERIES],
+    (p0, p1): (usize, usize),
     d0: usize,
 ) {
-    debug_assert!(values.len() >= qs.visible * qs.hd && scores.len() >= Q * qs.padded);
+    assert!(values.len() >= p1 * qs.hd && scores.len() >= (Q - 1) * qs.padded + p1);
+    assert!(d0 + 16 * W <= qs.hd);
     let (v, w) = (values.as_ptr(), scores.as_ptr());
     let mut acc = [[_mm512_setzero_ps(); W]; Q];
-    for p in 0..qs.visible {
+    if p0 > 0 {
+        for (j, acc_j) in acc.iter_mut().enumerate() {
+            for (i, a) in acc_j.iter_mut().enumerate() {
+                *a = _mm512_loadu_ps(qs.out.add(j * qs.hd + d0 + 16 * i));
+            }
+        }
+    }
+    for p in p0..p1 {
         let row = v.add(p * qs.hd + d0);
         let vv: [__m512; W] = std::array::from_fn(|j| _mm512_loadu_ps(row.add(16 * j)));
         for (j, acc_j) in acc.iter_mut().enumerate() {
@@ -284,9 +368,8 @@ unsafe fn sum_chunk<const Q: usize, const W: usize>(
         }
     }
     for (j, acc_j) in acc.iter().enumerate() {
-        let s = _mm512_set1_ps(inv_sums[j]);
         for (i, a) in acc_j.iter().enumerate() {
-            _mm512_storeu_ps(qs.out.add(j * qs.hd + d0 + 16 * i), _mm512_mul_ps(*a, s));
+            _mm512_storeu_ps(qs.out.add(j * qs.hd + d0 + 16 * i), *a);
         }
     }
 }
