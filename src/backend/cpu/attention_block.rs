@@ -26,6 +26,30 @@ const MAX_QUERIES: usize = 4;
 /// in turn (64 × head_dim 64 × 4 B = 16 KiB).
 const POS_CHUNK: usize = 64;
 
+/// `$f::<Q, W>(args)` for `Q = n`, `W = w` (1 to 4 each; more counts as 4).
+macro_rules! dispatch_qw {
+    ($f:ident, $n:expr, $w:expr, ($($a:expr),*)) => {
+        match ($n, $w) {
+            (1, 1) => $f::<1, 1>($($a),*),
+            (1, 2) => $f::<1, 2>($($a),*),
+            (1, 3) => $f::<1, 3>($($a),*),
+            (1, _) => $f::<1, 4>($($a),*),
+            (2, 1) => $f::<2, 1>($($a),*),
+            (2, 2) => $f::<2, 2>($($a),*),
+            (2, 3) => $f::<2, 3>($($a),*),
+            (2, _) => $f::<2, 4>($($a),*),
+            (3, 1) => $f::<3, 1>($($a),*),
+            (3, 2) => $f::<3, 2>($($a),*),
+            (3, 3) => $f::<3, 3>($($a),*),
+            (3, _) => $f::<3, 4>($($a),*),
+            (_, 1) => $f::<4, 1>($($a),*),
+            (_, 2) => $f::<4, 2>($($a),*),
+            (_, 3) => $f::<4, 3>($($a),*),
+            _ => $f::<4, 4>($($a),*),
+        }
+    };
+}
+
 #[derive(Default)]
 struct Scratch {
     /// `[head_dim][positions]`, positions padded to a multiple of 16.
@@ -123,7 +147,7 @@ pub unsafe fn block(
                 let w = (end.min(p0 + POS_CHUNK) - p0) / 16;
                 for (j, n, qs) in passes(i) {
                     let sc = &mut s.scores[j * padded..];
-                    score_chunk(n, w, qs, &s.keys_t, p0, shape.scale, sc);
+                    dispatch_qw!(score_chunk, n, w, (qs, &s.keys_t, p0, shape.scale, sc));
                 }
             }
         }
@@ -145,7 +169,8 @@ pub unsafe fn block(
                     let mut d0 = 0;
                     while d0 < hd {
                         let w = (hd - d0).min(64) / 16;
-                        sum_chunk(n, w, qs, &s.scores[j * padded..], &s.values, span, d0);
+                        let sc = &s.scores[j * padded..];
+                        dispatch_qw!(sum_chunk, n, w, (qs, sc, &s.values, span, d0));
                         d0 += w * 16;
                     }
                 }
@@ -229,47 +254,11 @@ struct Queries {
     padded: usize,
 }
 
-/// `scores[j·padded + p] = scale · q_j · k_p` for the `n` queries `j` and
-/// positions `p0..p0 + 16·w` (`n <= MAX_QUERIES`, `w <= 4`).
+/// `scores[j·padded + p] = scale · q_j · k_p` for the `Q` queries `j` and
+/// positions `p..p + 16·W`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn score_chunk(
-    n: usize,
-    w: usize,
-    qs: Queries,
-    keys_t: &[f32],
-    p0: usize,
-    scale: f32,
-    scores: &mut [f32],
-) {
-    macro_rules! go {
-        ($q:literal, $w:literal) => {
-            score_chunk_qw::<$q, $w>(qs, keys_t, p0, scale, scores)
-        };
-    }
-    match (n, w) {
-        (1, 1) => go!(1, 1),
-        (1, 2) => go!(1, 2),
-        (1, 3) => go!(1, 3),
-        (1, _) => go!(1, 4),
-        (2, 1) => go!(2, 1),
-        (2, 2) => go!(2, 2),
-        (2, 3) => go!(2, 3),
-        (2, _) => go!(2, 4),
-        (3, 1) => go!(3, 1),
-        (3, 2) => go!(3, 2),
-        (3, 3) => go!(3, 3),
-        (3, _) => go!(3, 4),
-        (_, 1) => go!(4, 1),
-        (_, 2) => go!(4, 2),
-        (_, 3) => go!(4, 3),
-        _ => go!(4, 4),
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn score_chunk_qw<const Q: usize, const W: usize>(
+unsafe fn score_chunk<const Q: usize, const W: usize>(
     qs: Queries,
     keys_t: &[f32],
     p: usize,
@@ -298,48 +287,12 @@ unsafe fn score_chunk_qw<const Q: usize, const W: usize>(
     }
 }
 
-/// `out_j[d0..d0 + 16·w] (+)= Σ_{p in span} scores[j·padded + p] ·
-/// values[p][d0..]` for the `n` queries `j`, accumulating onto `out_j`
+/// `out_j[d0..d0 + 16·W] (+)= Σ_{p in span} scores[j·padded + p] ·
+/// values[p][d0..]` for the `Q` queries `j`, accumulating onto `out_j`
 /// after the first chunk (`span.0 > 0`); the softmax scaling comes later.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn sum_chunk(
-    n: usize,
-    w: usize,
-    qs: Queries,
-    scores: &[f32],
-    values: &[f32],
-    span: (usize, usize),
-    d0: usize,
-) {
-    macro_rules! go {
-        ($q:literal, $w:literal) => {
-            sum_chunk_qw::<$q, $w>(qs, scores, values, span, d0)
-        };
-    }
-    match (n, w) {
-        (1, 1) => go!(1, 1),
-        (1, 2) => go!(1, 2),
-        (1, 3) => go!(1, 3),
-        (1, _) => go!(1, 4),
-        (2, 1) => go!(2, 1),
-        (2, 2) => go!(2, 2),
-        (2, 3) => go!(2, 3),
-        (2, _) => go!(2, 4),
-        (3, 1) => go!(3, 1),
-        (3, 2) => go!(3, 2),
-        (3, 3) => go!(3, 3),
-        (3, _) => go!(3, 4),
-        (_, 1) => go!(4, 1),
-        (_, 2) => go!(4, 2),
-        (_, 3) => go!(4, 3),
-        _ => go!(4, 4),
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn sum_chunk_qw<const Q: usize, const W: usize>(
+unsafe fn sum_chunk<const Q: usize, const W: usize>(
     qs: Queries,
     scores: &[f32],
     values: &[f32],
