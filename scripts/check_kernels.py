@@ -7,7 +7,14 @@ that does not compile fails here, on a machine without a GPU.
 NVRTC comes from the `nvidia-cuda-nvrtc` wheel (PyPI), unpacked once into
 ~/.cache/nanoinfer/nvrtc (no pip install, no CUDA toolkit needed).
 
+With --ptxas the PTX also goes through ptxas (from the `nvidia-cuda-nvcc`
+wheel, 47 MB, unpacked once the same way), as the driver does when it loads
+the module: that catches what NVRTC lets through (too much shared memory per
+block, instructions the architecture lacks). --resources REGEX prints
+ptxas's registers / shared memory / spills for the kernels it matches.
+
     python3 scripts/check_kernels.py [--arch 80,90] [--nvrtc PATH/libnvrtc.so]
+                                     [--ptxas [--resources 'w4a?_mm']] [-D NAME=VALUE ...]
 """
 import argparse
 import ctypes
@@ -41,6 +48,53 @@ def find_nvrtc():
     return hits[0]
 
 
+def find_ptxas():
+    hits = glob.glob(os.path.join(CACHE, "nvidia", "*", "bin", "ptxas"))
+    if hits:
+        return hits[0]
+    wheels = os.path.join(CACHE, "wheel-nvcc")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", wheels, "nvidia-cuda-nvcc"],
+        check=True,
+    )
+    for whl in glob.glob(os.path.join(wheels, "*.whl")):
+        with zipfile.ZipFile(whl) as z:
+            for name in z.namelist():
+                if name.endswith("/bin/ptxas"):
+                    z.extract(name, CACHE)
+    hits = glob.glob(os.path.join(CACHE, "nvidia", "*", "bin", "ptxas"))
+    if not hits:
+        sys.exit("check_kernels: the nvidia-cuda-nvcc wheel holds no bin/ptxas")
+    os.chmod(hits[0], 0o755)
+    return hits[0]
+
+
+def run_ptxas(ptxas, ptx, arch, resources):
+    """(ok, report): ptxas's errors, or the resource lines of the kernels `resources` matches."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "module.ptx")
+        with open(src, "wb") as f:
+            f.write(ptx)
+        cmd = [ptxas, f"-arch=sm_{arch}", "-o", os.path.join(tmp, "module.cubin"), src]
+        if resources:
+            cmd.insert(1, "-v")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return False, proc.stderr.strip()
+    if not resources:
+        return True, ""
+    lines, current = [], None
+    for line in proc.stderr.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            current = m.group(1)
+        elif current and re.search(resources, current) and ("Used" in line or "spill" in line):
+            lines.append(f"  {current}: {line.split(':', 1)[-1].strip()}")
+    return True, "\n".join(lines)
+
+
 def module_files():
     """The .cu files of the module, in the order src/backend/cuda/kernels.rs embeds them."""
     rs = open(os.path.join(ROOT, "src", "backend", "cuda", "kernels.rs")).read()
@@ -50,10 +104,11 @@ def module_files():
     return files
 
 
-def compile_once(lib, source, arch, f16):
+def compile_once(lib, source, arch, f16, defines=()):
     prog = ctypes.c_void_p()
     check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"decoder.cu", 0, None, None), "create")
     opts = [f"--gpu-architecture=compute_{arch}".encode(), f"-DNI_F16={f16}".encode()]
+    opts += [f"-D{d}".encode() for d in defines]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     status = lib.nvrtcCompileProgram(prog, len(opts), arr)
     size = ctypes.c_size_t()
@@ -62,8 +117,11 @@ def compile_once(lib, source, arch, f16):
     lib.nvrtcGetProgramLog(prog, log)
     ptx_size = ctypes.c_size_t()
     lib.nvrtcGetPTXSize(prog, ctypes.byref(ptx_size))
+    ptx = ctypes.create_string_buffer(ptx_size.value)
+    if status == 0:
+        lib.nvrtcGetPTX(prog, ptx)
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return status, log.value.decode(errors="replace").strip(), ptx_size.value
+    return status, log.value.decode(errors="replace").strip(), ptx.raw.rstrip(b"\0")
 
 
 def check(lib, status, what):
@@ -76,19 +134,27 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="80,90", help="compute capabilities, e.g. 80,89,90")
     ap.add_argument("--nvrtc", help="path of libnvrtc.so (default: the cached wheel)")
+    ap.add_argument("--ptxas", action="store_true", help="also assemble the PTX with ptxas")
+    ap.add_argument("--resources", help="with --ptxas: print resources of kernels matching this regex")
+    ap.add_argument("-D", dest="defines", action="append", default=[], help="NAME=VALUE, as NANOINFER_CUDA_DEFINES")
     args = ap.parse_args()
     lib = ctypes.CDLL(args.nvrtc or find_nvrtc())
+    ptxas = find_ptxas() if args.ptxas else None
     source = b"".join(open(os.path.join(ROOT, "kernels", f), "rb").read() for f in module_files())
     failed = False
     for arch in args.arch.split(","):
         for f16 in (0, 1):
-            status, log, ptx = compile_once(lib, source, arch.strip(), f16)
+            status, log, ptx = compile_once(lib, source, arch.strip(), f16, args.defines)
             dtype = "f16" if f16 else "bf16"
             if status != 0:
                 failed = True
                 print(f"sm_{arch} {dtype}: FAILED\n{log}")
-            else:
-                print(f"sm_{arch} {dtype}: ok ({ptx} bytes of PTX)" + (f"\n{log}" if log else ""))
+                continue
+            print(f"sm_{arch} {dtype}: ok ({len(ptx)} bytes of PTX)" + (f"\n{log}" if log else ""))
+            if ptxas:
+                ok, report = run_ptxas(ptxas, ptx, arch.strip(), args.resources)
+                failed |= not ok
+                print(f"sm_{arch} {dtype} ptxas: {'ok' if ok else 'FAILED'}" + (f"\n{report}" if report else ""))
     sys.exit(1 if failed else 0)
 
 
