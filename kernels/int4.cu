@@ -106,15 +106,21 @@ struct W4Stage {
     unsigned sz[W4_D][T][2];
 };
 
+// input / group without a division: group_magic = 2³² / group + 1 (exact
+// for inputs < 2³² / group).
+__device__ __forceinline__ int w4_group_of(int input, unsigned group_magic) {
+    return (int)__umulhi((unsigned)input, group_magic);
+}
+
 template <int T, int NT>
-__device__ __forceinline__ void w4_load(W4Stage<T, NT>& st, int c0, int chunks, int group,
+__device__ __forceinline__ void w4_load(W4Stage<T, NT>& st, int c0, int chunks, unsigned group_magic,
                                         const uint4* const (&wt)[T], const unsigned* const (&szt)[T],
                                         const uint4* const (&xr)[NT], const bool (&live)[NT]) {
 #pragma unroll
     for (int d = 0; d < W4_D; d++) {
         const int c = c0 + d * W4_WARPS;
         if (c >= chunks) break;
-        const int gi = c * W4_CHUNK / group;
+        const int gi = w4_group_of(c * W4_CHUNK, group_magic);
 #pragma unroll
         for (int i = 0; i < T; i++) {
             st.w[d][i] = __ldg(wt[i] + (size_t)c * 32);
@@ -139,6 +145,10 @@ __device__ __forceinline__ void w4_compute(W4Stage<T, NT>& st, int c0, int chunk
     for (int d = 0; d < W4_D; d++) {
         const int c = c0 + d * W4_WARPS;
         if (c >= chunks) break;
+        // −(MAGIC + z) of rows g and g + 8, once per group rather than per
+        // k-step at one n-tile; the wider kernels' accumulators leave no
+        // registers for it, so they recompute it.
+        unsigned nz[T][2];
 #pragma unroll
         for (int s = 0; s < 4; s++) {
             if (s == 2 && group32) {  // the chunk's second 32-input group
@@ -149,12 +159,22 @@ __device__ __forceinline__ void w4_compute(W4Stage<T, NT>& st, int c0, int chunk
                     st.sz[d][i][1] = __ldg(szt[i] + gi * 16 + 8);
                 }
             }
+            if (NT == 1 && (s == 0 || (s == 2 && group32))) {
+#pragma unroll
+                for (int i = 0; i < T; i++) {
+                    nz[i][0] = w4_neg_zero(st.sz[d][i][0]);
+                    nz[i][1] = w4_neg_zero(st.sz[d][i][1]);
+                }
+            }
 #pragma unroll
             for (int i = 0; i < T; i++) {
                 const uint4 wq4 = st.w[d][i];
                 const unsigned w = s == 0 ? wq4.x : s == 1 ? wq4.y : s == 2 ? wq4.z : wq4.w;
                 unsigned a[4];
-                w4_fragment(w, w4_neg_zero(st.sz[d][i][0]), w4_neg_zero(st.sz[d][i][1]), a);
+                if (NT == 1)
+                    w4_fragment(w, nz[i][0], nz[i][1], a);
+                else
+                    w4_fragment(w, w4_neg_zero(st.sz[d][i][0]), w4_neg_zero(st.sz[d][i][1]), a);
 #pragma unroll
                 for (int j = 0; j < NT; j++) {
                     const uint4 xq = st.x[d][j][s >> 1];
@@ -198,6 +218,7 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
     w4_unit_rows<T>(blockIdx.y, mode, inter, nq, nkv, hd, row0, freq0);
     const int chunks = k / W4_CHUNK, groups = (k + group - 1) / group;
     const bool group32 = group == 32;
+    const unsigned group_magic = 0xffffffffu / (unsigned)group + 1;
     const int tok0 = blockIdx.x * 8 * NT;
     const uint4* wt[T];
     const unsigned* szt[T];
@@ -229,17 +250,17 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
         // Decode: bandwidth-bound, loads of the next stage in flight while
         // computing this one.
         W4Stage<T, NT> next;
-        w4_load(next, warp, chunks, group, wt, szt, xr, live);
+        w4_load(next, warp, chunks, group_magic, wt, szt, xr, live);
         for (int c0 = warp; c0 < chunks; c0 += step) {
             W4Stage<T, NT> cur = next;
-            if (c0 + step < chunks) w4_load(next, c0 + step, chunks, group, wt, szt, xr, live);
+            if (c0 + step < chunks) w4_load(next, c0 + step, chunks, group_magic, wt, szt, xr, live);
             w4_compute(cur, c0, chunks, group32, szt, acc, part);
         }
     } else {
         // Wider batches need the registers for accumulators: one stage.
         for (int c0 = warp; c0 < chunks; c0 += step) {
             W4Stage<T, NT> cur;
-            w4_load(cur, c0, chunks, group, wt, szt, xr, live);
+            w4_load(cur, c0, chunks, group_magic, wt, szt, xr, live);
             w4_compute(cur, c0, chunks, group32, szt, acc, part);
         }
     }
@@ -279,8 +300,16 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
 // grid = (ceil(rows / (8 NT)), units), block = 32 * W4_WARPS. Units: n / 16
 // tiles (ACT), inter / 16 gate/up pairs (SWIGLU), or the QKV rope
 // and v pairs, (nq + 2 nkv) / 32 (QKV).
+// Blocks per SM each kernel's register budget must allow (≤ 128 registers
+// for two blocks of 8 warps): with one block per SM too few loads are in
+// flight to stream the weights. The widest kernel's accumulators need more.
+#ifndef W4_MIN_BLOCKS
+#define W4_MIN_BLOCKS 2
+#endif
+#define W4_BLOCKS_PER_SM(T, NT) ((T) == 2 && (NT) == 4 ? 1 : W4_MIN_BLOCKS)
 #define W4_KERNEL(T, NT)                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * W4_WARPS) w4_mm_t##T##_n##NT(               \
+    extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_BLOCKS_PER_SM(T, NT))          \
+        w4_mm_t##T##_n##NT(                                                                       \
         const raw16* x, int rows, const uint4* wq, const unsigned* sz, int k, int group, int mode, \
         void* y, int n, const raw16* bias, const float2* cs, const unsigned* slots,               \
         raw16* k_cache, raw16* v_cache, int inter, int nq, int nkv, int hd) {                     \
