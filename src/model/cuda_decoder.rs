@@ -389,6 +389,16 @@ pub fn load(
     }
     let method = quant.method()?;
     let dev = CudaDevice::open(ordinal, act)?;
+    if (method.is_some() || c.quantization.is_some()) && dev.arch.0 < 8 {
+        // kernels/int4.cu multiplies on tensor cores (mma.sync m16n8k16).
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            format!(
+                "int4 weights need a GPU of compute capability 8.0 or newer; {} is {}.{}",
+                dev.name, dev.arch.0, dev.arch.1
+            ),
+        ));
+    }
     let start = Instant::now();
     let mut up = Uploader {
         dev: &dev,
