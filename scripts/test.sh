@@ -36,7 +36,7 @@ if [ -n "${NANOINFER_CI_FUZZ_SECS:-}" ]; then
   echo "== libFuzzer smoke: ${NANOINFER_CI_FUZZ_SECS} s per target" >&2
   bash scripts/fuzz.sh "$NANOINFER_CI_FUZZ_SECS"
 fi
-echo "== scripts/check_kernels.py (CUDA kernels compile with NVRTC)" >&2
-python3 scripts/check_kernels.py
+echo "== scripts/check_kernels.py --ptxas (CUDA kernels compile with NVRTC and assemble with ptxas)" >&2
+python3 scripts/check_kernels.py --ptxas
 echo "== scripts/test_packaging.sh" >&2
 bash scripts/test_packaging.sh
