@@ -23,56 +23,51 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "nanoinfer", "nvrtc")
 
 
-def find_nvrtc():
-    hits = glob.glob(os.path.join(CACHE, "nvidia", "*", "lib", "libnvrtc.so*"))
-    hits = [h for h in hits if "builtins" not in h]
-    if hits:
-        return hits[0]
-    os.makedirs(CACHE, exist_ok=True)
-    wheels = os.path.join(CACHE, "wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", wheels, "nvidia-cuda-nvrtc"],
-        check=True,
-    )
-    for whl in glob.glob(os.path.join(wheels, "*.whl")):
-        zipfile.ZipFile(whl).extractall(CACHE)
-    hits = [h for h in glob.glob(os.path.join(CACHE, "nvidia", "*", "lib", "libnvrtc.so*")) if "builtins" not in h]
+def from_wheel(package, wheel_dir, pattern, wanted=lambda name: True):
+    """The file `pattern` matches under CACHE/nvidia/*/, unpacking the members
+    `wanted` selects from `package`'s PyPI wheel into CACHE first if needed."""
+
+    def cached():
+        return [h for h in glob.glob(os.path.join(CACHE, "nvidia", "*", pattern)) if "builtins" not in h]
+
+    if not cached():
+        wheels = os.path.join(CACHE, wheel_dir)
+        os.makedirs(wheels, exist_ok=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", wheels, package],
+            check=True,
+        )
+        for whl in glob.glob(os.path.join(wheels, "*.whl")):
+            with zipfile.ZipFile(whl) as z:
+                for name in filter(wanted, z.namelist()):
+                    z.extract(name, CACHE)
+    hits = cached()
     if not hits:
-        sys.exit("check_kernels: the nvidia-cuda-nvrtc wheel holds no libnvrtc.so")
+        sys.exit(f"check_kernels: the {package} wheel holds no {pattern}")
     return hits[0]
+
+
+def find_nvrtc():
+    return from_wheel("nvidia-cuda-nvrtc", "wheel", os.path.join("lib", "libnvrtc.so*"))
 
 
 def find_ptxas():
-    hits = glob.glob(os.path.join(CACHE, "nvidia", "*", "bin", "ptxas"))
-    if hits:
-        return hits[0]
-    wheels = os.path.join(CACHE, "wheel-nvcc")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", wheels, "nvidia-cuda-nvcc"],
-        check=True,
+    ptxas = from_wheel(
+        "nvidia-cuda-nvcc", "wheel-nvcc", os.path.join("bin", "ptxas"), lambda name: name.endswith("/bin/ptxas")
     )
-    for whl in glob.glob(os.path.join(wheels, "*.whl")):
-        with zipfile.ZipFile(whl) as z:
-            for name in z.namelist():
-                if name.endswith("/bin/ptxas"):
-                    z.extract(name, CACHE)
-    hits = glob.glob(os.path.join(CACHE, "nvidia", "*", "bin", "ptxas"))
-    if not hits:
-        sys.exit("check_kernels: the nvidia-cuda-nvcc wheel holds no bin/ptxas")
-    os.chmod(hits[0], 0o755)
-    return hits[0]
+    os.chmod(ptxas, 0o755)
+    return ptxas
 
 
 def run_ptxas(ptxas, ptx, arch, resources):
     """(ok, report): ptxas's errors, or the resource lines of the kernels `resources` matches."""
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "module.ptx")
         with open(src, "wb") as f:
