@@ -110,9 +110,6 @@ __device__ __forceinline__ void unpack8(uint4 v, float* f) {
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
     return (unsigned)from_f(lo) | ((unsigned)from_f(hi) << 16);
 }
-__device__ __forceinline__ unsigned pack_raw(raw16 lo, raw16 hi) {
-    return (unsigned)lo | ((unsigned)hi << 16);
-}
 
 // out[r] = table[tokens[r]]; grid = rows.
 extern "C" __global__ void embed(const raw16* table, const unsigned* tokens, raw16* out, int d) {
@@ -866,6 +863,9 @@ extern "C" __global__ void attention_tiles(const raw16* qkv, int stride, const r
 #define FA_KEYS 64  // keys per shared-memory tile
 #define FA_WARPS 4
 #define FA_PAD 8  // row padding (elements): fragment loads hit 32 distinct banks
+#ifndef FA_MIN_BLOCKS
+#define FA_MIN_BLOCKS 2  // blocks per SM the register budget must allow
+#endif
 
 // d += a · b on tensor cores: a 16x16 (row-major fragment), b 16x8
 // (column-major fragment), f32 accumulators.
@@ -888,14 +888,71 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], 
 #endif
 }
 
+// Shared-memory staging for the flash tiles (sm_80+): 16-byte asynchronous
+// copies (zero-filled when src_bytes is 0) and 8x8 fragment loads.
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(src_bytes));
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+#endif
+}
+// Four 8x8 16-bit matrices; lane l gives the row address of matrix l / 8
+// and gets, of each matrix, row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1
+// (with TRANS: column l / 4, rows 2 (l % 4) and 2 (l % 4) + 1).
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) {
+#if __CUDA_ARCH__ >= 800
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(smem_u32(row)));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(smem_u32(row)));
+#endif
+}
+
+// Starts the asynchronous gather of cached positions kb .. kb + FA_KEYS - 1
+// of one kv head into `dst`; positions past `last` are zero-filled.
+template <int HD>
+__device__ __forceinline__ void flash_stage(raw16 (*dst)[HD + FA_PAD], const raw16* cache,
+                                            const unsigned* slots, int kb, int last,
+                                            int kv_width, int kv_col) {
+    for (int i = threadIdx.x; i < FA_KEYS * HD / 8; i += 32 * FA_WARPS) {
+        const int j = i / (HD / 8), c = (i % (HD / 8)) * 8, p = kb + j;
+        const bool ok = p <= last;
+        const raw16* src = ok ? cache + (size_t)slots[p] * kv_width + kv_col + c : cache;
+        cp_async16(&dst[j][c], src, ok ? 16 : 0);
+    }
+    cp_async_commit();
+}
+
 // Causal attention for prefill, flash-attention style on tensor cores: one
 // block per (head, tile), a tile being up to FA_ROWS consecutive rows of one
 // sequence (rows tile_row[t] .. + tile_n[t]); warp w owns rows 16w .. 16w+15.
 // Key/value tiles of FA_KEYS cached positions are gathered through the slot
-// list into shared memory; S = Q Kᵀ and O += P V run as m16n8k16 MMAs with
-// an online softmax in between (P rounded to the activation dtype, as
-// flash-attention does). Lane layout: g = lane / 4 picks fragment rows g and
-// g + 8, t = lane % 4 the column pairs 2t, 2t + 1.
+// list into shared memory by cp.async, the values while S = Q Kᵀ runs and the
+// next keys while O += P V runs; both products are m16n8k16 MMAs fed by
+// ldmatrix, with an online softmax in between (P rounded to the activation
+// dtype, as flash-attention does). Only tiles that reach past a warp's first
+// row are masked. Lane layout: g = lane / 4 picks fragment rows g and g + 8,
+// t = lane % 4 the column pairs 2t, 2t + 1.
 template <int HD>
 __device__ void flash_tile(const raw16* qkv, int stride, const raw16* k_cache,
                            const raw16* v_cache, const unsigned* slot_list,
@@ -903,21 +960,23 @@ __device__ void flash_tile(const raw16* qkv, int stride, const raw16* k_cache,
                            const unsigned* tile_row, const unsigned* tile_n, int heads,
                            int kv_heads, float scale, raw16* out, raw16 (*ks)[HD + FA_PAD],
                            raw16 (*vs)[HD + FA_PAD]) {
-    const int head = blockIdx.x, t = blockIdx.y;
+    // The causal tiles late in a sequence are the longest: they start first.
+    const int head = blockIdx.x, t = gridDim.y - 1 - blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, tq = lane & 3;
     const int kv_head = head / (heads / kv_heads);
-    const int kv_width = kv_heads * HD;
+    const int kv_width = kv_heads * HD, kv_col = kv_head * HD;
     const int row0 = tile_row[t], n = tile_n[t];
     const unsigned* slots = slot_list + table_off[row0];
     const int last = positions[row0 + n - 1];
     const int ra = warp * 16 + g, rb = ra + 8;
     const int pa = ra < n ? positions[row0 + ra] : -1;
     const int pb = rb < n ? positions[row0 + rb] : -1;
-    int warp_last = max(pa, pb);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) warp_last = max(warp_last, __shfl_xor_sync(0xffffffffu, warp_last, o));
+    // Positions grow along the tile: the warp's first and last rows bound it.
+    const int warp_first = warp * 16 < n ? positions[row0 + warp * 16] : -1;
+    const int warp_last = warp * 16 < n ? positions[row0 + min(n, warp * 16 + 16) - 1] : -1;
 
+    flash_stage<HD>(ks, k_cache, slots, 0, last, kv_width, kv_col);
     unsigned qf[HD / 16][4];
     {
         const raw16* qa = qkv + (size_t)(row0 + ra) * stride + head * HD;
@@ -936,94 +995,100 @@ __device__ void flash_tile(const raw16* qkv, int stride, const raw16* k_cache,
 #pragma unroll
     for (int d = 0; d < HD / 8; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
     float m_a = -NI_INF, m_b = -NI_INF, l_a = 0.f, l_b = 0.f;
+    // ldmatrix row addresses of this lane: keys (row) and dims (column)
+    // within a fragment group; see the two products below.
+    const int k_row = lane & 7, k_col = (lane >> 3) * 8;
+    const int v_row = (lane & 7) + ((lane >> 3) & 1) * 8, v_col = (lane >> 4) * 8;
 
     for (int kb = 0; kb <= last; kb += FA_KEYS) {
-        __syncthreads();  // the previous tile is no longer read
-        for (int i = threadIdx.x; i < FA_KEYS * HD / 8; i += blockDim.x) {
-            const int j = i / (HD / 8), c = (i % (HD / 8)) * 8, p = kb + j;
-            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-            if (p <= last) {
-                const size_t base = (size_t)slots[p] * kv_width + kv_head * HD + c;
-                kv = *(const uint4*)(k_cache + base);
-                vv = *(const uint4*)(v_cache + base);
-            }
-            *(uint4*)&ks[j][c] = kv;
-            *(uint4*)&vs[j][c] = vv;
-        }
-        __syncthreads();
-        if (kb > warp_last) continue;  // past every row of this warp (warp-uniform)
-
+        cp_async_wait_all();
+        __syncthreads();  // keys kb.. landed; no warp still reads the previous values
+        flash_stage<HD>(vs, v_cache, slots, kb, last, kv_width, kv_col);
+        const bool active = kb <= warp_last;  // warp-uniform
         float s[FA_KEYS / 8][4];
+        if (active) {
+            // S = Q Kᵀ: one ldmatrix gives key rows nt*8.. at dims 32kp..32kp+31,
+            // the B fragments of k-steps 2kp and 2kp + 1.
 #pragma unroll
-        for (int nt = 0; nt < FA_KEYS / 8; nt++) {
-            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            for (int nt = 0; nt < FA_KEYS / 8; nt++) {
+                s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
-            for (int ks_ = 0; ks_ < HD / 16; ks_++) {
-                const raw16* kr = &ks[nt * 8 + g][ks_ * 16 + 2 * tq];
-                mma16816(s[nt], qf[ks_], *(const unsigned*)kr, *(const unsigned*)(kr + 8));
+                for (int kp = 0; kp < HD / 32; kp++) {
+                    unsigned b[4];
+                    ldmatrix_x4<false>(b, &ks[nt * 8 + k_row][kp * 32 + k_col]);
+                    mma16816(s[nt], qf[2 * kp], b[0], b[1]);
+                    mma16816(s[nt], qf[2 * kp + 1], b[2], b[3]);
+                }
+            }
+            // The causal mask (only where the tile reaches past the warp's
+            // first row) and the running maxima of rows a, b, unscaled.
+            if (kb + FA_KEYS - 1 > warp_first) {
+#pragma unroll
+                for (int nt = 0; nt < FA_KEYS / 8; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int key = kb + nt * 8 + 2 * tq + (e & 1);
+                        if (key > (e < 2 ? pa : pb)) s[nt][e] = -NI_INF;
+                    }
+            }
+            float mx_a = m_a, mx_b = m_b;
+#pragma unroll
+            for (int nt = 0; nt < FA_KEYS / 8; nt++) {
+                mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
+                mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
+            }
+#pragma unroll
+            for (int o_ = 1; o_ < 4; o_ <<= 1) {
+                mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, o_));
+                mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, o_));
+            }
+            // Rows with nothing unmasked yet keep max -inf: no correction, p = 0.
+            const float corr_a = mx_a == -NI_INF ? 1.f : exp2f((m_a - mx_a) * scale_log2);
+            const float corr_b = mx_b == -NI_INF ? 1.f : exp2f((m_b - mx_b) * scale_log2);
+            m_a = mx_a;
+            m_b = mx_b;
+            const float sub_a = mx_a == -NI_INF ? 0.f : mx_a * scale_log2;
+            const float sub_b = mx_b == -NI_INF ? 0.f : mx_b * scale_log2;
+            float sum_a = 0.f, sum_b = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < FA_KEYS / 8; nt++) {
+                s[nt][0] = exp2f(fmaf(s[nt][0], scale_log2, -sub_a));
+                s[nt][1] = exp2f(fmaf(s[nt][1], scale_log2, -sub_a));
+                s[nt][2] = exp2f(fmaf(s[nt][2], scale_log2, -sub_b));
+                s[nt][3] = exp2f(fmaf(s[nt][3], scale_log2, -sub_b));
+                sum_a += s[nt][0] + s[nt][1];
+                sum_b += s[nt][2] + s[nt][3];
+            }
+            l_a = l_a * corr_a + sum_a;
+            l_b = l_b * corr_b + sum_b;
+#pragma unroll
+            for (int d = 0; d < HD / 8; d++) {
+                o[d][0] *= corr_a;
+                o[d][1] *= corr_a;
+                o[d][2] *= corr_b;
+                o[d][3] *= corr_b;
             }
         }
-        // Causal mask, scale (base 2) and the running maxima of rows a, b.
-        float mx_a = m_a, mx_b = m_b;
-#pragma unroll
-        for (int nt = 0; nt < FA_KEYS / 8; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int key = kb + nt * 8 + 2 * tq + (e & 1);
-                const int pos = e < 2 ? pa : pb;
-                const float v = key <= pos ? s[nt][e] * scale_log2 : -NI_INF;
-                s[nt][e] = v;
-                if (e < 2)
-                    mx_a = fmaxf(mx_a, v);
-                else
-                    mx_b = fmaxf(mx_b, v);
-            }
-#pragma unroll
-        for (int o_ = 1; o_ < 4; o_ <<= 1) {
-            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, o_));
-            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, o_));
-        }
-        // Rows with nothing unmasked yet keep max -inf: no correction, p = 0.
-        const float corr_a = mx_a == -NI_INF ? 1.f : exp2f(m_a - mx_a);
-        const float corr_b = mx_b == -NI_INF ? 1.f : exp2f(m_b - mx_b);
-        m_a = mx_a;
-        m_b = mx_b;
-        float sum_a = 0.f, sum_b = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < FA_KEYS / 8; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float mx = e < 2 ? mx_a : mx_b;
-                const float p = s[nt][e] == -NI_INF ? 0.f : exp2f(s[nt][e] - mx);
-                s[nt][e] = p;
-                if (e < 2)
-                    sum_a += p;
-                else
-                    sum_b += p;
-            }
-        l_a = l_a * corr_a + sum_a;
-        l_b = l_b * corr_b + sum_b;
-#pragma unroll
-        for (int d = 0; d < HD / 8; d++) {
-            o[d][0] *= corr_a;
-            o[d][1] *= corr_a;
-            o[d][2] *= corr_b;
-            o[d][3] *= corr_b;
-        }
+        cp_async_wait_all();
+        __syncthreads();  // values landed; no warp still reads these keys
+        if (kb + FA_KEYS <= last)
+            flash_stage<HD>(ks, k_cache, slots, kb + FA_KEYS, last, kv_width, kv_col);
+        if (!active) continue;
         // O += P V: the S accumulators of key tiles 2k, 2k+1 are the A
-        // fragment of k-step k.
+        // fragment of k-step k; one transposed ldmatrix gives the B
+        // fragments of dims 16dp.. and 16dp + 8.. over those 16 keys.
 #pragma unroll
         for (int k16 = 0; k16 < FA_KEYS / 16; k16++) {
             const unsigned a[4] = {pack2(s[2 * k16][0], s[2 * k16][1]),
                                    pack2(s[2 * k16][2], s[2 * k16][3]),
                                    pack2(s[2 * k16 + 1][0], s[2 * k16 + 1][1]),
                                    pack2(s[2 * k16 + 1][2], s[2 * k16 + 1][3])};
-            const int kr = k16 * 16 + 2 * tq;
 #pragma unroll
-            for (int d = 0; d < HD / 8; d++) {
-                const int col = d * 8 + g;
-                mma16816(o[d], a, pack_raw(vs[kr][col], vs[kr + 1][col]),
-                         pack_raw(vs[kr + 8][col], vs[kr + 9][col]));
+            for (int dp = 0; dp < HD / 16; dp++) {
+                unsigned b[4];
+                ldmatrix_x4<true>(b, &vs[k16 * 16 + v_row][dp * 16 + v_col]);
+                mma16816(o[2 * dp], a, b[0], b[1]);
+                mma16816(o[2 * dp + 1], a, b[2], b[3]);
             }
         }
     }
@@ -1045,7 +1110,7 @@ __device__ void flash_tile(const raw16* qkv, int stride, const raw16* k_cache,
 }
 
 // head_dim 64 or 128 (the host checks); grid = (heads, tiles), block = 32 * FA_WARPS.
-extern "C" __global__ void __launch_bounds__(32 * FA_WARPS)
+extern "C" __global__ void __launch_bounds__(32 * FA_WARPS, FA_MIN_BLOCKS)
     attention_flash(const raw16* qkv, int stride, const raw16* k_cache, const raw16* v_cache,
                     const unsigned* slot_list, const unsigned* table_off, const int* positions,
                     const unsigned* tile_row, const unsigned* tile_n, int heads, int kv_heads,

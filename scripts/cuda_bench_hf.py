@@ -79,6 +79,27 @@ def copy_bandwidth():
     return 2 * x.numel() * 2 / dt  # read + write bytes per second
 
 
+def gemm_peak():
+    """The measured bf16 tensor-core peak: the best cuBLAS GEMM (through
+    torch) over large squares and the 8B shape's prefill projections at
+    4096 rows, in TFLOP/s."""
+    best = 0.0
+    shapes = [(8192, 8192, 8192), (16384, 16384, 16384), (4096, 28672, 4096), (4096, 4096, 14336)]
+    for m, n, k in shapes:
+        a = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(k, n, dtype=torch.bfloat16, device="cuda")
+        c = a @ b
+        torch.cuda.synchronize()
+        reps = max(5, int(4e14 // (2 * m * n * k)))
+        t = time.perf_counter()
+        for _ in range(reps):
+            torch.matmul(a, b, out=c)
+        torch.cuda.synchronize()
+        best = max(best, 2 * m * n * k * reps / (time.perf_counter() - t) / 1e12)
+        del a, b, c
+    return best
+
+
 def timed(f, reps=3):
     f()
     torch.cuda.synchronize()
@@ -167,7 +188,11 @@ def main():
     ap.add_argument("-r", type=int, default=3)
     ap.add_argument("--offline", type=int, help="requests for the batched-generate throughput run")
     ap.add_argument("--batch", type=int, default=256, help="generate batch size with --offline")
+    ap.add_argument("--peak", action="store_true", help="measure bf16 GEMM TFLOP/s and copy bandwidth")
     a = ap.parse_args()
+    if a.peak:
+        print(json.dumps({"gpu": torch.cuda.get_device_name(), "bf16_gemm_tflops": round(gemm_peak(), 1),
+                          "copy_tb_s": round(copy_bandwidth() / 1e12, 3)}))
     if a.make_8b:
         make_8b(a.make_8b)
     if a.golden:
