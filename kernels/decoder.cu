@@ -869,23 +869,30 @@ extern "C" __global__ void attention_tiles(const raw16* qkv, int stride, const r
 
 // d += a · b on tensor cores: a 16x16 (row-major fragment), b 16x8
 // (column-major fragment), f32 accumulators.
+#if NI_F16
+#define MMA_16816 "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+#else
+#define MMA_16816 "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+#endif
+__device__ __forceinline__ void mma16816_rows(float& d0, float& d1, float& d2, float& d3,
+                                              unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                              unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(MMA_16816 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
 __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
                                          unsigned b1) {
-#if __CUDA_ARCH__ >= 800
-#if NI_F16
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-#endif
+    mma16816_rows(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1);
+}
+// The same product when rows 8..15 of A are zero: only the accumulators of
+// rows 0..7 (d[0], d[1]) are kept.
+__device__ __forceinline__ void mma16816_top(float (&d)[2], const unsigned (&a)[4], unsigned b0,
+                                             unsigned b1) {
+    float unused2 = 0.f, unused3 = 0.f;
+    mma16816_rows(d[0], d[1], unused2, unused3, a[0], 0u, a[2], 0u, b0, b1);
 }
 
 // Shared-memory staging for the flash tiles (sm_80+): 16-byte asynchronous
@@ -1126,6 +1133,232 @@ extern "C" __global__ void __launch_bounds__(32 * FA_WARPS, FA_MIN_BLOCKS)
         flash_tile<64>(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, tile_row,
                        tile_n, heads, kv_heads, scale, out, (raw16(*)[64 + FA_PAD])ks,
                        (raw16(*)[64 + FA_PAD])vs);
+}
+
+// ---- Decode attention on tensor cores (sm_80+) ----
+#define DA_WARPS 4
+#define DA_GROUP_MAX 8  // query heads per kv head: rows 0..7 of the MMAs
+#ifndef DA_MIN_BLOCKS
+#define DA_MIN_BLOCKS 2
+#endif
+#ifndef DA_PIPE
+#define DA_PIPE 2  // register buffers of key/value fragments per warp
+#endif
+
+struct DecodeShared {
+    float m[DA_WARPS][DA_GROUP_MAX], l[DA_WARPS][DA_GROUP_MAX];
+    float o[DA_WARPS][128];
+};
+
+// Decode attention with the GQA group's query heads as the rows of m16n8k16
+// MMAs: one block serves every query head of one kv head for one row and one
+// split of its context (positions as in `attention`), so each key and value
+// is read once, by one warp; warp w takes keys 16w.., 16w + 64.., ... of the
+// split. No shared-memory staging: each lane loads its fragments straight
+// from the cache in 16-byte pieces, which fixes how it sees the head dims.
+// - S = Q Kᵀ sums over the head dims in any order, so lane (g, t) holds
+//   chunks t, t + 4, ... of key g, and the Q fragments take the same chunks
+//   of their rows.
+// - O += P V: the output dims of n-tile j and fragment column c are dim
+//   64 (j / 8) + 8c + j % 8, so lane (g, t) loads 16-byte chunks of its four
+//   keys (2t, 2t + 1, 2t + 8, 2t + 9) and pairs their halves with a byte
+//   permute.
+// Warps merge through shared memory at the end; with one split the result
+// goes to `out`, otherwise (max, sum) and the unnormalized sums go to part_ml
+// and part_o for attn_merge (the max in natural-log units, as `attention`).
+// grid = (kv_heads, rows, splits), block = 32 * DA_WARPS.
+template <int HD>
+__device__ void decode_mma(const raw16* qkv, int stride, const raw16* k_cache,
+                           const raw16* v_cache, const unsigned* slot_list,
+                           const unsigned* table_off, const int* positions, int heads,
+                           int kv_heads, float scale, raw16* out, float* part_o, float* part_ml,
+                           const unsigned* row_list, DecodeShared& sm) {
+    constexpr int KC = HD / 32;      // 16-byte key chunks per lane (of HD / 8, over 4 lanes)
+    constexpr int KS = HD / 16;      // k-steps of S
+    constexpr int NT = HD / 8;       // n-tiles of O
+    constexpr int VC = HD / 64;  // 16-byte value chunks per lane and key
+    const int group = heads / kv_heads;
+    const int kv_head = blockIdx.x, h0 = kv_head * group;
+    const int prow = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int row = row_list ? row_list[prow] : prow;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, tq = lane & 3;
+    const int kv_width = kv_heads * HD;
+    const int n = positions[row] + 1;
+    const int chunk = (n + splits - 1) / splits;
+    const int begin = split * chunk, end = min(n, begin + chunk);
+    const unsigned* slots = slot_list + table_off[row];
+    const raw16* k_head = k_cache + kv_head * HD;
+    const raw16* v_head = v_cache + kv_head * HD;
+
+    // Q: fragment row g is query head g of the group (rows 8..15 are zero),
+    // in the lane's order of the dims.
+    unsigned qa[KS][4];
+    {
+        unsigned w[2 * KS];
+        const raw16* q = qkv + (size_t)row * stride + (size_t)(h0 + g) * HD;
+#pragma unroll
+        for (int i = 0; i < KC; i++) {
+            const uint4 c = g < group ? *(const uint4*)(q + (tq + 4 * i) * 8) : make_uint4(0, 0, 0, 0);
+            w[4 * i] = c.x, w[4 * i + 1] = c.y, w[4 * i + 2] = c.z, w[4 * i + 3] = c.w;
+        }
+#pragma unroll
+        for (int s = 0; s < KS; s++) {
+            qa[s][0] = w[2 * s];
+            qa[s][2] = w[2 * s + 1];
+            qa[s][1] = qa[s][3] = 0u;
+        }
+    }
+    const float scale_log2 = scale * 1.4426950408889634f;
+    float o[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; j++) o[j][0] = o[j][1] = 0.f;
+    float m = -NI_INF, l = 0.f;
+
+    // Fragments of keys kb .. kb + 15: K rows g and g + 8, V rows of the
+    // lane's four keys; positions past the split are zero.
+    auto load = [&](uint4 (&kr)[2][KC], uint4 (&vr)[4][VC], int kb) {
+        const unsigned sl = kb + (lane & 15) < end ? slots[kb + (lane & 15)] : 0u;
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int key = 8 * j + g;
+            const raw16* src = k_head + (size_t)__shfl_sync(0xffffffffu, sl, key) * kv_width;
+#pragma unroll
+            for (int i = 0; i < KC; i++)
+                kr[j][i] = kb + key < end ? *(const uint4*)(src + (tq + 4 * i) * 8)
+                                          : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int key = 2 * tq + (r & 1) + 8 * (r >> 1);
+            const raw16* src = v_head + (size_t)__shfl_sync(0xffffffffu, sl, key) * kv_width;
+#pragma unroll
+            for (int c = 0; c < VC; c++)
+                vr[r][c] = kb + key < end ? *(const uint4*)(src + (8 * c + g) * 8)
+                                          : make_uint4(0, 0, 0, 0);
+        }
+    };
+    // Scores, online softmax and O += P V for keys kb .. kb + 15 (kb < end).
+    auto attend = [&](const uint4 (&kr)[2][KC], const uint4 (&vr)[4][VC], int kb) {
+        float s[2][2];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            s[j][0] = s[j][1] = 0.f;
+            const unsigned* w = (const unsigned*)kr[j];
+#pragma unroll
+            for (int st = 0; st < KS; st++) mma16816_top(s[j], qa[st], w[2 * st], w[2 * st + 1]);
+        }
+        if (kb + 16 > end) {
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++)
+                    if (kb + 8 * j + 2 * tq + e >= end) s[j][e] = -NI_INF;
+        }
+        // Key kb is unmasked, so the maximum is finite from the first step on.
+        float mx = fmaxf(m, fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1])));
+#pragma unroll
+        for (int o_ = 1; o_ < 4; o_ <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o_));
+        const float corr = exp2f((m - mx) * scale_log2), sub = mx * scale_log2;
+        m = mx;
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) s[j][e] = exp2f(fmaf(s[j][e], scale_log2, -sub));
+        l = l * corr + s[0][0] + s[0][1] + s[1][0] + s[1][1];
+        if (__any_sync(0xffffffffu, corr != 1.f)) {
+#pragma unroll
+            for (int j = 0; j < NT; j++) o[j][0] *= corr, o[j][1] *= corr;
+        }
+        const unsigned a[4] = {pack2(s[0][0], s[0][1]), 0u, pack2(s[1][0], s[1][1]), 0u};
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            const int c = j / 8, wi = (j % 8) / 2;
+            const unsigned sel = (j & 1) ? 0x7632u : 0x5410u;
+            const unsigned b0 = __byte_perm(((const unsigned*)&vr[0][c])[wi],
+                                            ((const unsigned*)&vr[1][c])[wi], sel);
+            const unsigned b1 = __byte_perm(((const unsigned*)&vr[2][c])[wi],
+                                            ((const unsigned*)&vr[3][c])[wi], sel);
+            mma16816_top(o[j], a, b0, b1);
+        }
+    };
+    const int step = 16 * DA_WARPS;
+#if DA_PIPE == 2
+    // Two register buffers: the next step's loads are in flight while one computes.
+    uint4 k0[2][KC], v0[4][VC], k1[2][KC], v1[4][VC];
+    int kb = begin + 16 * warp;
+    if (kb < end) load(k0, v0, kb);
+    for (; kb < end; kb += 2 * step) {
+        if (kb + step < end) load(k1, v1, kb + step);
+        attend(k0, v0, kb);
+        if (kb + step >= end) break;
+        if (kb + 2 * step < end) load(k0, v0, kb + 2 * step);
+        attend(k1, v1, kb + step);
+    }
+#else
+    for (int kb = begin + 16 * warp; kb < end; kb += step) {
+        uint4 k0[2][KC], v0[4][VC];
+        load(k0, v0, kb);
+        attend(k0, v0, kb);
+    }
+#endif
+    // Each lane summed a quarter of its row's keys.
+#pragma unroll
+    for (int o_ = 1; o_ < 4; o_ <<= 1) l += __shfl_xor_sync(0xffffffffu, l, o_);
+    if (tq == 0) {
+        sm.m[warp][g] = m;
+        sm.l[warp][g] = l;
+    }
+    // Merge the warps one head at a time; lanes of fragment row h hold it.
+    for (int h = 0; h < group; h++) {
+        __syncthreads();  // the previous head's sums are consumed (and m, l written)
+        if (g == h) {
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                const int d = 64 * (j / 8) + 16 * tq + j % 8;
+                sm.o[warp][d] = o[j][0];
+                sm.o[warp][d + 8] = o[j][1];
+            }
+        }
+        __syncthreads();
+        float big = -NI_INF;
+        for (int w = 0; w < DA_WARPS; w++) big = fmaxf(big, sm.m[w][h]);
+        float f[DA_WARPS], total = 0.f;
+        for (int w = 0; w < DA_WARPS; w++) {
+            f[w] = sm.l[w][h] > 0.f ? exp2f((sm.m[w][h] - big) * scale_log2) : 0.f;
+            total += sm.l[w][h] * f[w];
+        }
+        const size_t rh = (size_t)row * heads + h0 + h, ph = (size_t)prow * heads + h0 + h;
+        for (int i = threadIdx.x; i < HD; i += blockDim.x) {
+            float acc = 0.f;
+            for (int w = 0; w < DA_WARPS; w++) acc += sm.o[w][i] * f[w];
+            if (splits == 1)
+                out[rh * HD + i] = from_f(total > 0.f ? acc / total : 0.f);
+            else
+                part_o[(ph * splits + split) * HD + i] = acc;
+        }
+        if (splits > 1 && threadIdx.x == 0) {
+            part_ml[(ph * splits + split) * 2] = total > 0.f ? big * scale : -NI_INF;
+            part_ml[(ph * splits + split) * 2 + 1] = total;
+        }
+    }
+}
+
+// head_dim 64 or 128, at most DA_GROUP_MAX query heads per kv head (the host checks).
+extern "C" __global__ void __launch_bounds__(32 * DA_WARPS, DA_MIN_BLOCKS)
+    attention_decode_mma(const raw16* qkv, int stride, const raw16* k_cache,
+                         const raw16* v_cache, const unsigned* slot_list,
+                         const unsigned* table_off, const int* positions, int heads,
+                         int kv_heads, int hd, float scale, raw16* out, float* part_o,
+                         float* part_ml, const unsigned* row_list) {
+    __shared__ DecodeShared sm;
+    GRID_DEP_ENTER();
+    if (hd == 128)
+        decode_mma<128>(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, heads,
+                        kv_heads, scale, out, part_o, part_ml, row_list, sm);
+    else
+        decode_mma<64>(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, heads,
+                       kv_heads, scale, out, part_o, part_ml, row_list, sm);
 }
 
 #define ARGMAX_SPLITS 32  // blocks per row in argmax_partial; one warp merges them

@@ -701,6 +701,41 @@ fn long_context_attention_splits_match_the_unsplit_result() {
 }
 
 #[test]
+fn tensor_core_decode_attention_matches_the_cuda_core_kernel() {
+    let Some(fx) = fixtures() else { return };
+    // Contexts that end mid-way through a 16-key step, one of several
+    // splits (700 tokens) and a batch of them: head_dim 64 and 128.
+    let prompt = |len: u32, salt: u32| -> Vec<u32> {
+        (0..len)
+            .map(|i| 3 + (i * 7919 + salt * 104_729) % 4000)
+            .collect()
+    };
+    let reqs: Vec<RequestParams> = [(5, 1), (37, 2), (700, 3), (130, 4)]
+        .iter()
+        .map(|&(len, salt)| RequestParams {
+            prompt: prompt(len, salt),
+            sampling: sampling(12, 5),
+            ..Default::default()
+        })
+        .collect();
+    for name in ["llama3", "qwen3"] {
+        let dir = fx.join(name);
+        let mma = run(&load(&dir), SessionParams::default(), &reqs);
+        std::env::set_var("NANOINFER_CUDA_DECODE_MMA", "0");
+        let simt_model = load(&dir);
+        std::env::remove_var("NANOINFER_CUDA_DECODE_MMA");
+        let simt = run(&simt_model, SessionParams::default(), &reqs);
+        for (i, (a, b)) in mma.iter().zip(&simt).enumerate() {
+            let same = check_near(&format!("{name} request {i}"), a, b);
+            eprintln!("{name} request {i}: {same}/12 identical tokens");
+        }
+        // One request alone: the single-row (most splits) path.
+        let alone = run(&load(&dir), SessionParams::default(), &reqs[2..3]);
+        check_near(&format!("{name} alone"), &alone[0], &simt[2]);
+    }
+}
+
+#[test]
 fn cuda_device_errors_are_clear() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/tiny-llama3");
     let params = ModelParams {

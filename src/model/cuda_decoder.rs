@@ -93,6 +93,8 @@ pub struct CudaDecoder {
     /// Whether the weights came through pinned staging buffers.
     load_pinned: bool,
     prefill: PrefillKernel,
+    /// Whether decode rows attend on tensor cores (`attention_decode_mma`).
+    decode_mma: bool,
     /// Int4 projections of batches up to this many rows run through the
     /// int4 kernels (weights read once per 32 rows); larger batches
     /// dequantize for cuBLAS (NANOINFER_CUDA_W4_MMA_ROWS).
@@ -104,7 +106,8 @@ pub struct CudaDecoder {
     w4_perm_cols: usize,
 }
 
-/// How rows of a prompt chunk attend (decode rows always use `attention`).
+/// How rows of a prompt chunk attend (decode rows use `attention_decode_mma`
+/// or `attention`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum PrefillKernel {
     /// Tensor-core flash attention over tiles of 64 rows (sm_80+, head_dim
@@ -517,11 +520,22 @@ pub fn load(
         load_seconds: start.elapsed().as_secs_f64(),
         load_pinned,
         prefill: PrefillKernel::choose(dev.arch, config.head_dim),
+        decode_mma: decode_mma_fits(dev.arch, &config),
         w4_mma_rows,
         w4_max_elems,
         w4_perm_cols,
         config,
     }))
+}
+
+/// Tensor-core decode attention needs sm_80+, head_dim 64 or 128 and at most
+/// DA_GROUP_MAX query heads per kv head (NANOINFER_CUDA_DECODE_MMA=0 turns it
+/// off).
+fn decode_mma_fits(arch: (i32, i32), c: &ModelConfig) -> bool {
+    let on = std::env::var("NANOINFER_CUDA_DECODE_MMA").map_or(true, |v| v != "0");
+    on && arch.0 >= 8
+        && matches!(c.head_dim, 64 | 128)
+        && c.num_heads / c.num_kv_heads <= DA_GROUP_MAX
 }
 
 /// See `CudaDecoder::w4_mma_rows`.
@@ -598,6 +612,9 @@ const MAX_SPLITS: usize = 64;
 /// 32 * ATTN_WARPS and ATTN_GROUP of kernels/decoder.cu.
 const ATTN_THREADS: u32 = 256;
 const ATTN_GROUP: usize = 4;
+/// 32 * DA_WARPS and DA_GROUP_MAX of kernels/decoder.cu.
+const DA_THREADS: u32 = 128;
+const DA_GROUP_MAX: usize = 8;
 /// 32 * TILE_WARPS (= 32 * FA_WARPS) and TILE_HD_MAX of kernels/decoder.cu.
 const TILE_THREADS: u32 = 128;
 /// ARGMAX_SPLITS of kernels/decoder.cu.
@@ -1097,10 +1114,13 @@ impl CudaForward {
         })
     }
 
-    /// Blocks of the decode attention kernel per (row, split): one per
-    /// ATTN_GROUP query heads of each kv head.
+    /// Blocks of the decode attention kernel per (row, split): one per kv
+    /// head on tensor cores, else one per ATTN_GROUP query heads of each.
     fn attention_blocks(&self) -> usize {
         let c = &self.model.config;
+        if self.model.decode_mma {
+            return c.num_kv_heads;
+        }
         c.num_kv_heads * (c.num_heads / c.num_kv_heads).div_ceil(ATTN_GROUP)
     }
 
@@ -1519,10 +1539,15 @@ impl CudaForward {
         }
         let row_list = inputs.decode_rows.map_or(KArg::Ptr(0), inp);
         let n_decode = inputs.n_decode as u32;
+        let (kernel, threads) = if m.decode_mma {
+            (&k.attention_decode_mma, DA_THREADS)
+        } else {
+            (&k.attention, ATTN_THREADS)
+        };
         dev.launch(
-            &k.attention,
+            kernel,
             (self.attention_blocks() as u32, n_decode, splits as u32),
-            ATTN_THREADS,
+            threads,
             &[
                 KArg::Ptr(ws.qkv.ptr()),
                 KArg::I32(qkv_w as i32),

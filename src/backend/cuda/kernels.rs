@@ -172,6 +172,7 @@ kernel_set!(
     gemv_qkv_rope_r1,
     attention_tiles,
     attention_flash,
+    attention_decode_mma,
     argmax_partial,
     argmax_merge,
     w4_mm_t1_n1,
