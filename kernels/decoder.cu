@@ -1141,9 +1141,7 @@ extern "C" __global__ void __launch_bounds__(32 * FA_WARPS, FA_MIN_BLOCKS)
 #ifndef DA_MIN_BLOCKS
 #define DA_MIN_BLOCKS 2
 #endif
-#ifndef DA_PIPE
-#define DA_PIPE 2  // register buffers of key/value fragments per warp
-#endif
+
 
 struct DecodeShared {
     float m[DA_WARPS][DA_GROUP_MAX], l[DA_WARPS][DA_GROUP_MAX];
@@ -1156,6 +1154,8 @@ struct DecodeShared {
 // is read once, by one warp; warp w takes keys 16w.., 16w + 64.., ... of the
 // split. No shared-memory staging: each lane loads its fragments straight
 // from the cache in 16-byte pieces, which fixes how it sees the head dims.
+// (A second register buffer, loading the next step while one computes, was
+// no faster: 255 registers, and occupancy already hides the latency.)
 // - S = Q Kᵀ sums over the head dims in any order, so lane (g, t) holds
 //   chunks t, t + 4, ... of key g, and the Q fragments take the same chunks
 //   of their rows.
@@ -1282,26 +1282,11 @@ __device__ void decode_mma(const raw16* qkv, int stride, const raw16* k_cache,
             mma16816_top(o[j], a, b0, b1);
         }
     };
-    const int step = 16 * DA_WARPS;
-#if DA_PIPE == 2
-    // Two register buffers: the next step's loads are in flight while one computes.
-    uint4 k0[2][KC], v0[4][VC], k1[2][KC], v1[4][VC];
-    int kb = begin + 16 * warp;
-    if (kb < end) load(k0, v0, kb);
-    for (; kb < end; kb += 2 * step) {
-        if (kb + step < end) load(k1, v1, kb + step);
-        attend(k0, v0, kb);
-        if (kb + step >= end) break;
-        if (kb + 2 * step < end) load(k0, v0, kb + 2 * step);
-        attend(k1, v1, kb + step);
+    for (int kb = begin + 16 * warp; kb < end; kb += 16 * DA_WARPS) {
+        uint4 kr[2][KC], vr[4][VC];
+        load(kr, vr, kb);
+        attend(kr, vr, kb);
     }
-#else
-    for (int kb = begin + 16 * warp; kb < end; kb += step) {
-        uint4 k0[2][KC], v0[4][VC];
-        load(k0, v0, kb);
-        attend(k0, v0, kb);
-    }
-#endif
     // Each lane summed a quarter of its row's keys.
 #pragma unroll
     for (int o_ = 1; o_ < 4; o_ <<= 1) l += __shfl_xor_sync(0xffffffffu, l, o_);
