@@ -1027,8 +1027,15 @@ __device__ void flash_tile(const raw16* qkv, int stride, const raw16* k_cache,
                     mma16816(s[nt], qf[2 * kp + 1], b[2], b[3]);
                 }
             }
-            // The causal mask (only where the tile reaches past the warp's
-            // first row) and the running maxima of rows a, b, unscaled.
+            // Scores in base 2, then the causal mask (only where the tile
+            // reaches past the warp's first row) and the running maxima of
+            // rows a, b. The rounding steps (scale first, sums in key order)
+            // are kept as they were before the kernel was pipelined: greedy
+            // tokens of tiny random models flip on a last-bit change.
+#pragma unroll
+            for (int nt = 0; nt < FA_KEYS / 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[nt][e] *= scale_log2;
             if (kb + FA_KEYS - 1 > warp_first) {
 #pragma unroll
                 for (int nt = 0; nt < FA_KEYS / 8; nt++)
@@ -1050,21 +1057,23 @@ __device__ void flash_tile(const raw16* qkv, int stride, const raw16* k_cache,
                 mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, o_));
             }
             // Rows with nothing unmasked yet keep max -inf: no correction, p = 0.
-            const float corr_a = mx_a == -NI_INF ? 1.f : exp2f((m_a - mx_a) * scale_log2);
-            const float corr_b = mx_b == -NI_INF ? 1.f : exp2f((m_b - mx_b) * scale_log2);
+            const float corr_a = mx_a == -NI_INF ? 1.f : exp2f(m_a - mx_a);
+            const float corr_b = mx_b == -NI_INF ? 1.f : exp2f(m_b - mx_b);
             m_a = mx_a;
             m_b = mx_b;
-            const float sub_a = mx_a == -NI_INF ? 0.f : mx_a * scale_log2;
-            const float sub_b = mx_b == -NI_INF ? 0.f : mx_b * scale_log2;
+            const float sub_a = mx_a == -NI_INF ? 0.f : mx_a;
+            const float sub_b = mx_b == -NI_INF ? 0.f : mx_b;
             float sum_a = 0.f, sum_b = 0.f;
 #pragma unroll
             for (int nt = 0; nt < FA_KEYS / 8; nt++) {
-                s[nt][0] = exp2f(fmaf(s[nt][0], scale_log2, -sub_a));
-                s[nt][1] = exp2f(fmaf(s[nt][1], scale_log2, -sub_a));
-                s[nt][2] = exp2f(fmaf(s[nt][2], scale_log2, -sub_b));
-                s[nt][3] = exp2f(fmaf(s[nt][3], scale_log2, -sub_b));
-                sum_a += s[nt][0] + s[nt][1];
-                sum_b += s[nt][2] + s[nt][3];
+                s[nt][0] = exp2f(s[nt][0] - sub_a);
+                sum_a += s[nt][0];
+                s[nt][1] = exp2f(s[nt][1] - sub_a);
+                sum_a += s[nt][1];
+                s[nt][2] = exp2f(s[nt][2] - sub_b);
+                sum_b += s[nt][2];
+                s[nt][3] = exp2f(s[nt][3] - sub_b);
+                sum_b += s[nt][3];
             }
             l_a = l_a * corr_a + sum_a;
             l_b = l_b * corr_b + sum_b;
