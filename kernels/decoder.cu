@@ -254,6 +254,38 @@ extern "C" __global__ void kv_write(const raw16* qkv, int stride, int k_off, int
 #define ATTN_GROUP 4  // query heads per block; they share one kv head (GQA)
 #define ATTN_HD_MAX 256
 
+// The end of a decode attention block for one query head: merges the
+// softmax states of its warps (warp w: max m[w * ml_step], sum
+// l[w * ml_step], unnormalized sums o[w * o_stride + i]), where
+// weight(max - best) rescales a warp's sums, and stores the head: normalized
+// to out[rh] with one split, else the sums to part_o and (max in natural-log
+// units: best * nat_scale, sum) to part_ml at partial ph, for attn_merge.
+template <int WARPS, typename Weight>
+__device__ void store_merged_head(const float* m, const float* l, int ml_step, const float* o,
+                                  int o_stride, Weight weight, float nat_scale, int hd,
+                                  size_t rh, size_t ph, int split, int splits, raw16* out,
+                                  float* part_o, float* part_ml) {
+    float big = -NI_INF;
+    for (int w = 0; w < WARPS; w++) big = fmaxf(big, m[w * ml_step]);
+    float total = 0.f, f[WARPS];
+    for (int w = 0; w < WARPS; w++) {
+        f[w] = l[w * ml_step] > 0.f ? weight(m[w * ml_step] - big) : 0.f;
+        total += l[w * ml_step] * f[w];
+    }
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float acc = 0.f;
+        for (int w = 0; w < WARPS; w++) acc += o[w * o_stride + i] * f[w];
+        if (splits == 1)
+            out[rh * hd + i] = from_f(total > 0.f ? acc / total : 0.f);
+        else
+            part_o[(ph * splits + split) * hd + i] = acc;
+    }
+    if (splits > 1 && threadIdx.x == 0) {
+        part_ml[(ph * splits + split) * 2] = total > 0.f ? big * nat_scale : -NI_INF;
+        part_ml[(ph * splits + split) * 2 + 1] = total;
+    }
+}
+
 struct AttnShared {
     float m[ATTN_GROUP][ATTN_WARPS], l[ATTN_GROUP][ATTN_WARPS];
     float acc[ATTN_WARPS][ATTN_HD_MAX];
@@ -405,26 +437,10 @@ __device__ void attention_group(const raw16* qkv, int stride, const raw16* k_cac
 #pragma unroll
             for (int e = 0; e < 8; e++) sm.acc[warp][d0 + e] = acc[g][e];
         __syncthreads();
-        float big = -NI_INF;
-        for (int w = 0; w < ATTN_WARPS; w++) big = fmaxf(big, sm.m[g][w]);
-        float total = 0.f, f[ATTN_WARPS];
-        for (int w = 0; w < ATTN_WARPS; w++) {
-            f[w] = sm.l[g][w] > 0.f ? __expf(sm.m[g][w] - big) : 0.f;
-            total += sm.l[g][w] * f[w];
-        }
-        const size_t rh = (size_t)row * heads + h0 + g, ph = (size_t)prow * heads + h0 + g;
-        for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-            float o = 0.f;
-            for (int w = 0; w < ATTN_WARPS; w++) o += sm.acc[w][i] * f[w];
-            if (splits == 1)
-                out[rh * hd + i] = from_f(total > 0.f ? o / total : 0.f);
-            else
-                part_o[(ph * splits + split) * hd + i] = o;
-        }
-        if (splits > 1 && threadIdx.x == 0) {
-            part_ml[(ph * splits + split) * 2] = total > 0.f ? big : -NI_INF;
-            part_ml[(ph * splits + split) * 2 + 1] = total;
-        }
+        store_merged_head<ATTN_WARPS>(
+            sm.m[g], sm.l[g], 1, sm.acc[0], ATTN_HD_MAX, [](float d) { return __expf(d); }, 1.f, hd,
+            (size_t)row * heads + h0 + g, (size_t)prow * heads + h0 + g, split, splits, out, part_o,
+            part_ml);
     }
 }
 
@@ -1315,26 +1331,11 @@ __device__ void decode_mma(const raw16* qkv, int stride, const raw16* k_cache,
             }
         }
         __syncthreads();
-        float big = -NI_INF;
-        for (int w = 0; w < DA_WARPS; w++) big = fmaxf(big, sm.m[w][h]);
-        float f[DA_WARPS], total = 0.f;
-        for (int w = 0; w < DA_WARPS; w++) {
-            f[w] = sm.l[w][h] > 0.f ? exp2f((sm.m[w][h] - big) * scale_log2) : 0.f;
-            total += sm.l[w][h] * f[w];
-        }
-        const size_t rh = (size_t)row * heads + h0 + h, ph = (size_t)prow * heads + h0 + h;
-        for (int i = threadIdx.x; i < HD; i += blockDim.x) {
-            float acc = 0.f;
-            for (int w = 0; w < DA_WARPS; w++) acc += sm.o[w][i] * f[w];
-            if (splits == 1)
-                out[rh * HD + i] = from_f(total > 0.f ? acc / total : 0.f);
-            else
-                part_o[(ph * splits + split) * HD + i] = acc;
-        }
-        if (splits > 1 && threadIdx.x == 0) {
-            part_ml[(ph * splits + split) * 2] = total > 0.f ? big * scale : -NI_INF;
-            part_ml[(ph * splits + split) * 2 + 1] = total;
-        }
+        store_merged_head<DA_WARPS>(
+            &sm.m[0][h], &sm.l[0][h], DA_GROUP_MAX, sm.o[0], 128,
+            [=](float d) { return exp2f(d * scale_log2); }, scale, HD,
+            (size_t)row * heads + h0 + h, (size_t)prow * heads + h0 + h, split, splits, out, part_o,
+            part_ml);
     }
 }
 
