@@ -122,10 +122,12 @@ enum PrefillKernel {
 
 impl PrefillKernel {
     fn choose(arch: (i32, i32), head_dim: usize) -> Self {
-        let on = |var: &str| std::env::var(var).map_or(true, |v| v != "0");
-        if !on("NANOINFER_CUDA_TILES") || head_dim > TILE_HD_MAX {
+        if !cuda::switch_on("NANOINFER_CUDA_TILES") || head_dim > TILE_HD_MAX {
             PrefillKernel::Rows
-        } else if on("NANOINFER_CUDA_FLASH") && arch.0 >= 8 && matches!(head_dim, 64 | 128) {
+        } else if cuda::switch_on("NANOINFER_CUDA_FLASH")
+            && arch.0 >= 8
+            && matches!(head_dim, 64 | 128)
+        {
             PrefillKernel::Flash
         } else {
             PrefillKernel::Tiles
@@ -410,7 +412,7 @@ pub fn load(
         stored: c.quantization.as_ref().map(|q| q as &dyn QuantMethod),
         method: method.as_deref(),
         // NANOINFER_CUDA_PINNED=0: plain pageable copies (for comparison).
-        staging: if std::env::var("NANOINFER_CUDA_PINNED").map_or(true, |v| v != "0") {
+        staging: if cuda::switch_on("NANOINFER_CUDA_PINNED") {
             dev.staging()
         } else {
             None
@@ -532,8 +534,8 @@ pub fn load(
 /// DA_GROUP_MAX query heads per kv head (NANOINFER_CUDA_DECODE_MMA=0 turns it
 /// off).
 fn decode_mma_fits(arch: (i32, i32), c: &ModelConfig) -> bool {
-    let on = std::env::var("NANOINFER_CUDA_DECODE_MMA").map_or(true, |v| v != "0");
-    on && arch.0 >= 8
+    cuda::switch_on("NANOINFER_CUDA_DECODE_MMA")
+        && arch.0 >= 8
         && matches!(c.head_dim, 64 | 128)
         && c.num_heads / c.num_kv_heads <= DA_GROUP_MAX
 }
@@ -753,8 +755,7 @@ impl CudaDecoder {
             sampling_words: Vec::new(),
             sampling_params: None,
             graphs: HashMap::new(),
-            use_graphs: !self.dev.profiling()
-                && std::env::var("NANOINFER_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            use_graphs: !self.dev.profiling() && cuda::switch_on("NANOINFER_CUDA_GRAPHS"),
             pool,
             pool_kind: shape.memory_pool,
             planned_bytes: self.workspace_bytes(shape),

@@ -208,7 +208,7 @@ impl CudaDevice {
             name,
             arch,
             sm_count,
-            use_gemv: std::env::var("NANOINFER_CUDA_GEMV").map_or(true, |v| v != "0"),
+            use_gemv: switch_on("NANOINFER_CUDA_GEMV"),
             use_pdl,
             profiler: profiler.map(Mutex::new),
             step_lock: Mutex::new(()),
@@ -798,4 +798,10 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     pub fn is_pooled(&self) -> bool {
         matches!(self.storage, Storage::Pool { .. })
     }
+}
+
+/// Whether the comparison switch `var` (e.g. `NANOINFER_CUDA_GRAPHS`) is
+/// on: unset or anything but `0`.
+pub(crate) fn switch_on(var: &str) -> bool {
+    std::env::var(var).map_or(true, |v| v != "0")
 }
