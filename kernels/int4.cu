@@ -50,19 +50,26 @@ __device__ __forceinline__ float f16_bits_to_f(unsigned h) {
     return f;
 }
 
-// −(MAGIC + z) in both halves.
+// −(MAGIC + z) in both halves: z (the high half of sz) into both, then
+// the sign and exponent bits.
 __device__ __forceinline__ unsigned w4_neg_zero(unsigned sz) {
-    const unsigned z = 0x8000u | W4_MAGIC | ((sz >> 16) & 0xfu);
-    return z | (z << 16);
+    return __byte_perm(sz, 0, 0x3232) | ((0x8000u | W4_MAGIC) * 0x10001u);
+}
+
+// (v & 0x000f000f) | m in one LOP3 with m in a register.
+__device__ __forceinline__ unsigned w4_nibbles(unsigned v, unsigned m) {
+    unsigned d;
+    asm("lop3.b32 %0, %1, 0x000f000f, %2, 0xea;" : "=r"(d) : "r"(v), "r"(m));
+    return d;
 }
 
 // The A fragment (q − z) of one packed word; zg, zg8: w4_neg_zero of rows g, g + 8.
-__device__ __forceinline__ void w4_fragment(unsigned w, unsigned zg, unsigned zg8, unsigned (&a)[4]) {
-    const unsigned m = W4_MAGIC | (W4_MAGIC << 16);
-    a[0] = fma2_raw((w & 0x000f000fu) | m, W4_ONE2, zg);
-    a[1] = fma2_raw(((w >> 4) & 0x000f000fu) | m, W4_ONE2, zg8);
-    a[2] = fma2_raw(((w >> 8) & 0x000f000fu) | m, W4_ONE2, zg);
-    a[3] = fma2_raw(((w >> 12) & 0x000f000fu) | m, W4_ONE2, zg8);
+__device__ __forceinline__ void w4_fragment(unsigned w, unsigned zg, unsigned zg8, unsigned (&a)[4],
+                                            unsigned m = W4_MAGIC | (W4_MAGIC << 16)) {
+    a[0] = fma2_raw(w4_nibbles(w, m), W4_ONE2, zg);
+    a[1] = fma2_raw(w4_nibbles(w >> 4, m), W4_ONE2, zg8);
+    a[2] = fma2_raw(w4_nibbles(w >> 8, m), W4_ONE2, zg);
+    a[3] = fma2_raw(w4_nibbles(w >> 12, m), W4_ONE2, zg8);
 }
 
 // The first weight row of each of the T tiles of unit u, and for QKV units
@@ -93,119 +100,172 @@ __device__ __forceinline__ void w4_unit_rows(int u, int mode, int inter, int nq,
     }
 }
 
-#ifndef W4_D  // NANOINFER_CUDA_DEFINES=-DW4_D=.. overrides it
-#define W4_D 2  // chunks per pipeline stage of a warp
-#endif
-
-// One pipeline stage of a warp: W4_D chunks' weights, their (first
-// group's) scales/zeros for rows g and g + 8, and the lane's activations.
-template <int T, int NT>
-struct W4Stage {
-    uint4 w[W4_D][T];
-    uint4 x[W4_D][NT][2];
-    unsigned sz[W4_D][T][2];
-};
-
 // input / group without a division: group_magic = 2³² / group + 1 (exact
 // for inputs < 2³² / group).
 __device__ __forceinline__ int w4_group_of(int input, unsigned group_magic) {
     return (int)__umulhi((unsigned)input, group_magic);
 }
 
+// acc += part · the group's scales (sz of rows g, g + 8), then part = 0.
+__device__ __forceinline__ void w4_scale_add(float (&part)[4], unsigned sz, unsigned sz8, float (&acc)[4]) {
+    const float sg = f16_bits_to_f(sz & 0xffffu), sg8 = f16_bits_to_f(sz8 & 0xffffu);
+    acc[0] += part[0] * sg;
+    acc[1] += part[1] * sg;
+    acc[2] += part[2] * sg8;
+    acc[3] += part[3] * sg8;
+    part[0] = part[1] = part[2] = part[3] = 0.f;
+}
+
+// One chunk of a warp in registers: the weights of each tile, the
+// lane's activation runs of each 8-row activation tile, and the
+// scales/zeros of rows g and g + 8 for the chunk's first and (group 32)
+// second group.
 template <int T, int NT>
-__device__ __forceinline__ void w4_load(W4Stage<T, NT>& st, int c0, int chunks, unsigned group_magic,
-                                        const uint4* const (&wt)[T], const unsigned* const (&szt)[T],
-                                        const uint4* const (&xr)[NT], const bool (&live)[NT]) {
+struct W4Chunk {
+    uint4 w[T];
+    uint4 x[NT][2];
+    unsigned sz[T][2][2];
+};
+
+// Chunks per warp in the register ring (loads run that many minus one
+// ahead of the MMAs), by tiles per unit and activation tiles.
+#ifndef W4_RING_1_1
+#define W4_RING_1_1 4
+#endif
+#ifndef W4_RING_2_1
+#define W4_RING_2_1 3
+#endif
+#ifndef W4_RING_WIDE
+#define W4_RING_WIDE 2
+#endif
+#ifndef W4_RING_N4_T1
+#define W4_RING_N4_T1 1
+#endif
+#define W4_RING(T, NT) \
+    ((NT) == 4 && (T) == 1 ? W4_RING_N4_T1 : (NT) > 1 ? W4_RING_WIDE : (T) == 1 ? W4_RING_1_1 : W4_RING_2_1)
+
+// A chunk's weights and scales/zeros (which never depend on the previous
+// kernel) and its activation runs.
+template <int T, int NT, bool G32>
+__device__ __forceinline__ void w4_fetch_weights(W4Chunk<T, NT>& ch, const uint4* const (&wp)[T],
+                                                 const unsigned* const (&szt)[T], int c, unsigned group_magic) {
+    const int gi = w4_group_of(c * W4_CHUNK, group_magic);
 #pragma unroll
-    for (int d = 0; d < W4_D; d++) {
-        const int c = c0 + d * W4_WARPS;
-        if (c >= chunks) break;
-        const int gi = w4_group_of(c * W4_CHUNK, group_magic);
-#pragma unroll
-        for (int i = 0; i < T; i++) {
-            st.w[d][i] = __ldg(wt[i] + (size_t)c * 32);
-            st.sz[d][i][0] = __ldg(szt[i] + gi * 16);
-            st.sz[d][i][1] = __ldg(szt[i] + gi * 16 + 8);
-        }
-#pragma unroll
-        for (int j = 0; j < NT; j++) {
-            const uint4 zero = make_uint4(0, 0, 0, 0);
-            st.x[d][j][0] = live[j] ? __ldg(xr[j] + c * (W4_CHUNK / 8)) : zero;
-            st.x[d][j][1] = live[j] ? __ldg(xr[j] + c * (W4_CHUNK / 8) + 4) : zero;
+    for (int i = 0; i < T; i++) {
+        ch.w[i] = __ldg(wp[i]);
+        ch.sz[i][0][0] = __ldg(szt[i] + gi * 16);
+        ch.sz[i][0][1] = __ldg(szt[i] + gi * 16 + 8);
+        if (G32) {
+            ch.sz[i][1][0] = __ldg(szt[i] + gi * 16 + 16);
+            ch.sz[i][1][1] = __ldg(szt[i] + gi * 16 + 24);
         }
     }
 }
-
-// acc += the stage's products; part holds each group's unscaled sums.
 template <int T, int NT>
-__device__ __forceinline__ void w4_compute(W4Stage<T, NT>& st, int c0, int chunks, bool group32,
-                                           const unsigned* const (&szt)[T],
-                                           float (&acc)[T][NT][4], float (&part)[T][NT][4]) {
+__device__ __forceinline__ void w4_fetch_acts(W4Chunk<T, NT>& ch, const uint4* xp, const int (&xoff)[NT]) {
 #pragma unroll
-    for (int d = 0; d < W4_D; d++) {
-        const int c = c0 + d * W4_WARPS;
-        if (c >= chunks) break;
-        // −(MAGIC + z) of rows g and g + 8, once per group rather than per
-        // k-step at one n-tile; the wider kernels' accumulators leave no
-        // registers for it, so they recompute it.
-        unsigned nz[T][2];
+    for (int j = 0; j < NT; j++) {
+        ch.x[j][0] = __ldg(xp + xoff[j]);
+        ch.x[j][1] = __ldg(xp + xoff[j] + 4);
+    }
+}
+
+// acc += one chunk's products, each group's f32 sums scaled once. G32:
+// the chunk's halves are groups of their own.
+template <int T, int NT, bool G32>
+__device__ __forceinline__ void w4_chunk_mma(const W4Chunk<T, NT>& ch, float (&acc)[T][NT][4], unsigned magic) {
+#pragma unroll
+    for (int i = 0; i < T; i++) {
+        float part[NT][4];
+#pragma unroll
+        for (int j = 0; j < NT; j++) part[j][0] = part[j][1] = part[j][2] = part[j][3] = 0.f;
 #pragma unroll
         for (int s = 0; s < 4; s++) {
-            if (s == 2 && group32) {  // the chunk's second 32-input group
-                const int gi = c * 2 + 1;
+            const int h = G32 && s >= 2;
+            if (G32 && s == 2)
 #pragma unroll
-                for (int i = 0; i < T; i++) {
-                    st.sz[d][i][0] = __ldg(szt[i] + gi * 16);
-                    st.sz[d][i][1] = __ldg(szt[i] + gi * 16 + 8);
-                }
-            }
-            if (NT == 1 && (s == 0 || (s == 2 && group32))) {
+                for (int j = 0; j < NT; j++) w4_scale_add(part[j], ch.sz[i][0][0], ch.sz[i][0][1], acc[i][j]);
+            const unsigned w = s == 0 ? ch.w[i].x : s == 1 ? ch.w[i].y : s == 2 ? ch.w[i].z : ch.w[i].w;
+            unsigned a[4];
+            w4_fragment(w, w4_neg_zero(ch.sz[i][h][0]), w4_neg_zero(ch.sz[i][h][1]), a, magic);
 #pragma unroll
-                for (int i = 0; i < T; i++) {
-                    nz[i][0] = w4_neg_zero(st.sz[d][i][0]);
-                    nz[i][1] = w4_neg_zero(st.sz[d][i][1]);
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < T; i++) {
-                const uint4 wq4 = st.w[d][i];
-                const unsigned w = s == 0 ? wq4.x : s == 1 ? wq4.y : s == 2 ? wq4.z : wq4.w;
-                unsigned a[4];
-                if (NT == 1)
-                    w4_fragment(w, nz[i][0], nz[i][1], a);
-                else
-                    w4_fragment(w, w4_neg_zero(st.sz[d][i][0]), w4_neg_zero(st.sz[d][i][1]), a);
-#pragma unroll
-                for (int j = 0; j < NT; j++) {
-                    const uint4 xq = st.x[d][j][s >> 1];
-                    const unsigned b0 = (s & 1) ? xq.z : xq.x, b1 = (s & 1) ? xq.w : xq.y;
-                    mma16816(part[i][j], a, b0, b1);
-                }
-            }
-            if (s == 3 || (s == 1 && group32)) {
-#pragma unroll
-                for (int i = 0; i < T; i++) {
-                    const float sg = f16_bits_to_f(st.sz[d][i][0] & 0xffffu);
-                    const float sg8 = f16_bits_to_f(st.sz[d][i][1] & 0xffffu);
-#pragma unroll
-                    for (int j = 0; j < NT; j++) {
-                        acc[i][j][0] += part[i][j][0] * sg;
-                        acc[i][j][1] += part[i][j][1] * sg;
-                        acc[i][j][2] += part[i][j][2] * sg8;
-                        acc[i][j][3] += part[i][j][3] * sg8;
-                        part[i][j][0] = part[i][j][1] = part[i][j][2] = part[i][j][3] = 0.f;
-                    }
-                }
+            for (int j = 0; j < NT; j++) {
+                const uint4 xq = ch.x[j][s >> 1];
+                mma16816(part[j], a, (s & 1) ? xq.z : xq.x, (s & 1) ? xq.w : xq.y);
             }
         }
+#pragma unroll
+        for (int j = 0; j < NT; j++) w4_scale_add(part[j], ch.sz[i][G32][0], ch.sz[i][G32][1], acc[i][j]);
+    }
+}
+
+// The product loop of a warp: chunks warp, warp + W4_WARPS, ... through
+// a register ring, with running pointers and no bounds checks but in
+// the last round, so the loop is little more than the loads, the nibble
+// conversion and the MMAs.
+template <int T, int NT, bool G32>
+__device__ __forceinline__ void w4_stream(const uint4* const (&wt)[T], const unsigned* const (&szt)[T],
+                                          const uint4* const (&xr)[NT], int warp, int chunks,
+                                          unsigned group_magic, float (&acc)[T][NT][4]) {
+    constexpr int R = W4_RING(T, NT);
+    const int n = chunks > warp ? (chunks - warp + W4_WARPS - 1) / W4_WARPS : 0;
+    const uint4* wp[T];
+#pragma unroll
+    for (int i = 0; i < T; i++) wp[i] = wt[i] + (size_t)warp * 32;
+    // Activation tile j's run is at xp + xoff[j] (uint4 units).
+    const uint4* xp = xr[0] + warp * (W4_CHUNK / 8);
+    int xoff[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) xoff[j] = (int)(xr[j] - xr[0]);
+    int c = warp;
+    W4Chunk<T, NT> ring[R];
+    // The magic pair in a register: as an immediate it would take LOP3's
+    // one immediate slot, and ptxas would re-materialize the nibble mask
+    // before every LOP3 instead.
+    unsigned magic;
+    asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(W4_MAGIC | (W4_MAGIC << 16)));
+    auto fetch_weights = [&](W4Chunk<T, NT>& ch) {
+        w4_fetch_weights<T, NT, G32>(ch, wp, szt, c, group_magic);
+#pragma unroll
+        for (int i = 0; i < T; i++) wp[i] += W4_WARPS * 32;
+        c += W4_WARPS;
+    };
+    auto fetch_acts = [&](W4Chunk<T, NT>& ch) {
+        w4_fetch_acts(ch, xp, xoff);
+        xp += W4_WARPS * (W4_CHUNK / 8);
+    };
+    auto fetch = [&](W4Chunk<T, NT>& ch) {
+        fetch_weights(ch);
+        fetch_acts(ch);
+    };
+    // The first weights are requested before waiting for the previous
+    // kernel (programmatic launch), the activations after.
+#pragma unroll
+    for (int r = 0; r < R - 1; r++)
+        if (r < n) fetch_weights(ring[r]);
+    grid_dep_wait();
+#pragma unroll
+    for (int r = 0; r < R - 1; r++)
+        if (r < n) fetch_acts(ring[r]);
+    int i0 = 0;
+    for (; i0 + 2 * R - 1 <= n; i0 += R) {  // every fetch of the round is in range
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            fetch(ring[(r + R - 1) % R]);
+            w4_chunk_mma<T, NT, G32>(ring[r], acc, magic);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2 * R - 1; r++) {  // the rest: fewer than 2R - 1 chunks
+        if (i0 + r + R - 1 < n) fetch(ring[(r + R - 1) % R]);
+        if (i0 + r < n) w4_chunk_mma<T, NT, G32>(ring[r % R], acc, magic);
     }
 }
 
 // y = x · wᵀ for the rows of T weight tiles (a "unit": one tile, or the
 // gate/up or rope pair an epilogue needs together) and up to 8·NT
 // activation rows starting at blockIdx.x · 8·NT. The 8 warps take
-// interleaved 64-input chunks, W4_D at a time; their sums are added
-// through shared memory.
+// interleaved 64-input chunks; their sums are added through shared memory.
 template <int T, int NT>
 __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
                                       const unsigned* sz, int k, int group, int mode, void* y,
@@ -228,42 +288,24 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
         szt[i] = sz + (size_t)(row0[i] / 16) * groups * 16 + g;
     }
     // This lane's activation runs (B fragments: n = g of each 8-row tile).
+    // Lanes past the last row read row 0: their MMA columns are not stored.
     const uint4* xr[NT];
-    bool live[NT];
 #pragma unroll
     for (int j = 0; j < NT; j++) {
         const int r = tok0 + 8 * j + g;
-        live[j] = r < rows;
-        xr[j] = (const uint4*)(x + (size_t)(live[j] ? r : 0) * k + 8 * t);
+        xr[j] = (const uint4*)(x + (size_t)(r < rows ? r : 0) * k + 8 * t);
     }
-    grid_dep_wait();
-    float acc[T][NT][4], part[T][NT][4];
+    float acc[T][NT][4];
 #pragma unroll
     for (int i = 0; i < T; i++)
 #pragma unroll
         for (int j = 0; j < NT; j++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) acc[i][j][e] = part[i][j][e] = 0.f;
-
-    const int step = W4_WARPS * W4_D;
-    if (NT == 1) {
-        // Decode: bandwidth-bound, loads of the next stage in flight while
-        // computing this one.
-        W4Stage<T, NT> next;
-        w4_load(next, warp, chunks, group_magic, wt, szt, xr, live);
-        for (int c0 = warp; c0 < chunks; c0 += step) {
-            W4Stage<T, NT> cur = next;
-            if (c0 + step < chunks) w4_load(next, c0 + step, chunks, group_magic, wt, szt, xr, live);
-            w4_compute(cur, c0, chunks, group32, szt, acc, part);
-        }
-    } else {
-        // Wider batches need the registers for accumulators: one stage.
-        for (int c0 = warp; c0 < chunks; c0 += step) {
-            W4Stage<T, NT> cur;
-            w4_load(cur, c0, chunks, group_magic, wt, szt, xr, live);
-            w4_compute(cur, c0, chunks, group32, szt, acc, part);
-        }
-    }
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+    if (group32)
+        w4_stream<T, NT, true>(wt, szt, xr, warp, chunks, group_magic, acc);
+    else
+        w4_stream<T, NT, false>(wt, szt, xr, warp, chunks, group_magic, acc);
     grid_dep_launch();
 #pragma unroll
     for (int i = 0; i < T; i++)
@@ -302,11 +344,14 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
 // and v pairs, (nq + 2 nkv) / 32 (QKV).
 // Blocks per SM each kernel's register budget must allow (≤ 128 registers
 // for two blocks of 8 warps): with one block per SM too few loads are in
-// flight to stream the weights. The widest kernel's accumulators need more.
+// flight to stream the weights. A ring of two chunks of two tiles and 32
+// activation rows needs more. (For one tile, one chunk at a time with two
+// blocks per SM measured faster than a ring of two with one: 32-row down
+// product 30.3 µs against 42.1.)
 #ifndef W4_MIN_BLOCKS
 #define W4_MIN_BLOCKS 2
 #endif
-#define W4_BLOCKS_PER_SM(T, NT) ((T) == 2 && (NT) == 4 ? 1 : W4_MIN_BLOCKS)
+#define W4_BLOCKS_PER_SM(T, NT) ((NT) == 4 && (T) == 2 ? 1 : W4_MIN_BLOCKS)
 #define W4_KERNEL(T, NT)                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_BLOCKS_PER_SM(T, NT))          \
         w4_mm_t##T##_n##NT(                                                                       \

@@ -128,6 +128,9 @@ fn compile(arch: (i32, i32), act: ActDType, defines: &[String]) -> Result<String
 pub struct Kernel {
     pub name: &'static str,
     pub func: CudaFunction,
+    /// Requests its weights before `grid_dep_wait` (kernels/int4.cu), so
+    /// launching it while the previous kernel drains pays off.
+    pub streams_weights_early: bool,
 }
 
 macro_rules! kernel_set {
@@ -142,6 +145,7 @@ macro_rules! kernel_set {
                 Ok(Kernels {
                     $($name: Kernel {
                         name: stringify!($name),
+                        streams_weights_early: stringify!($name).starts_with("w4_mm_"),
                         func: module
                             .load_function(stringify!($name))
                             .map_err(|e| cuda_error(concat!("loading kernel ", stringify!($name)), e))?,

@@ -132,9 +132,9 @@ pub struct CudaDevice {
     pub sm_count: usize,
     /// Small-batch projections through our GEMV kernels (NANOINFER_CUDA_GEMV=0: cuBLAS only).
     use_gemv: bool,
-    /// Programmatic dependent launch (sm_90+, NANOINFER_CUDA_PDL=1): each
-    /// kernel may start while the previous one drains.
-    use_pdl: bool,
+    /// Which kernels are launched programmatically (sm_90+), i.e. may start
+    /// while the previous one drains.
+    pdl: EarlyLaunch,
     profiler: Option<Mutex<Profiler>>,
     /// Held for the whole of one forward: sessions sharing the model take
     /// turns on the stream and the cuBLAS handle.
@@ -193,11 +193,11 @@ impl CudaDevice {
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let kernels = Kernels::load(&ctx, arch, act, &KernelCache::from_env())?;
         let profiler = Profiler::from_env(&ctx);
-        // Opt-in: on an H100 (8B shape, batch 1, CUDA graphs on) it measured
-        // 160-164 tok/s against 161-169 without it.
-        let use_pdl = arch.0 >= 9
-            && profiler.is_none()
-            && std::env::var("NANOINFER_CUDA_PDL").is_ok_and(|v| v == "1");
+        let pdl = if arch.0 < 9 || profiler.is_some() {
+            EarlyLaunch::None
+        } else {
+            EarlyLaunch::from_env()
+        };
         Ok(Arc::new(CudaDevice {
             ctx,
             stream,
@@ -209,7 +209,7 @@ impl CudaDevice {
             arch,
             sm_count,
             use_gemv: switch_on("NANOINFER_CUDA_GEMV"),
-            use_pdl,
+            pdl,
             profiler: profiler.map(Mutex::new),
             step_lock: Mutex::new(()),
         }))
@@ -297,7 +297,7 @@ impl CudaDevice {
             sharedMemBytes: 0,
             hStream: self.stream.cu_stream(),
             attrs: &mut pdl,
-            numAttrs: self.use_pdl as u32,
+            numAttrs: self.pdl.applies_to(f) as u32,
         };
         self.ctx
             .bind_to_thread()
@@ -804,4 +804,36 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
 /// on: unset or anything but `0`.
 pub(crate) fn switch_on(var: &str) -> bool {
     std::env::var(var).map_or(true, |v| v != "0")
+}
+
+/// Programmatic dependent launch policy (`NANOINFER_CUDA_PDL`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum EarlyLaunch {
+    /// `0`: every kernel waits for the previous one to finish.
+    None,
+    /// Default: only kernels that request their weights before waiting for
+    /// the previous kernel (the int4 products: H100, 8B shape, batch 1,
+    /// 361 tok/s against 336). The others gained nothing from it (bf16
+    /// decode 167.4 tok/s launched early against 171.0).
+    WeightStreams,
+    /// `1`: every kernel.
+    All,
+}
+
+impl EarlyLaunch {
+    fn from_env() -> EarlyLaunch {
+        match std::env::var("NANOINFER_CUDA_PDL").as_deref() {
+            Ok("0") => EarlyLaunch::None,
+            Ok("1") => EarlyLaunch::All,
+            _ => EarlyLaunch::WeightStreams,
+        }
+    }
+
+    fn applies_to(self, f: &Kernel) -> bool {
+        match self {
+            EarlyLaunch::None => false,
+            EarlyLaunch::WeightStreams => f.streams_weights_early,
+            EarlyLaunch::All => true,
+        }
+    }
 }
