@@ -161,12 +161,25 @@ __device__ __forceinline__ void w4_fetch_weights(W4Chunk<T, NT>& ch, const uint4
         }
     }
 }
+// The activations come from the previous kernel, which may still be
+// draining when this one starts (programmatic launch). Its writes are
+// visible after grid_dep_wait to ordinary loads, but not to the
+// non-coherent read-only path (ld.global.nc, for data that is constant for
+// the kernel's lifetime), which returned stale rows: so ld.global.ca, kept
+// in L1 because every unit of a block reads the same rows.
+// (W4_X_LOAD=1: ld.global.cg, through L2 only.)
+#ifndef W4_X_LOAD
+#define W4_X_LOAD 0
+#endif
+__device__ __forceinline__ uint4 w4_load_act(const uint4* p) {
+    return W4_X_LOAD == 1 ? __ldcg(p) : __ldca(p);
+}
 template <int T, int NT>
 __device__ __forceinline__ void w4_fetch_acts(W4Chunk<T, NT>& ch, const uint4* xp, const int (&xoff)[NT]) {
 #pragma unroll
     for (int j = 0; j < NT; j++) {
-        ch.x[j][0] = __ldg(xp + xoff[j]);
-        ch.x[j][1] = __ldg(xp + xoff[j] + 4);
+        ch.x[j][0] = w4_load_act(xp + xoff[j]);
+        ch.x[j][1] = w4_load_act(xp + xoff[j] + 4);
     }
 }
 
