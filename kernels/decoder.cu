@@ -77,6 +77,15 @@ __device__ __forceinline__ void grid_dep_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// 16 bytes of what the previous kernel wrote (activations), for kernels
+// that may be launched while it drains. Its writes are visible after
+// grid_dep_wait to ordinary loads, but not to the non-coherent read-only
+// path (ld.global.nc / __ldg, for data constant over the kernel's life):
+// with programmatic launch that path returned stale rows. ld.global.ca
+// still keeps them in L1 for the warps and blocks that reread them.
+__device__ __forceinline__ uint4 load_act16(const void* p) {
+    return __ldca((const uint4*)p);
+}
 // Kernel prologue for kernels that read their inputs right away.
 #define GRID_DEP_ENTER() \
     grid_dep_launch();   \
@@ -545,7 +554,7 @@ __device__ __forceinline__ void warp_dots(const raw16* x, const raw16* const (&w
             float ss = 0.f;
             for (int c = lane; c < chunks; c += 32) {
                 float xf[8];
-                unpack8(__ldg((const uint4*)(x + (size_t)r * k) + c), xf);
+                unpack8(load_act16((const uint4*)(x + (size_t)r * k) + c), xf);
 #pragma unroll
                 for (int e = 0; e < 8; e++) ss += xf[e] * xf[e];
             }
@@ -561,7 +570,7 @@ __device__ __forceinline__ void warp_dots(const raw16* x, const raw16* const (&w
 #pragma unroll
         for (int r = 0; r < R; r++) {
             float xf[8];
-            unpack8(__ldg((const uint4*)(x + (size_t)r * k) + c), xf);
+            unpack8(load_act16((const uint4*)(x + (size_t)r * k) + c), xf);
             if (NORM)
 #pragma unroll
                 for (int e = 0; e < 8; e++) xf[e] = rnd(nf[e] * rnd(xf[e] * rstd[r]));

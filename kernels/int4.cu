@@ -127,22 +127,31 @@ struct W4Chunk {
     unsigned sz[T][2][2];
 };
 
-// Chunks per warp in the register ring (loads run that many minus one
-// ahead of the MMAs), by tiles per unit and activation tiles.
+// Chunks per warp in the register ring (weights run that many minus one
+// ahead of the MMAs) for T tiles per unit and NT activation tiles: the
+// most each kernel's register budget (W4_BLOCKS_PER_SM) holds without
+// spilling. NANOINFER_CUDA_DEFINES=-DW4_RING_<T>_<NT>=.. overrides one.
 #ifndef W4_RING_1_1
 #define W4_RING_1_1 4
 #endif
 #ifndef W4_RING_2_1
 #define W4_RING_2_1 3
 #endif
-#ifndef W4_RING_WIDE
-#define W4_RING_WIDE 2
+#ifndef W4_RING_1_2
+#define W4_RING_1_2 2
 #endif
-#ifndef W4_RING_N4_T1
-#define W4_RING_N4_T1 1
+#ifndef W4_RING_2_2
+#define W4_RING_2_2 2
+#endif
+#ifndef W4_RING_1_4
+#define W4_RING_1_4 1
+#endif
+#ifndef W4_RING_2_4
+#define W4_RING_2_4 2
 #endif
 #define W4_RING(T, NT) \
-    ((NT) == 4 && (T) == 1 ? W4_RING_N4_T1 : (NT) > 1 ? W4_RING_WIDE : (T) == 1 ? W4_RING_1_1 : W4_RING_2_1)
+    ((NT) == 1 ? ((T) == 1 ? W4_RING_1_1 : W4_RING_2_1) \
+     : (NT) == 2 ? ((T) == 1 ? W4_RING_1_2 : W4_RING_2_2) : ((T) == 1 ? W4_RING_1_4 : W4_RING_2_4))
 
 // A chunk's weights and scales/zeros (which never depend on the previous
 // kernel) and its activation runs.
@@ -161,25 +170,12 @@ __device__ __forceinline__ void w4_fetch_weights(W4Chunk<T, NT>& ch, const uint4
         }
     }
 }
-// The activations come from the previous kernel, which may still be
-// draining when this one starts (programmatic launch). Its writes are
-// visible after grid_dep_wait to ordinary loads, but not to the
-// non-coherent read-only path (ld.global.nc, for data that is constant for
-// the kernel's lifetime), which returned stale rows: so ld.global.ca, kept
-// in L1 because every unit of a block reads the same rows.
-// (W4_X_LOAD=1: ld.global.cg, through L2 only.)
-#ifndef W4_X_LOAD
-#define W4_X_LOAD 0
-#endif
-__device__ __forceinline__ uint4 w4_load_act(const uint4* p) {
-    return W4_X_LOAD == 1 ? __ldcg(p) : __ldca(p);
-}
 template <int T, int NT>
 __device__ __forceinline__ void w4_fetch_acts(W4Chunk<T, NT>& ch, const uint4* xp, const int (&xoff)[NT]) {
 #pragma unroll
     for (int j = 0; j < NT; j++) {
-        ch.x[j][0] = w4_load_act(xp + xoff[j]);
-        ch.x[j][1] = w4_load_act(xp + xoff[j] + 4);
+        ch.x[j][0] = load_act16(xp + xoff[j]);
+        ch.x[j][1] = load_act16(xp + xoff[j] + 4);
     }
 }
 
@@ -247,30 +243,31 @@ __device__ __forceinline__ void w4_stream(const uint4* const (&wt)[T], const uns
         w4_fetch_acts(ch, xp, xoff);
         xp += W4_WARPS * (W4_CHUNK / 8);
     };
-    auto fetch = [&](W4Chunk<T, NT>& ch) {
-        fetch_weights(ch);
-        fetch_acts(ch);
-    };
     // The first weights are requested before waiting for the previous
-    // kernel (programmatic launch), the activations after.
+    // kernel (programmatic launch), the activations after. Weights run
+    // R - 1 chunks ahead of the MMAs; the activations (from L1/L2) of
+    // several rows only one, which leaves the registers to the weights.
+    constexpr int XA = NT == 1 || R == 1 ? R - 1 : 1;
 #pragma unroll
     for (int r = 0; r < R - 1; r++)
         if (r < n) fetch_weights(ring[r]);
     grid_dep_wait();
 #pragma unroll
-    for (int r = 0; r < R - 1; r++)
+    for (int r = 0; r < XA; r++)
         if (r < n) fetch_acts(ring[r]);
     int i0 = 0;
     for (; i0 + 2 * R - 1 <= n; i0 += R) {  // every fetch of the round is in range
 #pragma unroll
         for (int r = 0; r < R; r++) {
-            fetch(ring[(r + R - 1) % R]);
+            fetch_weights(ring[(r + R - 1) % R]);
+            fetch_acts(ring[(r + XA) % R]);
             w4_chunk_mma<T, NT, G32>(ring[r], acc, magic);
         }
     }
 #pragma unroll
     for (int r = 0; r < 2 * R - 1; r++) {  // the rest: fewer than 2R - 1 chunks
-        if (i0 + r + R - 1 < n) fetch(ring[(r + R - 1) % R]);
+        if (i0 + r + R - 1 < n) fetch_weights(ring[(r + R - 1) % R]);
+        if (i0 + r + XA < n) fetch_acts(ring[(r + XA) % R]);
         if (i0 + r < n) w4_chunk_mma<T, NT, G32>(ring[r % R], acc, magic);
     }
 }
