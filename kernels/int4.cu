@@ -357,11 +357,26 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
 // flight to stream the weights. A ring of two chunks of two tiles and 32
 // activation rows needs more. (For one tile, one chunk at a time with two
 // blocks per SM measured faster than a ring of two with one: 32-row down
-// product 30.3 µs against 42.1.)
-#ifndef W4_MIN_BLOCKS
-#define W4_MIN_BLOCKS 2
+// product 30.3 µs against 42.1.) -DW4_BLOCKS_<T>_<NT>=.. overrides one.
+#ifndef W4_BLOCKS_1_1
+#define W4_BLOCKS_1_1 2
 #endif
-#define W4_BLOCKS_PER_SM(T, NT) ((NT) == 4 && (T) == 2 ? 1 : W4_MIN_BLOCKS)
+#ifndef W4_BLOCKS_2_1
+#define W4_BLOCKS_2_1 2
+#endif
+#ifndef W4_BLOCKS_1_2
+#define W4_BLOCKS_1_2 2
+#endif
+#ifndef W4_BLOCKS_2_2
+#define W4_BLOCKS_2_2 2
+#endif
+#ifndef W4_BLOCKS_1_4
+#define W4_BLOCKS_1_4 2
+#endif
+#ifndef W4_BLOCKS_2_4
+#define W4_BLOCKS_2_4 1
+#endif
+#define W4_BLOCKS_PER_SM(T, NT) W4_BLOCKS_##T##_##NT
 #define W4_KERNEL(T, NT)                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_BLOCKS_PER_SM(T, NT))          \
         w4_mm_t##T##_n##NT(                                                                       \
