@@ -812,9 +812,10 @@ enum EarlyLaunch {
     /// `0`: every kernel waits for the previous one to finish.
     None,
     /// Default: only kernels that request their weights before waiting for
-    /// the previous kernel (the int4 products: H100, 8B shape, batch 1,
-    /// 361 tok/s against 336). The others gained nothing from it (bf16
-    /// decode 167.4 tok/s launched early against 171.0).
+    /// the previous kernel, the int4 products. On an H100 (8B shape, batch 1)
+    /// int4 decode gave 352-355 tok/s this way, against 336 with no early
+    /// launch. Launching every kernel early slowed bf16 decode (167.4 tok/s
+    /// against 171.0).
     WeightStreams,
     /// `1`: every kernel.
     All,
