@@ -64,8 +64,8 @@ __device__ __forceinline__ unsigned w4_nibbles(unsigned v, unsigned m) {
 }
 
 // The A fragment (q − z) of one packed word; zg, zg8: w4_neg_zero of rows g, g + 8.
-__device__ __forceinline__ void w4_fragment(unsigned w, unsigned zg, unsigned zg8, unsigned (&a)[4],
-                                            unsigned m = W4_MAGIC | (W4_MAGIC << 16)) {
+// m: the magic pair, held in a register (see w4_stream).
+__device__ __forceinline__ void w4_fragment(unsigned w, unsigned zg, unsigned zg8, unsigned (&a)[4], unsigned m) {
     a[0] = fma2_raw(w4_nibbles(w, m), W4_ONE2, zg);
     a[1] = fma2_raw(w4_nibbles(w >> 4, m), W4_ONE2, zg8);
     a[2] = fma2_raw(w4_nibbles(w >> 8, m), W4_ONE2, zg);

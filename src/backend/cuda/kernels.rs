@@ -81,7 +81,7 @@ fn nvrtc_version() -> (i32, i32) {
 /// experiments: `NANOINFER_CUDA_GEMV_PREFETCH=BYTES` (how much of each
 /// weight row a GEMV warp prefetches into L2 before it starts) and
 /// `NANOINFER_CUDA_DEFINES="-DNAME=VALUE ..."` (any `#ifndef` constant of
-/// the kernels, e.g. `W4_D`, `W4_PREFETCH`).
+/// the kernels, e.g. `W4_RING_2_1`, `W4_BLOCKS_1_1`).
 fn tuning_defines() -> Vec<String> {
     let prefetch = std::env::var("NANOINFER_CUDA_GEMV_PREFETCH")
         .ok()
