@@ -1176,7 +1176,6 @@ extern "C" __global__ void __launch_bounds__(32 * FA_WARPS, FA_MIN_BLOCKS)
 #define DA_MIN_BLOCKS 2
 #endif
 
-
 struct DecodeShared {
     float m[DA_WARPS][DA_GROUP_MAX], l[DA_WARPS][DA_GROUP_MAX];
     float o[DA_WARPS][128];

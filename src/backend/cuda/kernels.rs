@@ -128,9 +128,15 @@ fn compile(arch: (i32, i32), act: ActDType, defines: &[String]) -> Result<String
 pub struct Kernel {
     pub name: &'static str,
     pub func: CudaFunction,
-    /// Requests its weights before `grid_dep_wait` (kernels/int4.cu), so
-    /// launching it while the previous kernel drains pays off.
-    pub streams_weights_early: bool,
+}
+
+impl Kernel {
+    /// Whether it requests its weights before `grid_dep_wait` (the int4
+    /// products of kernels/int4.cu), so launching it while the previous
+    /// kernel drains pays off.
+    pub fn streams_weights_early(&self) -> bool {
+        self.name.starts_with("w4_mm_")
+    }
 }
 
 macro_rules! kernel_set {
@@ -145,7 +151,6 @@ macro_rules! kernel_set {
                 Ok(Kernels {
                     $($name: Kernel {
                         name: stringify!($name),
-                        streams_weights_early: stringify!($name).starts_with("w4_mm_"),
                         func: module
                             .load_function(stringify!($name))
                             .map_err(|e| cuda_error(concat!("loading kernel ", stringify!($name)), e))?,

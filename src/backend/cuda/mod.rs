@@ -833,7 +833,7 @@ impl EarlyLaunch {
     fn applies_to(self, f: &Kernel) -> bool {
         match self {
             EarlyLaunch::None => false,
-            EarlyLaunch::WeightStreams => f.streams_weights_early,
+            EarlyLaunch::WeightStreams => f.streams_weights_early(),
             EarlyLaunch::All => true,
         }
     }
