@@ -146,7 +146,8 @@ fn main() -> nanoinfer::Result<()> {
             let mut i = 0;
             let t4 = time_us(&dev, reps, || {
                 i += 1;
-                dev.w4_mm(x.ptr(), rows, &w4[i % w4.len()], out).unwrap()
+                dev.w4_mm(x.ptr(), rows, &w4[i % w4.len()], out, None)
+                    .unwrap()
             });
             let tb = time_us(&dev, reps, || {
                 i += 1;

@@ -35,6 +35,7 @@
 #define W4_CHUNK 64  // inputs per chunk
 
 #define W4_OUT_ACT 0       // y[r, row] in the activation dtype
+#define W4_OUT_RESIDUAL 2  // y[r, row] += the product: a residual add (as GEMV_OUT_RESIDUAL)
 #define W4_OUT_SWIGLU 3    // out[r, j] = silu(gate) * up; tile pair (j, inter + j)
 #define W4_OUT_QKV 4       // qkv_pair_store: bias, RoPE, q row / k, v cache
 
@@ -170,12 +171,13 @@ __device__ __forceinline__ void w4_fetch_weights(W4Chunk<T, NT>& ch, const uint4
         }
     }
 }
-template <int T, int NT>
+// STAGED: xp points into shared memory (rows normed by w4_norm_rows).
+template <int T, int NT, bool STAGED>
 __device__ __forceinline__ void w4_fetch_acts(W4Chunk<T, NT>& ch, const uint4* xp, const int (&xoff)[NT]) {
 #pragma unroll
     for (int j = 0; j < NT; j++) {
-        ch.x[j][0] = load_act16(xp + xoff[j]);
-        ch.x[j][1] = load_act16(xp + xoff[j] + 4);
+        ch.x[j][0] = STAGED ? xp[xoff[j]] : load_act16(xp + xoff[j]);
+        ch.x[j][1] = STAGED ? xp[xoff[j] + 4] : load_act16(xp + xoff[j] + 4);
     }
 }
 
@@ -211,11 +213,13 @@ __device__ __forceinline__ void w4_chunk_mma(const W4Chunk<T, NT>& ch, float (&a
 // The product loop of a warp: chunks warp, warp + W4_WARPS, ... through
 // a register ring, with running pointers and no bounds checks but in
 // the last round, so the loop is little more than the loads, the nibble
-// conversion and the MMAs.
-template <int T, int NT, bool G32>
+// conversion and the MMAs. `after_wait` runs once the previous kernel is
+// complete, before the first activation is read (the norm prologue).
+template <int T, int NT, bool G32, bool STAGED, typename AfterWait>
 __device__ __forceinline__ void w4_stream(const uint4* const (&wt)[T], const unsigned* const (&szt)[T],
                                           const uint4* const (&xr)[NT], int warp, int chunks,
-                                          unsigned group_magic, float (&acc)[T][NT][4]) {
+                                          unsigned group_magic, float (&acc)[T][NT][4],
+                                          AfterWait after_wait) {
     constexpr int R = W4_RING(T, NT);
     const int n = chunks > warp ? (chunks - warp + W4_WARPS - 1) / W4_WARPS : 0;
     const uint4* wp[T];
@@ -240,7 +244,7 @@ __device__ __forceinline__ void w4_stream(const uint4* const (&wt)[T], const uns
         c += W4_WARPS;
     };
     auto fetch_acts = [&](W4Chunk<T, NT>& ch) {
-        w4_fetch_acts(ch, xp, xoff);
+        w4_fetch_acts<T, NT, STAGED>(ch, xp, xoff);
         xp += W4_WARPS * (W4_CHUNK / 8);
     };
     // The first weights are requested before waiting for the previous
@@ -252,6 +256,7 @@ __device__ __forceinline__ void w4_stream(const uint4* const (&wt)[T], const uns
     for (int r = 0; r < R - 1; r++)
         if (r < n) fetch_weights(ring[r]);
     grid_dep_wait();
+    after_wait();
 #pragma unroll
     for (int r = 0; r < XA; r++)
         if (r < n) fetch_acts(ring[r]);
@@ -272,17 +277,65 @@ __device__ __forceinline__ void w4_stream(const uint4* const (&wt)[T], const uns
     }
 }
 
+// Staged rows are padded by 64 bytes: the two rows a quarter-warp reads
+// fall on different shared-memory banks.
+#define W4_STAGE_PAD 4  // uint4
+#define W4_NORM_MAX_ROWS 8
+
+// staged[r] = rmsnorm(x[r]) * nw for the block's `nrows` (≤ W4_NORM_MAX_ROWS)
+// rows of k inputs, rounded as add_rms_norm rounds, row stride k / 8 +
+// W4_STAGE_PAD uint4. Every thread of the block takes part.
+__device__ void w4_norm_rows(const raw16* x, const raw16* nw, float eps, int k, int nrows,
+                             uint4* staged) {
+    __shared__ float part[W4_NORM_MAX_ROWS][W4_WARPS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kv = k / 8;
+    const int stride = kv + W4_STAGE_PAD;
+    for (int r = 0; r < nrows; r++) {
+        float ss = 0.f;
+        for (int c = threadIdx.x; c < kv; c += blockDim.x) {
+            float f[8];
+            unpack8(load_act16((const uint4*)(x + (size_t)r * k) + c), f);
+#pragma unroll
+            for (int e = 0; e < 8; e++) ss += f[e] * f[e];
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) part[r][warp] = ss;
+    }
+    __syncthreads();
+    for (int r = 0; r < nrows; r++) {
+        float ss = 0.f;
+#pragma unroll
+        for (int w = 0; w < W4_WARPS; w++) ss += part[r][w];
+        const float rstd = rsqrtf(ss / k + eps);
+        for (int c = threadIdx.x; c < kv; c += blockDim.x) {
+            float f[8], g[8];
+            unpack8(load_act16((const uint4*)(x + (size_t)r * k) + c), f);
+            unpack8(__ldg((const uint4*)nw + c), g);
+            unsigned o[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                o[e] = pack2(g[2 * e] * rnd(f[2 * e] * rstd), g[2 * e + 1] * rnd(f[2 * e + 1] * rstd));
+            staged[(size_t)r * stride + c] = make_uint4(o[0], o[1], o[2], o[3]);
+        }
+    }
+    __syncthreads();
+}
+
 // y = x · wᵀ for the rows of T weight tiles (a "unit": one tile, or the
 // gate/up or rope pair an epilogue needs together) and up to 8·NT
 // activation rows starting at blockIdx.x · 8·NT. The 8 warps take
 // interleaved 64-input chunks; their sums are added through shared memory.
-template <int T, int NT>
+// NORM: x holds residual rows; the block stages rmsnorm(x) * nw of its rows
+// in dynamic shared memory first (w4_norm_rows) and multiplies those.
+template <int T, int NT, bool NORM>
 __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
                                       const unsigned* sz, int k, int group, int mode, void* y,
                                       int n, const raw16* bias, const float2* cs,
                                       const unsigned* slots, raw16* k_cache, raw16* v_cache,
-                                      int inter, int nq, int nkv, int hd) {
+                                      int inter, int nq, int nkv, int hd, const raw16* nw,
+                                      float eps) {
     __shared__ float red[W4_WARPS][T * NT * 4][32];
+    extern __shared__ uint4 staged[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int row0[T], freq0;
     w4_unit_rows<T>(blockIdx.y, mode, inter, nq, nkv, hd, row0, freq0);
@@ -303,8 +356,12 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
 #pragma unroll
     for (int j = 0; j < NT; j++) {
         const int r = tok0 + 8 * j + g;
-        xr[j] = (const uint4*)(x + (size_t)(r < rows ? r : 0) * k + 8 * t);
+        xr[j] = NORM ? staged + (r < rows ? r - tok0 : 0) * (k / 8 + W4_STAGE_PAD) + t
+                     : (const uint4*)(x + (size_t)(r < rows ? r : 0) * k + 8 * t);
     }
+    auto norm_prologue = [&]() {
+        if (NORM) w4_norm_rows(x + (size_t)tok0 * k, nw, eps, k, min(rows - tok0, 8 * NT), staged);
+    };
     float acc[T][NT][4];
 #pragma unroll
     for (int i = 0; i < T; i++)
@@ -313,9 +370,9 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
     if (group32)
-        w4_stream<T, NT, true>(wt, szt, xr, warp, chunks, group_magic, acc);
+        w4_stream<T, NT, true, NORM>(wt, szt, xr, warp, chunks, group_magic, acc, norm_prologue);
     else
-        w4_stream<T, NT, false>(wt, szt, xr, warp, chunks, group_magic, acc);
+        w4_stream<T, NT, false, NORM>(wt, szt, xr, warp, chunks, group_magic, acc, norm_prologue);
     grid_dep_launch();
 #pragma unroll
     for (int i = 0; i < T; i++)
@@ -340,6 +397,9 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
         if (r >= rows) continue;
         if (mode == W4_OUT_ACT) {
             ((raw16*)y)[(size_t)r * n + row0[0] + f] = from_f(v[0]);
+        } else if (mode == W4_OUT_RESIDUAL) {
+            raw16* o = (raw16*)y + (size_t)r * n + row0[0] + f;
+            *o = from_f(to_f(*o) + rnd(v[0]));
         } else if (mode == W4_OUT_SWIGLU) {
             ((raw16*)y)[(size_t)r * inter + row0[0] + f] = from_f(silu_mul_f(rnd(v[0]), rnd(v[T - 1])));
         } else {  // W4_OUT_QKV
@@ -377,21 +437,26 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
 #define W4_BLOCKS_2_4 1
 #endif
 #define W4_BLOCKS_PER_SM(T, NT) W4_BLOCKS_##T##_##NT
-#define W4_KERNEL(T, NT)                                                                          \
+// w4_mm_t<T>_n<NT>, and with NORM w4_mm_t<T>_n<NT>_norm (dynamic shared
+// memory: the block's rows × (k / 8 + W4_STAGE_PAD) × 16 bytes).
+#define W4_KERNEL(T, NT, NORM, SUFFIX)                                                            \
     extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_BLOCKS_PER_SM(T, NT))          \
-        w4_mm_t##T##_n##NT(                                                                       \
+        w4_mm_t##T##_n##NT##SUFFIX(                                                               \
         const raw16* x, int rows, const uint4* wq, const unsigned* sz, int k, int group, int mode, \
         void* y, int n, const raw16* bias, const float2* cs, const unsigned* slots,               \
-        raw16* k_cache, raw16* v_cache, int inter, int nq, int nkv, int hd) {                     \
-        w4_mm<T, NT>(x, rows, wq, sz, k, group, mode, y, n, bias, cs, slots, k_cache, v_cache,    \
-                     inter, nq, nkv, hd);                                                          \
+        raw16* k_cache, raw16* v_cache, int inter, int nq, int nkv, int hd, const raw16* nw,      \
+        float eps) {                                                                              \
+        w4_mm<T, NT, NORM>(x, rows, wq, sz, k, group, mode, y, n, bias, cs, slots, k_cache,       \
+                           v_cache, inter, nq, nkv, hd, nw, eps);                                 \
     }
-W4_KERNEL(1, 1)
-W4_KERNEL(1, 2)
-W4_KERNEL(1, 4)
-W4_KERNEL(2, 1)
-W4_KERNEL(2, 2)
-W4_KERNEL(2, 4)
+W4_KERNEL(1, 1, false, )
+W4_KERNEL(1, 2, false, )
+W4_KERNEL(1, 4, false, )
+W4_KERNEL(2, 1, false, )
+W4_KERNEL(2, 2, false, )
+W4_KERNEL(2, 4, false, )
+// The paired products (QKV, gate/up) of decode batches, normed on the fly.
+W4_KERNEL(2, 1, true, _norm)
 #undef W4_KERNEL
 
 #define W4_DQ_CHUNKS 8  // chunks of one tile per dequantization block (512 inputs)

@@ -278,7 +278,10 @@ fn eight_b_shape_matches_transformers() {
 /// model multiplies weights rounded to bf16, so the two round differently.
 /// The first step (all six prompts, 320 rows) runs through dequantization
 /// and cuBLAS, the decode steps and the chunked run (≤ 32 rows) through the
-/// int4 MMA kernels (8, 16 and 32-row builds).
+/// int4 MMA kernels (8, 16 and 32-row builds); decode steps of ≤ 8 rows
+/// (six prompts, or one alone) norm the residual inside the QKV and
+/// gate/up kernels and add into it in the o and down kernels, except
+/// act-order weights.
 #[test]
 fn int4_matches_the_same_weights_dequantized() {
     let Some(fx) = fixtures() else { return };
@@ -337,6 +340,8 @@ fn int4_matches_the_same_weights_dequantized() {
                 ..Default::default()
             };
             let got_chunked = run(&int4, chunked, &reqs);
+            // One request alone: one-row decode steps.
+            let got_alone = run(&int4, SessionParams::default(), &reqs[..1]);
             let mut matched = Vec::new();
             // Weights not rounded to bf16 on one side: twice the bf16 margin.
             let near = 2.0 * NEAR_TIE;
@@ -345,6 +350,12 @@ fn int4_matches_the_same_weights_dequantized() {
                 matched.push(check_near_within(&what, &got[i], w, near));
                 check_near_within(&format!("{what} chunked"), &got_chunked[i], w, near);
             }
+            check_near_within(
+                &format!("{name} {label} alone"),
+                &got_alone[0],
+                &want[0],
+                near,
+            );
             eprintln!(
                 "{name} {label}: identical to the dequantized model for {matched:?} of 16 steps"
             );

@@ -1323,7 +1323,7 @@ impl CudaForward {
             Weight::Int4(m) => {
                 let x = self.w4_input(x, rows, m)?;
                 if rows <= self.model.w4_mma_rows {
-                    dev.w4_mm(x, rows, m, W4Out::Act { y })?
+                    dev.w4_mm(x, rows, m, W4Out::Act { y }, None)?
                 } else {
                     dev.gemm(x, self.dequantized(m)?, y, rows, n, k, GemmDType::Act)?
                 }
@@ -1341,20 +1341,51 @@ impl CudaForward {
     }
 
     /// Whether a step of `rows` rows runs the residual stream through the
-    /// GEMV epilogues (every projection a GEMV, no o_proj bias to add).
-    fn residual_in_gemvs(&self, rows: usize) -> bool {
-        let c = &self.model.config;
+    /// projections: QKV and gate/up read the residual and norm it on the
+    /// fly, o and down add their output into it (every projection a GEMV
+    /// or an int4 MMA kernel that can, no o_proj bias to add).
+    fn residual_in_projections(&self, rows: usize) -> bool {
+        let m = &*self.model;
+        let (c, dev) = (&m.config, &*m.dev);
+        let (d, nq, inter) = (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size);
+        let norms = |w: &Weight, k: usize| match w {
+            Weight::Dense(_) => dev.gemv_fits(rows, k),
+            Weight::Int4(q) => self.w4_direct(w, rows).is_some() && dev.w4_norm_fits(rows, q),
+        };
+        let adds = |w: &Weight, k: usize| match w {
+            Weight::Dense(_) => dev.gemv_fits(rows, k),
+            Weight::Int4(_) => self.w4_direct(w, rows).is_some(),
+        };
+        !c.o_bias
+            && m.layers.iter().all(|l| {
+                norms(&l.qkv, d) && adds(&l.o, nq) && norms(&l.gate_up, d) && adds(&l.down, inter)
+            })
+    }
+
+    /// `hidden[rows, n] += x · wᵀ`: the o and down projections when the
+    /// residual stream runs through the projections.
+    fn add_to_residual(
+        &self,
+        x: u64,
+        w: &Weight,
+        (rows, n, k): (usize, usize, usize),
+    ) -> Result<()> {
         let dev = &self.model.dev;
-        self.model.w4_max_elems == 0
-            && !c.o_bias
-            && [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
-                .iter()
-                .all(|&k| dev.gemv_fits(rows, k))
+        let hidden = self.ws.hidden.ptr();
+        match w {
+            Weight::Dense(b) => {
+                dev.gemv(x, b.ptr(), hidden, (rows, n, k), GemvOut::ResidualAdd, None)
+            }
+            Weight::Int4(m) => {
+                let x = self.w4_input(x, rows, m)?;
+                dev.w4_mm(x, rows, m, W4Out::Residual { y: hidden }, None)
+            }
+        }
     }
 
     /// The rows a projection reads (x) and the norm it applies on the fly:
-    /// only the GEMV kernels can norm on the fly, so otherwise the residual
-    /// is normed into `normed` first.
+    /// only the GEMV and small-batch int4 kernels can norm on the fly, so
+    /// otherwise the residual is normed into `normed` first.
     fn projection_input(
         &self,
         input: ProjInput,
@@ -1396,7 +1427,7 @@ impl CudaForward {
             .w4_direct(&layer.qkv, rows)
             .filter(|_| layer.q_norm.is_none())
         {
-            let (x, _) = self.projection_input(input, rows, false)?;
+            let (x, norm) = self.projection_input(input, rows, dev.w4_norm_fits(rows, m))?;
             let x = self.w4_input(x, rows, m)?;
             let epilogue = QkvEpilogue {
                 qkv: ws.qkv.ptr(),
@@ -1409,7 +1440,7 @@ impl CudaForward {
                 nkv,
                 head_dim: hd,
             };
-            return dev.w4_mm(x, rows, m, W4Out::Qkv(epilogue));
+            return dev.w4_mm(x, rows, m, W4Out::Qkv(epilogue), norm);
         }
         let fused = layer
             .qkv
@@ -1593,9 +1624,9 @@ impl CudaForward {
         let (dev, c, ws) = (&*m.dev, &m.config, &self.ws);
         let (d, inter) = (c.hidden_size, c.intermediate_size);
         if let Some(m) = self.w4_direct(&layer.gate_up, rows) {
-            let (x, _) = self.projection_input(input, rows, false)?;
+            let (x, norm) = self.projection_input(input, rows, dev.w4_norm_fits(rows, m))?;
             let x = self.w4_input(x, rows, m)?;
-            return dev.w4_mm(x, rows, m, W4Out::SwiGlu { out: ws.act.ptr() });
+            return dev.w4_mm(x, rows, m, W4Out::SwiGlu { out: ws.act.ptr() }, norm);
         }
         let fused = layer.gate_up.dense().filter(|_| dev.gemv_fits(rows, d));
         let (x, norm) = self.projection_input(input, rows, fused.is_some())?;
@@ -1675,35 +1706,20 @@ impl CudaForward {
                 KArg::I32(d as i32),
             ],
         )?;
-        // Decode batches keep the residual stream in the GEMVs: each norm is
-        // applied by the projection that reads it, and the o / down GEMVs add
-        // their output into the residual. Other batches run norm kernels with
-        // the residual add fused in, and cuBLAS.
-        let in_gemv = self.residual_in_gemvs(rows);
+        // Decode batches keep the residual stream in the projections: each
+        // norm is applied by the projection that reads it, and the o / down
+        // products add their output into the residual. Other batches run
+        // norm kernels with the residual add fused in, and cuBLAS.
+        let in_projections = self.residual_in_projections(rows);
         for (li, layer) in m.layers.iter().enumerate() {
             let (kc, vc) = self.layer_kv(li);
-            if let (true, Some(o), Some(down)) = (in_gemv, layer.o.dense(), layer.down.dense()) {
-                let hidden = ws.hidden.ptr();
+            if in_projections {
                 let input = ProjInput::Residual(layer.input_norm.ptr());
                 self.qkv_rope_kv_write(layer, inputs, (kc, vc), input)?;
                 self.attend(inputs, (kc, vc), splits)?;
-                dev.gemv(
-                    ws.attn.ptr(),
-                    o.ptr(),
-                    hidden,
-                    (rows, d, nq),
-                    GemvOut::ResidualAdd,
-                    None,
-                )?;
+                self.add_to_residual(ws.attn.ptr(), &layer.o, (rows, d, nq))?;
                 self.gate_up_swiglu(layer, rows, ProjInput::Residual(layer.post_norm.ptr()))?;
-                dev.gemv(
-                    ws.act.ptr(),
-                    down.ptr(),
-                    hidden,
-                    (rows, d, inter),
-                    GemvOut::ResidualAdd,
-                    None,
-                )?;
+                self.add_to_residual(ws.act.ptr(), &layer.down, (rows, d, inter))?;
                 continue;
             }
             // Residual add of the previous layer's MLP output, fused with this norm.
@@ -1751,7 +1767,7 @@ impl CudaForward {
         // the rows that want logits only.
         self.add_rms_norm(
             n_out as u32,
-            if in_gemv { 0 } else { ws.delta.ptr() },
+            if in_projections { 0 } else { ws.delta.ptr() },
             inp(inputs.logits_rows),
             m.final_norm.ptr(),
             ws.head_in.ptr(),

@@ -190,6 +190,7 @@ kernel_set!(
     w4_mm_t2_n1,
     w4_mm_t2_n2,
     w4_mm_t2_n4,
+    w4_mm_t2_n1_norm,
     w4_dequant,
     w4_gather,
     sample_rows,

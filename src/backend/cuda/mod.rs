@@ -192,6 +192,10 @@ impl CudaDevice {
             .map_err(|e| cuda_error("SM count", e))? as usize;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let kernels = Kernels::load(&ctx, arch, act, &KernelCache::from_env())?;
+        if arch.0 >= 8 {
+            // Int4 weights need sm_80+ (their MMAs); older GPUs refuse them.
+            w4_ops::allow_norm_staging(&kernels)?;
+        }
         let profiler = Profiler::from_env(&ctx);
         let pdl = if arch.0 < 9 || profiler.is_some() {
             EarlyLaunch::None
@@ -249,15 +253,17 @@ impl CudaDevice {
         self.timed(
             || f.name.to_string(),
             0,
-            || self.launch_raw(f, grid, block, args),
+            || self.launch_raw(f, grid, block, 0, args),
         )
     }
 
+    /// Launches `f` with `shared` bytes of dynamic shared memory.
     fn launch_raw(
         &self,
         f: &Kernel,
         grid: (u32, u32, u32),
         block: u32,
+        shared: u32,
         args: &[KArg],
     ) -> Result<()> {
         const MAX_ARGS: usize = 24;
@@ -294,7 +300,7 @@ impl CudaDevice {
             blockDimX: block,
             blockDimY: 1,
             blockDimZ: 1,
-            sharedMemBytes: 0,
+            sharedMemBytes: shared,
             hStream: self.stream.cu_stream(),
             attrs: &mut pdl,
             numAttrs: self.pdl.applies_to(f) as u32,
@@ -589,6 +595,7 @@ impl CudaDevice {
                     f,
                     (warps.div_ceil(GEMV_WARPS) as u32, 1, 1),
                     32 * GEMV_WARPS as u32,
+                    0,
                     args,
                 )
             },

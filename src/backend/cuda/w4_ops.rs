@@ -2,9 +2,11 @@
 //! `kernels/int4.cu` for small batches, and dequantization to the
 //! activation dtype for cuBLAS on large ones.
 
+use super::kernels::Kernels;
 use super::w4::{W4Host, CHUNK, TILE_ROWS};
-use super::{CudaDevice, DeviceBuffer, KArg, Staging};
-use crate::Result;
+use super::{cuda_error, CudaDevice, DeviceBuffer, KArg, Staging};
+use crate::{Error, ErrorKind, Result};
+use cudarc::driver::sys::CUfunction_attribute;
 
 /// An int4 matrix on the device, in the layout of [`W4Host`].
 pub struct W4Matrix {
@@ -89,6 +91,9 @@ impl W4Matrix {
 pub enum W4Out {
     /// `y[rows, n]` in the activation dtype.
     Act { y: u64 },
+    /// `y[rows, n] += the product`: a residual add, rounded as the norm
+    /// kernel's fused add rounds.
+    Residual { y: u64 },
     /// `out[rows, inter] = silu(gate) * up` of a stacked `[gate; up]`.
     SwiGlu { out: u64 },
     /// A stacked `[q; k; v]`: bias, RoPE, q into the QKV rows, k and v into
@@ -112,20 +117,75 @@ pub struct QkvEpilogue {
 
 /// Activation rows one block of the widest kernel covers (8 per n-tile).
 const MAX_ROWS_PER_BLOCK: usize = 32;
+/// W4_NORM_MAX_ROWS of kernels/int4.cu: the most rows the normed kernel
+/// (`w4_mm_t2_n1_norm`, one 8-row activation tile) stages.
+const NORM_MAX_ROWS: usize = 8;
+/// W4_STAGE_PAD of kernels/int4.cu, in 16-byte units.
+const STAGE_PAD: usize = 4;
+/// Dynamic shared memory the normed kernel may take: 8 staged rows of 4096
+/// inputs (66 KB), within the 99 KB a block may opt in to on sm_80+.
+const NORM_SMEM_MAX: usize = 72 << 10;
 /// 32 * W4_WARPS of kernels/int4.cu.
 const W4_THREADS: u32 = 256;
 /// W4_DQ_CHUNKS of kernels/int4.cu.
 const DEQUANT_CHUNKS: usize = 8;
 
+/// Shared memory the normed kernel stages `rows` rows of `k` inputs in.
+fn norm_stage_bytes(rows: usize, k: usize) -> usize {
+    rows * (k / 8 + STAGE_PAD) * 16
+}
+
+/// Lets the normed kernel take more than the default 48 KB of dynamic
+/// shared memory (called once, when the kernels are loaded).
+pub(super) fn allow_norm_staging(kernels: &Kernels) -> Result<()> {
+    kernels
+        .w4_mm_t2_n1_norm
+        .func
+        .set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            NORM_SMEM_MAX as i32,
+        )
+        .map_err(|e| cuda_error("raising w4_mm_t2_n1_norm's shared memory limit", e))
+}
+
 impl CudaDevice {
+    /// Whether a paired product (QKV, gate/up) of `rows` rows by `w` can
+    /// take residual rows and norm them itself (`w4_mm`'s `norm`): a
+    /// decode batch small enough to stage, and no act-order permutation
+    /// (the norm weight is in the activations' order, not the packed one).
+    pub fn w4_norm_fits(&self, rows: usize, w: &W4Matrix) -> bool {
+        rows <= NORM_MAX_ROWS && w.perm.is_none() && norm_stage_bytes(rows, w.cols) <= NORM_SMEM_MAX
+    }
+
     /// `x[rows, k] · wᵀ` through the int4 MMA kernels, finished as `out`
-    /// says. Weights are read once per 32 activation rows.
-    pub fn w4_mm(&self, x: u64, rows: usize, w: &W4Matrix, out: W4Out) -> Result<()> {
+    /// says. Weights are read once per 32 activation rows. With
+    /// `norm = (weight, eps)` (a paired `out`, `w4_norm_fits`), x holds
+    /// residual rows and the product takes `rmsnorm(x) * weight` instead.
+    pub fn w4_mm(
+        &self,
+        x: u64,
+        rows: usize,
+        w: &W4Matrix,
+        out: W4Out,
+        norm: Option<(u64, f32)>,
+    ) -> Result<()> {
         let (paired, mode, y, units) = match out {
             W4Out::Act { y } => (false, 0, y, w.rows / TILE_ROWS),
+            W4Out::Residual { y } => (false, 2, y, w.rows / TILE_ROWS),
             W4Out::SwiGlu { out } => (true, 3, out, w.rows / 2 / TILE_ROWS),
             W4Out::Qkv(e) => (true, 4, e.qkv, w.rows / 2 / TILE_ROWS),
         };
+        if norm.is_some() && !(paired && self.w4_norm_fits(rows, w)) {
+            return Err(Error::new(
+                ErrorKind::Internal,
+                format!(
+                    "no normed int4 kernel for {rows} rows of a {}x{} {} product",
+                    w.rows,
+                    w.cols,
+                    if paired { "paired" } else { "single" }
+                ),
+            ));
+        }
         let per_block = match rows {
             0..=8 => 8,
             9..=16 => 16,
@@ -133,6 +193,7 @@ impl CudaDevice {
         };
         let kn = &self.kernels;
         let f = match (paired, per_block) {
+            _ if norm.is_some() => &kn.w4_mm_t2_n1_norm,
             (false, 8) => &kn.w4_mm_t1_n1,
             (false, 16) => &kn.w4_mm_t1_n2,
             (false, _) => &kn.w4_mm_t1_n4,
@@ -144,6 +205,12 @@ impl CudaDevice {
             W4Out::Qkv(e) => e,
             _ => QkvEpilogue::default(),
         };
+        let (nw, eps) = norm.unwrap_or((0, 0.0));
+        let shared = if norm.is_some() {
+            norm_stage_bytes(rows, w.cols) as u32
+        } else {
+            0
+        };
         let grid = (rows.div_ceil(per_block) as u32, units as u32, 1);
         self.timed(
             || format!("{} {rows}x{}x{}", f.name, w.rows, w.cols),
@@ -153,6 +220,7 @@ impl CudaDevice {
                     f,
                     grid,
                     W4_THREADS,
+                    shared,
                     &[
                         KArg::Ptr(x),
                         KArg::I32(rows as i32),
@@ -172,6 +240,8 @@ impl CudaDevice {
                         KArg::I32(e.nq as i32),
                         KArg::I32(e.nkv as i32),
                         KArg::I32(e.head_dim as i32),
+                        KArg::Ptr(nw),
+                        KArg::F32(eps),
                     ],
                 )
             },
@@ -208,6 +278,7 @@ impl CudaDevice {
                     f,
                     (blocks as u32, (w.rows / TILE_ROWS) as u32, 1),
                     32 * DEQUANT_CHUNKS as u32,
+                    0,
                     &[
                         KArg::Ptr(w.words.ptr()),
                         KArg::Ptr(w.sz.ptr()),
