@@ -125,6 +125,8 @@ const STAGE_PAD: usize = 4;
 /// Dynamic shared memory the normed kernel may take: 8 staged rows of 4096
 /// inputs (66 KB), within the 99 KB a block may opt in to on sm_80+.
 const NORM_SMEM_MAX: usize = 72 << 10;
+// With the kernel's static reduction buffer (8 KB) beside it.
+const _: () = assert!(NORM_SMEM_MAX + (8 << 10) <= 99 << 10);
 /// 32 * W4_WARPS of kernels/int4.cu.
 const W4_THREADS: u32 = 256;
 /// W4_DQ_CHUNKS of kernels/int4.cu.
@@ -133,6 +135,12 @@ const DEQUANT_CHUNKS: usize = 8;
 /// Shared memory the normed kernel stages `rows` rows of `k` inputs in.
 fn norm_stage_bytes(rows: usize, k: usize) -> usize {
     rows * (k / 8 + STAGE_PAD) * 16
+}
+
+/// Whether `rows` rows of `k` inputs can be normed and staged by the
+/// normed kernel (`w4_norm_fits` without the permutation check).
+fn norm_staging_fits(rows: usize, k: usize) -> bool {
+    rows <= NORM_MAX_ROWS && norm_stage_bytes(rows, k) <= NORM_SMEM_MAX
 }
 
 /// Lets the normed kernel take more than the default 48 KB of dynamic
@@ -154,7 +162,7 @@ impl CudaDevice {
     /// decode batch small enough to stage, and no act-order permutation
     /// (the norm weight is in the activations' order, not the packed one).
     pub fn w4_norm_fits(&self, rows: usize, w: &W4Matrix) -> bool {
-        rows <= NORM_MAX_ROWS && w.perm.is_none() && norm_stage_bytes(rows, w.cols) <= NORM_SMEM_MAX
+        w.perm.is_none() && norm_staging_fits(rows, w.cols)
     }
 
     /// `x[rows, k] · wᵀ` through the int4 MMA kernels, finished as `out`
@@ -290,5 +298,24 @@ impl CudaDevice {
                 )
             },
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_batches_of_8b_shapes_stage_their_normed_rows() {
+        // Llama-3-8B / Qwen2.5-7B hidden sizes: every decode batch the
+        // kernel takes (one 8-row tile) fits next to its 8 KB of sums.
+        for k in [4096, 3584] {
+            assert!((1..=NORM_MAX_ROWS).all(|rows| norm_staging_fits(rows, k)));
+            assert!(!norm_staging_fits(NORM_MAX_ROWS + 1, k));
+        }
+        assert_eq!(norm_stage_bytes(1, 4096), 8256);
+        // 70B's 8192: four rows fit, more fall back to the norm kernel.
+        assert!(norm_staging_fits(4, 8192));
+        assert!(!norm_staging_fits(5, 8192));
     }
 }
