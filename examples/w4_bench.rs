@@ -6,7 +6,10 @@
 //!
 //! ```text
 //! cargo run --release --example w4_bench -- [--rows 1,8,16,32] [--reps 200]
+//!     [--shapes gate_up:28672x4096,o:4096x4096]
 //! ```
+//! `--shapes` replaces the layer's shapes by `NAME:ROWSxCOLS` (weight rows ×
+//! inputs); a name starting with `gate` takes the SwiGLU epilogue.
 //! Prints per shape and row count: µs per product and the weight bytes
 //! streamed per second, int4 and bf16, and their ratio. Successive calls
 //! cycle through copies of the weights (over 200 MB of each kind), so the
@@ -20,38 +23,39 @@ const GROUP: usize = 128;
 const COLD_BYTES: usize = 200 << 20;
 
 struct Shape {
-    name: &'static str,
+    name: String,
     rows: usize,
     cols: usize,
     swiglu: bool,
 }
 
-const SHAPES: [Shape; 4] = [
-    Shape {
-        name: "qkv",
-        rows: 6144,
-        cols: 4096,
-        swiglu: false,
-    },
-    Shape {
-        name: "o",
-        rows: 4096,
-        cols: 4096,
-        swiglu: false,
-    },
-    Shape {
-        name: "gate_up",
-        rows: 28672,
-        cols: 4096,
-        swiglu: true,
-    },
-    Shape {
-        name: "down",
-        rows: 4096,
-        cols: 14336,
-        swiglu: false,
-    },
-];
+/// One Llama-3-8B layer's products, as `NAME:ROWSxCOLS`.
+const LAYER_SHAPES: &str = "qkv:6144x4096,o:4096x4096,gate_up:28672x4096,down:4096x14336";
+
+fn parse_shapes(spec: &str) -> Vec<Shape> {
+    spec.split(',')
+        .map(|item| {
+            let (name, dims) = item.split_once(':').expect("--shapes takes NAME:ROWSxCOLS");
+            let (rows, cols) = dims.split_once('x').expect("--shapes takes NAME:ROWSxCOLS");
+            let shape = Shape {
+                name: name.to_string(),
+                rows: rows.parse().expect("--shapes: weight rows"),
+                cols: cols.parse().expect("--shapes: inputs"),
+                swiglu: name.starts_with("gate"),
+            };
+            // Whole 16-row tiles (a gate/up pair per 32 rows), 64-input chunks.
+            let tile = if shape.swiglu { 32 } else { 16 };
+            assert!(
+                shape.rows.is_multiple_of(tile)
+                    && shape.cols.is_multiple_of(64)
+                    && shape.rows > 0
+                    && shape.cols > 0,
+                "--shapes {item}: rows must be a multiple of {tile} and inputs of 64"
+            );
+            shape
+        })
+        .collect()
+}
 
 fn lcg(seed: &mut u64) -> u32 {
     *seed = seed
@@ -115,11 +119,12 @@ fn main() -> nanoinfer::Result<()> {
         .map(|s| s.parse().expect("--rows takes numbers"))
         .collect();
     let reps: usize = arg(&args, "--reps").map_or(200, |s| s.parse().expect("--reps"));
+    let shapes = parse_shapes(&arg(&args, "--shapes").unwrap_or_else(|| LAYER_SHAPES.into()));
     let max_rows = *row_counts.iter().max().unwrap_or(&1);
     let dev = CudaDevice::open(0, ActDType::BF16)?;
     let mut seed = 7u64;
     println!("shape    rows   int4 µs  int4 GB/s   bf16 µs  bf16 GB/s  bf16/int4");
-    for s in &SHAPES {
+    for s in &shapes {
         let host4 = random_w4(&mut seed, s.rows, s.cols);
         let w4_copies = (COLD_BYTES / host4.bytes()).max(1) + 1;
         let w4: Vec<W4Matrix> = (0..w4_copies)
