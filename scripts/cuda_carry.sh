@@ -3,8 +3,28 @@
 # stripped copies in gpu-carry/ (git-ignored): nanoinfer, engine_bench,
 # w4_bench and the tests/cuda.rs test binary. Then, through the device tool, run e.g.
 #   BIN=gpu-carry bash scripts/cuda_device_run.sh fixtures tests
+# With `--baseline REV` it also builds nanoinfer, engine_bench and w4_bench of
+# git revision REV into gpu-carry/baseline/, for same-call comparisons (e.g.
+# cuda_device_run.sh's `ab4` step).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+target=$(realpath -m "${CARGO_TARGET_DIR:-target}")
+mkdir -p gpu-carry
+if [ "${1:-}" = --baseline ]; then
+    rev=${2:?--baseline takes a git revision}
+    tree=$(mktemp -d)/nanoinfer-baseline
+    git worktree add --detach "$tree" "$rev" >/dev/null
+    trap 'git worktree remove --force "$tree"' EXIT
+    # A target directory of its own: sharing one, the two builds would
+    # overwrite each other's binaries under the same names.
+    (cd "$tree" && CARGO_TARGET_DIR=$target/baseline cargo build --release --bin nanoinfer --example engine_bench \
+        --example w4_bench)
+    mkdir -p gpu-carry/baseline
+    strip -o gpu-carry/baseline/nanoinfer "$target/baseline/release/nanoinfer"
+    strip -o gpu-carry/baseline/engine_bench "$target/baseline/release/examples/engine_bench"
+    strip -o gpu-carry/baseline/w4_bench "$target/baseline/release/examples/w4_bench"
+    git rev-parse "$rev" > gpu-carry/baseline/REVISION
+fi
 cargo build --release --bin nanoinfer --example engine_bench --example w4_bench
 test_bin=$(cargo test --release --test cuda --no-run --message-format=json 2>/dev/null \
     | python3 -c 'import json,sys
@@ -12,8 +32,6 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "cuda" and m.get("executable"):
         print(m["executable"])')
-mkdir -p gpu-carry
-target=${CARGO_TARGET_DIR:-target}
 strip -o gpu-carry/nanoinfer "$target/release/nanoinfer"
 strip -o gpu-carry/engine_bench "$target/release/examples/engine_bench"
 strip -o gpu-carry/w4_bench "$target/release/examples/w4_bench"

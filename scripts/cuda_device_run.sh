@@ -2,7 +2,7 @@
 # Runs the CUDA checks on a GPU machine that has no Rust: the release binaries
 # built elsewhere are in $BIN (nanoinfer, cuda test binary), torch +
 # transformers are installed. Prints a short table last.
-#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|make8b|tests8b|bench|bench4|profile|sampling|serve|engine|offline]...
+#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|int4test|make8b|tests8b|bench|bench4|ab4|profile|sampling|serve|engine|offline]...
 # Binaries: `bash scripts/cuda_carry.sh` (here, with Rust) fills gpu-carry/.
 set -uo pipefail
 BIN=${BIN:-gpu-carry}
@@ -20,6 +20,9 @@ for step in "$@"; do
         [ -f "$WORK/fx/qwen3/golden.json" ] || python3 scripts/cuda_fixtures.py "$WORK/fx" ;;
     tests)
         NANOINFER_CUDA_FIXTURES="$WORK/fx" "$BIN/cuda" --test-threads 1 --nocapture 2>&1 | tail -40 ;;
+    int4test)
+        # tests/cuda.rs's int4 test alone (~1-2 minutes).
+        NANOINFER_CUDA_FIXTURES="$WORK/fx" "$BIN/cuda" --test-threads 1 --nocapture int4 2>&1 | tail -24 ;;
     make8b)
         [ -f "$WORK/l8b/config.json" ] || python3 scripts/cuda_bench_hf.py --make-8b "$WORK/l8b"
         [ -f "$WORK/l8b/golden.json" ] || python3 scripts/cuda_bench_hf.py --golden "$WORK/l8b" ;;
@@ -62,6 +65,23 @@ for step in "$@"; do
             "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda --quant $q -p 2048 -n 0 -r 2 --json
             NANOINFER_CUDA_PROFILE=5 "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --quant $q \
                 --concurrency 16 --decode-tokens 16 --prompt-len 64 --skip-prefix 2>&1 | grep -A24 NANOINFER_CUDA_PROFILE
+        done ;;
+    ab4)
+        # Int4 decode (tg128) of the baseline build ($BIN/baseline, from
+        # `cuda_carry.sh --baseline REV`) and this one, interleaved twice in
+        # the same call, bf16 once; then the int4 products alone.
+        tg() { grep -o '"tg_tokens_per_s":[0-9.]*' | cut -d: -f2; }
+        args="--model $WORK/l8b --device cuda -p 0 -n 128 -r 3 --json"
+        for run in 1 2; do
+            for build in baseline new; do
+                bin=$BIN/nanoinfer; [ $build = baseline ] && bin=$BIN/baseline/nanoinfer
+                echo "int4 tg128, $build (run $run): $($bin bench $args --quant awq 2>/dev/null | tg) tok/s"
+            done
+        done
+        echo "bf16 tg128, new: $("$BIN/nanoinfer" bench $args --quant none 2>/dev/null | tg) tok/s"
+        for build in baseline new; do
+            bin=$BIN/w4_bench; [ $build = baseline ] && bin=$BIN/baseline/w4_bench
+            echo "== w4_bench, $build"; $bin --rows 1,8,16 --reps 300 2>&1 | tail -13
         done ;;
     sampling)
         # Full sampling (temperature, top-k, top-p, repetition penalty) on

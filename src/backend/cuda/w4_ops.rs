@@ -166,7 +166,8 @@ impl CudaDevice {
     }
 
     /// `x[rows, k] · wᵀ` through the int4 MMA kernels, finished as `out`
-    /// says. Weights are read once per 32 activation rows. With
+    /// says. Weights are read once per 32 activation rows (gate/up: per 16,
+    /// the blocks of a unit sharing them in L2). With
     /// `norm = (weight, eps)` (a paired `out`, `w4_norm_fits`), x holds
     /// residual rows and the product takes `rmsnorm(x) * weight` instead.
     pub fn w4_mm(
@@ -198,6 +199,15 @@ impl CudaDevice {
             0..=8 => 8,
             9..=16 => 16,
             _ => MAX_ROWS_PER_BLOCK,
+        };
+        // Gate/up above 16 rows: two 16-row blocks per unit (two blocks per SM,
+        // sharing the unit's weights through L2) beat one 32-row block (one
+        // per SM, its kernel needs 254 registers): 8B shape, 32 rows 50.0
+        // against 55.2 µs, 128 rows 182.6 against 185.8. QKV, o and down
+        // lose that way (BENCHMARKS, session 11).
+        let per_block = match out {
+            W4Out::SwiGlu { .. } => per_block.min(16),
+            _ => per_block,
         };
         let kn = &self.kernels;
         let f = match (paired, per_block) {
