@@ -1217,12 +1217,45 @@ __device__ void decode_mma(const raw16* qkv, int stride, const raw16* k_cache,
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, tq = lane & 3;
     const int kv_width = kv_heads * HD;
+    // Written before the step (host uploads, earlier steps' keys): read
+    // before waiting for the previous kernel.
     const int n = positions[row] + 1;
     const int chunk = (n + splits - 1) / splits;
     const int begin = split * chunk, end = min(n, begin + chunk);
     const unsigned* slots = slot_list + table_off[row];
     const raw16* k_head = k_cache + kv_head * HD;
     const raw16* v_head = v_cache + kv_head * HD;
+
+    // Fragments of keys kb .. kb + 15: K rows g and g + 8, V rows of the
+    // lane's four keys; keys from `limit` on are zero.
+    auto load = [&](uint4 (&kr)[2][KC], uint4 (&vr)[4][VC], int kb, int limit) {
+        const unsigned sl = kb + (lane & 15) < limit ? slots[kb + (lane & 15)] : 0u;
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int key = 8 * j + g;
+            const raw16* src = k_head + (size_t)__shfl_sync(0xffffffffu, sl, key) * kv_width;
+#pragma unroll
+            for (int i = 0; i < KC; i++)
+                kr[j][i] = kb + key < limit ? *(const uint4*)(src + (tq + 4 * i) * 8)
+                                            : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int key = 2 * tq + (r & 1) + 8 * (r >> 1);
+            const raw16* src = v_head + (size_t)__shfl_sync(0xffffffffu, sl, key) * kv_width;
+#pragma unroll
+            for (int c = 0; c < VC; c++)
+                vr[r][c] = kb + key < limit ? *(const uint4*)(src + (8 * c + g) * 8)
+                                            : make_uint4(0, 0, 0, 0);
+        }
+    };
+    // The warp's first keys are requested before the wait, all but the
+    // newest (n - 1), which the previous kernel (the QKV projection) writes.
+    int kb = begin + 16 * warp;
+    uint4 kr[2][KC], vr[4][VC];
+    if (kb < end) load(kr, vr, kb, min(end, n - 1));
+    grid_dep_wait();
+    if (kb <= n - 1 && n - 1 < min(end, kb + 16)) load(kr, vr, kb, end);
 
     // Q: fragment row g is query head g of the group (rows 8..15 are zero),
     // in the lane's order of the dims.
@@ -1248,29 +1281,6 @@ __device__ void decode_mma(const raw16* qkv, int stride, const raw16* k_cache,
     for (int j = 0; j < NT; j++) o[j][0] = o[j][1] = 0.f;
     float m = -NI_INF, l = 0.f;
 
-    // Fragments of keys kb .. kb + 15: K rows g and g + 8, V rows of the
-    // lane's four keys; positions past the split are zero.
-    auto load = [&](uint4 (&kr)[2][KC], uint4 (&vr)[4][VC], int kb) {
-        const unsigned sl = kb + (lane & 15) < end ? slots[kb + (lane & 15)] : 0u;
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            const int key = 8 * j + g;
-            const raw16* src = k_head + (size_t)__shfl_sync(0xffffffffu, sl, key) * kv_width;
-#pragma unroll
-            for (int i = 0; i < KC; i++)
-                kr[j][i] = kb + key < end ? *(const uint4*)(src + (tq + 4 * i) * 8)
-                                          : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-            const int key = 2 * tq + (r & 1) + 8 * (r >> 1);
-            const raw16* src = v_head + (size_t)__shfl_sync(0xffffffffu, sl, key) * kv_width;
-#pragma unroll
-            for (int c = 0; c < VC; c++)
-                vr[r][c] = kb + key < end ? *(const uint4*)(src + (8 * c + g) * 8)
-                                          : make_uint4(0, 0, 0, 0);
-        }
-    };
     // Scores, online softmax and O += P V for keys kb .. kb + 15 (kb < end).
     auto attend = [&](const uint4 (&kr)[2][KC], const uint4 (&vr)[4][VC], int kb) {
         float s[2][2];
@@ -1315,10 +1325,9 @@ __device__ void decode_mma(const raw16* qkv, int stride, const raw16* k_cache,
             mma16816_top(o[j], a, b0, b1);
         }
     };
-    for (int kb = begin + 16 * warp; kb < end; kb += 16 * DA_WARPS) {
-        uint4 kr[2][KC], vr[4][VC];
-        load(kr, vr, kb);
+    for (; kb < end; kb += 16 * DA_WARPS) {
         attend(kr, vr, kb);
+        if (kb + 16 * DA_WARPS < end) load(kr, vr, kb + 16 * DA_WARPS, end);
     }
     // Each lane summed a quarter of its row's keys.
 #pragma unroll
@@ -1355,7 +1364,7 @@ extern "C" __global__ void __launch_bounds__(32 * DA_WARPS, DA_MIN_BLOCKS)
                          int kv_heads, int hd, float scale, raw16* out, float* part_o,
                          float* part_ml, const unsigned* row_list) {
     __shared__ DecodeShared sm;
-    GRID_DEP_ENTER();
+    grid_dep_launch();  // decode_mma waits once its first keys are requested
     if (hd == 128)
         decode_mma<128>(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, heads,
                         kv_heads, scale, out, part_o, part_ml, row_list, sm);

@@ -131,11 +131,11 @@ pub struct Kernel {
 }
 
 impl Kernel {
-    /// Whether it requests its weights before `grid_dep_wait` (the int4
-    /// products of kernels/int4.cu), so launching it while the previous
-    /// kernel drains pays off.
-    pub fn streams_weights_early(&self) -> bool {
-        self.name.starts_with("w4_mm_")
+    /// Whether it requests its inputs before `grid_dep_wait` (the int4
+    /// products their weights, decode attention the cached keys and
+    /// values), so launching it while the previous kernel drains pays off.
+    pub fn prefetches_before_wait(&self) -> bool {
+        self.name.starts_with("w4_mm_") || self.name == "attention_decode_mma"
     }
 }
 

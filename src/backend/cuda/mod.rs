@@ -818,12 +818,12 @@ pub(crate) fn switch_on(var: &str) -> bool {
 enum EarlyLaunch {
     /// `0`: every kernel waits for the previous one to finish.
     None,
-    /// Default: only kernels that request their weights before waiting for
-    /// the previous kernel, the int4 products. On an H100 (8B shape, batch 1)
-    /// int4 decode gave 352-355 tok/s this way, against 336 with no early
-    /// launch. Launching every kernel early slowed bf16 decode (167.4 tok/s
-    /// against 171.0).
-    WeightStreams,
+    /// Default: only kernels that request their inputs before waiting for
+    /// the previous kernel, the int4 products and decode attention. On an
+    /// H100 (8B shape, batch 1) int4 decode gave 352-355 tok/s with the int4
+    /// products launched early, against 336 with no early launch. Launching
+    /// every kernel early slowed bf16 decode (167.4 tok/s against 171.0).
+    Prefetching,
     /// `1`: every kernel.
     All,
 }
@@ -833,14 +833,14 @@ impl EarlyLaunch {
         match std::env::var("NANOINFER_CUDA_PDL").as_deref() {
             Ok("0") => EarlyLaunch::None,
             Ok("1") => EarlyLaunch::All,
-            _ => EarlyLaunch::WeightStreams,
+            _ => EarlyLaunch::Prefetching,
         }
     }
 
     fn applies_to(self, f: &Kernel) -> bool {
         match self {
             EarlyLaunch::None => false,
-            EarlyLaunch::WeightStreams => f.streams_weights_early(),
+            EarlyLaunch::Prefetching => f.prefetches_before_wait(),
             EarlyLaunch::All => true,
         }
     }
