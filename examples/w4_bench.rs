@@ -15,7 +15,7 @@
 //! cycle through copies of the weights (over 200 MB of each kind), so the
 //! products read them from memory, not from the 50 MB L2, as in a model.
 
-use nanoinfer::backend::cuda::{ActDType, CudaDevice, GemmDType, W4Host, W4Matrix, W4Out};
+use nanoinfer::backend::cuda::{ActDType, CudaDevice, GemmDType, W4Host, W4Matrix, W4Norm, W4Out};
 use std::time::Instant;
 
 const GROUP: usize = 128;
@@ -151,7 +151,7 @@ fn main() -> nanoinfer::Result<()> {
             let mut i = 0;
             let t4 = time_us(&dev, reps, || {
                 i += 1;
-                dev.w4_mm(x.ptr(), rows, &w4[i % w4.len()], out, None)
+                dev.w4_mm(x.ptr(), rows, &w4[i % w4.len()], out, W4Norm::None)
                     .unwrap()
             });
             let tb = time_us(&dev, reps, || {

@@ -36,6 +36,11 @@
 
 #define W4_OUT_ACT 0       // y[r, row] in the activation dtype
 #define W4_OUT_RESIDUAL 2  // y[r, row] += the product: a residual add (as GEMV_OUT_RESIDUAL)
+// A norm handoff (decode batches of at most W4_HANDOFF_ROWS rows): the o and
+// down products (W4_OUT_RESIDUAL with xs) also write x · nw and add the
+// squares of x into sums[r]; the next paired product reads xs as its rows
+// and applies rsqrt(sums[r] / k + eps) to its sums (w4_mm's `sums`).
+#define W4_HANDOFF_ROWS 8
 #define W4_OUT_SWIGLU 3    // out[r, j] = silu(gate) * up; tile pair (j, inter + j)
 #define W4_OUT_QKV 4       // qkv_pair_store: bias, RoPE, q row / k, v cache
 
@@ -333,7 +338,7 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
                                       int n, const raw16* bias, const float2* cs,
                                       const unsigned* slots, raw16* k_cache, raw16* v_cache,
                                       int inter, int nq, int nkv, int hd, const raw16* nw,
-                                      float eps) {
+                                      float eps, float* sums, float* sums_zero, raw16* xs) {
     __shared__ float red[W4_WARPS][T * NT * 4][32];
     extern __shared__ uint4 staged[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -381,6 +386,10 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
 #pragma unroll
             for (int e = 0; e < 4; e++) red[warp][(i * NT + j) * 4 + e][lane] = acc[i][j][e];
     __syncthreads();
+    // A norm handoff's consumer clears the sums the next producer adds into
+    // (see W4_OUT_RESIDUAL): every earlier reader of them is complete.
+    if (sums_zero && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < W4_HANDOFF_ROWS)
+        sums_zero[threadIdx.x] = 0.f;
     // Warp w finishes fragment registers w, w + 8, ... of every tile.
     for (int e = warp; e < NT * 4; e += W4_WARPS) {
         float v[T];
@@ -394,7 +403,29 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
         const int j = e / 4, reg = e % 4;
         const int r = tok0 + 8 * j + 2 * t + (reg & 1);
         const int f = reg < 2 ? g : g + 8;
+        if (mode == W4_OUT_RESIDUAL && xs) {
+            // The residual add that hands the next norm over: also x · nw
+            // (the next norm's weight) into xs and the squares of x into
+            // sums[r], one add per row and warp (lanes t share a row).
+            float sq = 0.f;
+            if (r < rows) {
+                raw16* o = (raw16*)y + (size_t)r * n + row0[0] + f;
+                const float xn = to_f(from_f(to_f(*o) + rnd(v[0])));
+                *o = from_f(xn);
+                xs[(size_t)r * n + row0[0] + f] = from_f(xn * to_f(nw[row0[0] + f]));
+                sq = xn * xn;
+            }
+#pragma unroll
+            for (int o_ = 4; o_ < 32; o_ <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o_);
+            if (g == 0 && r < rows) atomicAdd(sums + r, sq);
+            continue;
+        }
         if (r >= rows) continue;
+        if (sums) {  // the consumer of a norm handoff: rows are x · nw
+            const float rstd = rsqrtf(__ldcg(sums + r) / k + eps);
+#pragma unroll
+            for (int i = 0; i < T; i++) v[i] *= rstd;
+        }
         if (mode == W4_OUT_ACT) {
             ((raw16*)y)[(size_t)r * n + row0[0] + f] = from_f(v[0]);
         } else if (mode == W4_OUT_RESIDUAL) {
@@ -445,9 +476,9 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
         const raw16* x, int rows, const uint4* wq, const unsigned* sz, int k, int group, int mode, \
         void* y, int n, const raw16* bias, const float2* cs, const unsigned* slots,               \
         raw16* k_cache, raw16* v_cache, int inter, int nq, int nkv, int hd, const raw16* nw,      \
-        float eps) {                                                                              \
+        float eps, float* sums, float* sums_zero, raw16* xs) {                                    \
         w4_mm<T, NT, NORM>(x, rows, wq, sz, k, group, mode, y, n, bias, cs, slots, k_cache,       \
-                           v_cache, inter, nq, nkv, hd, nw, eps);                                 \
+                           v_cache, inter, nq, nkv, hd, nw, eps, sums, sums_zero, xs);            \
     }
 W4_KERNEL(1, 1, false, )
 W4_KERNEL(1, 2, false, )

@@ -22,7 +22,7 @@ for step in "$@"; do
         NANOINFER_CUDA_FIXTURES="$WORK/fx" "$BIN/cuda" --test-threads 1 --nocapture 2>&1 | tail -40 ;;
     int4test)
         # tests/cuda.rs's int4 test alone (~1-2 minutes).
-        NANOINFER_CUDA_FIXTURES="$WORK/fx" "$BIN/cuda" --test-threads 1 --nocapture int4 2>&1 | tail -24 ;;
+        NANOINFER_CUDA_FIXTURES="$WORK/fx" "$BIN/cuda" --test-threads 1 --nocapture int4 2>&1 | tail -32 ;;
     make8b)
         [ -f "$WORK/l8b/config.json" ] || python3 scripts/cuda_bench_hf.py --make-8b "$WORK/l8b"
         [ -f "$WORK/l8b/golden.json" ] || python3 scripts/cuda_bench_hf.py --golden "$WORK/l8b" ;;

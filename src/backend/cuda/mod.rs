@@ -20,7 +20,7 @@ pub use kernels::{Kernel, KernelCache, Kernels};
 pub use pool::{create_device_pool, CudaBuddy, CudaStreamPool, BUDDY_MIN_BLOCK, DEVICE_ALIGN};
 pub use staging::Staging;
 pub use w4::W4Host;
-pub use w4_ops::{QkvEpilogue, W4Matrix, W4Out};
+pub use w4_ops::{QkvEpilogue, W4Handoff, W4Matrix, W4Norm, W4Out, HANDOFF_ROWS};
 
 use crate::memory::{DeviceAllocation, DevicePool};
 use crate::{Error, ErrorKind, Result};
@@ -371,14 +371,23 @@ impl CudaDevice {
             ptr,
             len: len.max(1),
         };
+        // SAFETY: `ptr .. ptr + bytes` is the live allocation just made.
+        unsafe { self.zero(ptr, bytes) }?;
+        Ok(buf)
+    }
+
+    /// Zeroes `bytes` bytes at `ptr`, ordered on the stream.
+    ///
+    /// # Safety
+    /// `ptr .. ptr + bytes` must be device memory of this context that
+    /// stays allocated until the stream has run the memset.
+    pub unsafe fn zero(&self, ptr: u64, bytes: usize) -> Result<()> {
         self.ctx
             .bind_to_thread()
             .map_err(|e| cuda_error("binding the context", e))?;
-        // SAFETY: `ptr .. ptr + bytes` is the live allocation just made;
-        // the memset is ordered on the stream before any use of it.
+        // SAFETY: the caller's contract.
         unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
-            .map_err(|e| cuda_error("zeroing a pool buffer", e))?;
-        Ok(buf)
+            .map_err(|e| cuda_error("zeroing device memory", e))
     }
 
     /// Copies `host` to the start of `dst`.

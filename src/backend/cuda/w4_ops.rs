@@ -92,14 +92,45 @@ pub enum W4Out {
     /// `y[rows, n]` in the activation dtype.
     Act { y: u64 },
     /// `y[rows, n] += the product`: a residual add, rounded as the norm
-    /// kernel's fused add rounds.
-    Residual { y: u64 },
+    /// kernel's fused add rounds; with a handoff, also the next norm's
+    /// input (see [`W4Handoff`]).
+    Residual { y: u64, handoff: Option<W4Handoff> },
     /// `out[rows, inter] = silu(gate) * up` of a stacked `[gate; up]`.
     SwiGlu { out: u64 },
     /// A stacked `[q; k; v]`: bias, RoPE, q into the QKV rows, k and v into
     /// the cache slots (see `qkv_pair_store` in kernels/decoder.cu).
     Qkv(QkvEpilogue),
 }
+
+/// A residual add that hands the next RMSNorm to the next product (decode
+/// batches of at most [`HANDOFF_ROWS`] rows): besides the residual it writes
+/// `x · next_norm` to `xs` and adds each row's sum of squares of x into
+/// `sums` (zero before), so the next paired product multiplies `xs` and
+/// applies the rows' rstd at the end ([`W4Norm::Sums`]) instead of norming
+/// the residual itself.
+#[derive(Debug, Clone, Copy)]
+pub struct W4Handoff {
+    pub xs: u64,
+    pub next_norm: u64,
+    pub sums: u64,
+}
+
+/// How a paired product norms its rows (RMSNorm) on the fly.
+#[derive(Debug, Clone, Copy)]
+pub enum W4Norm {
+    /// The rows are the product's input as they are.
+    None,
+    /// Residual rows the product norms with `weight` and stages itself
+    /// (`w4_norm_fits`).
+    Stage { weight: u64, eps: f32 },
+    /// Rows a [`W4Handoff`] wrote, with their sums of squares in `sums`.
+    /// The product also zeroes `clear` (HANDOFF_ROWS floats: the sums the
+    /// next handoff adds into).
+    Sums { sums: u64, eps: f32, clear: u64 },
+}
+
+/// W4_HANDOFF_ROWS of kernels/int4.cu: the most rows a norm handoff takes.
+pub const HANDOFF_ROWS: usize = 8;
 
 /// The QKV epilogue's buffers and shape (all zero for other epilogues).
 #[derive(Debug, Clone, Copy, Default)]
@@ -168,27 +199,28 @@ impl CudaDevice {
     /// `x[rows, k] · wᵀ` through the int4 MMA kernels, finished as `out`
     /// says. Weights are read once per 32 activation rows (gate/up: per 16,
     /// the blocks of a unit sharing them in L2). With
-    /// `norm = (weight, eps)` (a paired `out`, `w4_norm_fits`), x holds
-    /// residual rows and the product takes `rmsnorm(x) * weight` instead.
-    pub fn w4_mm(
-        &self,
-        x: u64,
-        rows: usize,
-        w: &W4Matrix,
-        out: W4Out,
-        norm: Option<(u64, f32)>,
-    ) -> Result<()> {
+    /// `norm` (a paired `out`): how the rows are normed on the fly.
+    pub fn w4_mm(&self, x: u64, rows: usize, w: &W4Matrix, out: W4Out, norm: W4Norm) -> Result<()> {
         let (paired, mode, y, units) = match out {
             W4Out::Act { y } => (false, 0, y, w.rows / TILE_ROWS),
-            W4Out::Residual { y } => (false, 2, y, w.rows / TILE_ROWS),
+            W4Out::Residual { y, .. } => (false, 2, y, w.rows / TILE_ROWS),
             W4Out::SwiGlu { out } => (true, 3, out, w.rows / 2 / TILE_ROWS),
             W4Out::Qkv(e) => (true, 4, e.qkv, w.rows / 2 / TILE_ROWS),
         };
-        if norm.is_some() && !(paired && self.w4_norm_fits(rows, w)) {
+        let handoff = match out {
+            W4Out::Residual { handoff, .. } => handoff,
+            _ => None,
+        };
+        let fits = match norm {
+            W4Norm::None => true,
+            W4Norm::Stage { .. } => paired && self.w4_norm_fits(rows, w),
+            W4Norm::Sums { .. } => paired && rows <= HANDOFF_ROWS,
+        };
+        if !fits || (handoff.is_some() && rows > HANDOFF_ROWS) {
             return Err(Error::new(
                 ErrorKind::Internal,
                 format!(
-                    "no normed int4 kernel for {rows} rows of a {}x{} {} product",
+                    "no int4 kernel norms or hands over a norm for {rows} rows of a {}x{} {} product",
                     w.rows,
                     w.cols,
                     if paired { "paired" } else { "single" }
@@ -211,7 +243,7 @@ impl CudaDevice {
         };
         let kn = &self.kernels;
         let f = match (paired, per_block) {
-            _ if norm.is_some() => &kn.w4_mm_t2_n1_norm,
+            _ if matches!(norm, W4Norm::Stage { .. }) => &kn.w4_mm_t2_n1_norm,
             (false, 8) => &kn.w4_mm_t1_n1,
             (false, 16) => &kn.w4_mm_t1_n2,
             (false, _) => &kn.w4_mm_t1_n4,
@@ -223,12 +255,15 @@ impl CudaDevice {
             W4Out::Qkv(e) => e,
             _ => QkvEpilogue::default(),
         };
-        let (nw, eps) = norm.unwrap_or((0, 0.0));
-        let shared = if norm.is_some() {
-            norm_stage_bytes(rows, w.cols) as u32
-        } else {
-            0
+        let (nw, eps, sums, clear, shared) = match (norm, handoff) {
+            (W4Norm::Stage { weight, eps }, _) => {
+                (weight, eps, 0, 0, norm_stage_bytes(rows, w.cols) as u32)
+            }
+            (W4Norm::Sums { sums, eps, clear }, _) => (0, eps, sums, clear, 0),
+            (W4Norm::None, Some(h)) => (h.next_norm, 0.0, h.sums, 0, 0),
+            (W4Norm::None, None) => (0, 0.0, 0, 0, 0),
         };
+        let xs = handoff.map_or(0, |h| h.xs);
         let grid = (rows.div_ceil(per_block) as u32, units as u32, 1);
         self.timed(
             || format!("{} {rows}x{}x{}", f.name, w.rows, w.cols),
@@ -260,6 +295,9 @@ impl CudaDevice {
                         KArg::I32(e.head_dim as i32),
                         KArg::Ptr(nw),
                         KArg::F32(eps),
+                        KArg::Ptr(sums),
+                        KArg::Ptr(clear),
+                        KArg::Ptr(xs),
                     ],
                 )
             },
