@@ -36,13 +36,13 @@
 
 #define W4_OUT_ACT 0       // y[r, row] in the activation dtype
 #define W4_OUT_RESIDUAL 2  // y[r, row] += the product: a residual add (as GEMV_OUT_RESIDUAL)
+#define W4_OUT_SWIGLU 3    // out[r, j] = silu(gate) * up; tile pair (j, inter + j)
+#define W4_OUT_QKV 4       // qkv_pair_store: bias, RoPE, q row / k, v cache
 // A norm handoff (decode batches of at most W4_HANDOFF_ROWS rows): the o and
 // down products (W4_OUT_RESIDUAL with xs) also write x · nw and add the
 // squares of x into sums[r]; the next paired product reads xs as its rows
 // and applies rsqrt(sums[r] / k + eps) to its sums (w4_mm's `sums`).
 #define W4_HANDOFF_ROWS 8
-#define W4_OUT_SWIGLU 3    // out[r, j] = silu(gate) * up; tile pair (j, inter + j)
-#define W4_OUT_QKV 4       // qkv_pair_store: bias, RoPE, q row / k, v cache
 
 __device__ __forceinline__ unsigned fma2_raw(unsigned a, unsigned b, unsigned c) {
     unsigned d;
@@ -326,6 +326,13 @@ __device__ void w4_norm_rows(const raw16* x, const raw16* nw, float eps, int k, 
     __syncthreads();
 }
 
+// *o += v, rounded as the norm kernel's fused add rounds; returns the new *o.
+__device__ __forceinline__ float w4_add_residual(raw16* o, float v) {
+    const raw16 sum = from_f(to_f(*o) + rnd(v));
+    *o = sum;
+    return to_f(sum);
+}
+
 // y = x · wᵀ for the rows of T weight tiles (a "unit": one tile, or the
 // gate/up or rope pair an epilogue needs together) and up to 8·NT
 // activation rows starting at blockIdx.x · 8·NT. The 8 warps take
@@ -409,9 +416,7 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
             // sums[r], one add per row and warp (lanes t share a row).
             float sq = 0.f;
             if (r < rows) {
-                raw16* o = (raw16*)y + (size_t)r * n + row0[0] + f;
-                const float xn = to_f(from_f(to_f(*o) + rnd(v[0])));
-                *o = from_f(xn);
+                const float xn = w4_add_residual((raw16*)y + (size_t)r * n + row0[0] + f, v[0]);
                 xs[(size_t)r * n + row0[0] + f] = from_f(xn * to_f(nw[row0[0] + f]));
                 sq = xn * xn;
             }
@@ -429,8 +434,7 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
         if (mode == W4_OUT_ACT) {
             ((raw16*)y)[(size_t)r * n + row0[0] + f] = from_f(v[0]);
         } else if (mode == W4_OUT_RESIDUAL) {
-            raw16* o = (raw16*)y + (size_t)r * n + row0[0] + f;
-            *o = from_f(to_f(*o) + rnd(v[0]));
+            w4_add_residual((raw16*)y + (size_t)r * n + row0[0] + f, v[0]);
         } else if (mode == W4_OUT_SWIGLU) {
             ((raw16*)y)[(size_t)r * inter + row0[0] + f] = from_f(silu_mul_f(rnd(v[0]), rnd(v[T - 1])));
         } else {  // W4_OUT_QKV

@@ -381,7 +381,7 @@ impl CudaDevice {
     /// # Safety
     /// `ptr .. ptr + bytes` must be device memory of this context that
     /// stays allocated until the stream has run the memset.
-    pub unsafe fn zero(&self, ptr: u64, bytes: usize) -> Result<()> {
+    pub(crate) unsafe fn zero(&self, ptr: u64, bytes: usize) -> Result<()> {
         self.ctx
             .bind_to_thread()
             .map_err(|e| cuda_error("binding the context", e))?;

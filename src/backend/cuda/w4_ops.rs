@@ -201,15 +201,11 @@ impl CudaDevice {
     /// the blocks of a unit sharing them in L2). With
     /// `norm` (a paired `out`): how the rows are normed on the fly.
     pub fn w4_mm(&self, x: u64, rows: usize, w: &W4Matrix, out: W4Out, norm: W4Norm) -> Result<()> {
-        let (paired, mode, y, units) = match out {
-            W4Out::Act { y } => (false, 0, y, w.rows / TILE_ROWS),
-            W4Out::Residual { y, .. } => (false, 2, y, w.rows / TILE_ROWS),
-            W4Out::SwiGlu { out } => (true, 3, out, w.rows / 2 / TILE_ROWS),
-            W4Out::Qkv(e) => (true, 4, e.qkv, w.rows / 2 / TILE_ROWS),
-        };
-        let handoff = match out {
-            W4Out::Residual { handoff, .. } => handoff,
-            _ => None,
+        let (paired, mode, y, units, handoff) = match out {
+            W4Out::Act { y } => (false, 0, y, w.rows / TILE_ROWS, None),
+            W4Out::Residual { y, handoff } => (false, 2, y, w.rows / TILE_ROWS, handoff),
+            W4Out::SwiGlu { out } => (true, 3, out, w.rows / 2 / TILE_ROWS, None),
+            W4Out::Qkv(e) => (true, 4, e.qkv, w.rows / 2 / TILE_ROWS, None),
         };
         let fits = match norm {
             W4Norm::None => true,
