@@ -497,45 +497,44 @@ W4_KERNEL(2, 1, true, _norm)
 #define W4_DQ_CHUNKS 8  // chunks of one tile per dequantization block (512 inputs)
 
 // out = the dequantized weights `[n, k]` row-major, (q − z) · s rounded once
-// to the activation dtype (for cuBLAS on large batches). A block decodes
-// W4_DQ_CHUNKS chunks of one tile (one warp each) into shared memory, then
-// writes the 16 rows as contiguous 1 KB runs.
+// to the activation dtype (for cuBLAS on large batches). A warp decodes one
+// chunk of one tile. In the layout above a lane's word pair (2h, 2h + 1)
+// holds, for each of its rows g and g + 8, the eight inputs
+// 32h + 8t .. 32h + 8t + 7, so the lane writes four 16-byte runs; the
+// warp's stores fill whole 32-byte sectors.
 // grid = (ceil(k / 64 / W4_DQ_CHUNKS), n / 16), block = 32 * W4_DQ_CHUNKS.
 extern "C" __global__ void w4_dequant(const uint4* wq, const unsigned* sz, raw16* out, int n, int k,
                                       int group) {
-    __shared__ unsigned tile[16][W4_DQ_CHUNKS * W4_CHUNK / 2 + 4];  // bf16 pairs, padded
     GRID_DEP_ENTER();
     const int chunks = k / W4_CHUNK, groups = (k + group - 1) / group;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int rt = blockIdx.y, c = blockIdx.x * W4_DQ_CHUNKS + warp;
-    if (c < chunks) {
-        const uint4 v = wq[((size_t)rt * chunks + c) * 32 + lane];
-        const unsigned words[4] = {v.x, v.y, v.z, v.w};
+    if (c >= chunks) return;
+    const uint4 v = wq[((size_t)rt * chunks + c) * 32 + lane];
+    const unsigned words[4] = {v.x, v.y, v.z, v.w};
+    const unsigned* szt = sz + (size_t)rt * groups * 16;
 #pragma unroll
-        for (int s = 0; s < 4; s++) {
-            const int gi = (c * W4_CHUNK + 32 * (s >> 1)) / group;
+    for (int h = 0; h < 2; h++) {
+        const int gi = (c * W4_CHUNK + 32 * h) / group;
 #pragma unroll
-            for (int p = 0; p < 4; p++) {
-                // See the layout above: pair p >> 1 of k-step s of lane quad t.
-                const int row = g + (p & 1) * 8;
-                const int col = warp * W4_CHUNK + 32 * (s >> 1) + 8 * t + 4 * (s & 1) + 2 * (p >> 1);
-                const unsigned e = sz[((size_t)rt * groups + gi) * 16 + row];
-                const float scale = f16_bits_to_f(e & 0xffffu), zero = (float)((e >> 16) & 0xfu);
-                const float q0 = (float)((words[s] >> (4 * p)) & 0xfu);
-                const float q1 = (float)((words[s] >> (4 * p + 16)) & 0xfu);
-                tile[row][col / 2] = pack2((q0 - zero) * scale, (q1 - zero) * scale);
+        for (int hi = 0; hi < 2; hi++) {  // row g, then g + 8: nibbles p = hi, hi + 2
+            const int row = g + 8 * hi;
+            const unsigned e = szt[gi * 16 + row];
+            const float scale = f16_bits_to_f(e & 0xffffu), zero = (float)((e >> 16) & 0xfu);
+            unsigned o[4];
+#pragma unroll
+            for (int s = 0; s < 2; s++) {
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const int p = hi + 2 * j;  // inputs +4s + 2j, +4s + 2j + 1
+                    const float q0 = (float)((words[2 * h + s] >> (4 * p)) & 0xfu);
+                    const float q1 = (float)((words[2 * h + s] >> (4 * p + 16)) & 0xfu);
+                    o[2 * s + j] = pack2((q0 - zero) * scale, (q1 - zero) * scale);
+                }
             }
+            *(uint4*)(out + (size_t)(rt * 16 + row) * k + c * W4_CHUNK + 32 * h + 8 * t) =
+                make_uint4(o[0], o[1], o[2], o[3]);
         }
-    }
-    __syncthreads();
-    const int cols = min(W4_DQ_CHUNKS, chunks - (int)blockIdx.x * W4_DQ_CHUNKS) * W4_CHUNK;
-    const size_t base = (size_t)rt * 16 * k + (size_t)blockIdx.x * W4_DQ_CHUNKS * W4_CHUNK;
-    // 16-byte stores: 4 pairs per thread per pass.
-    for (int i = threadIdx.x; i < 16 * cols / 8; i += blockDim.x) {
-        const int row = i / (cols / 8), q = i % (cols / 8);
-        const uint4 v = make_uint4(tile[row][4 * q], tile[row][4 * q + 1], tile[row][4 * q + 2],
-                                   tile[row][4 * q + 3]);
-        *(uint4*)(out + base + (size_t)row * k + 8 * q) = v;
     }
 }
 
