@@ -31,7 +31,13 @@
 #define W4_ONE2 0x3f803f80u
 #define W4_FMA2 "fma.rn.bf16x2 %0, %1, %2, %3;"
 #endif
-#define W4_WARPS 8   // warps of a block; they split the inputs of one unit
+// Warps of a block (a template parameter W, 8 or 4): they split the
+// inputs of one unit. With more units than two 8-warp blocks per SM take
+// at once, blocks of 4 warps (4 per SM) are faster: each warp streams
+// twice as many chunks of its unit and the grid runs fewer waves (H100, 8B
+// shapes, one row: gate/up, 896 units, 27.3 -> 26.0 µs; 6144 x 4096, 384
+// units, 9.2 -> 7.7). With fewer units they leave loads unissued (o and
+// down, 256 units: 6.0 -> 6.5, 13.6 -> 16.9).
 #define W4_CHUNK 64  // inputs per chunk
 
 #define W4_OUT_ACT 0       // y[r, row] in the activation dtype
@@ -215,18 +221,18 @@ __device__ __forceinline__ void w4_chunk_mma(const W4Chunk<T, NT>& ch, float (&a
     }
 }
 
-// The product loop of a warp: chunks warp, warp + W4_WARPS, ... through
+// The product loop of a warp: chunks warp, warp + W, ... through
 // a register ring, with running pointers and no bounds checks but in
 // the last round, so the loop is little more than the loads, the nibble
 // conversion and the MMAs. `after_wait` runs once the previous kernel is
 // complete, before the first activation is read (the norm prologue).
-template <int T, int NT, bool G32, bool STAGED, typename AfterWait>
+template <int T, int NT, int W, bool G32, bool STAGED, typename AfterWait>
 __device__ __forceinline__ void w4_stream(const uint4* const (&wt)[T], const unsigned* const (&szt)[T],
                                           const uint4* const (&xr)[NT], int warp, int chunks,
                                           unsigned group_magic, float (&acc)[T][NT][4],
                                           AfterWait after_wait) {
     constexpr int R = W4_RING(T, NT);
-    const int n = chunks > warp ? (chunks - warp + W4_WARPS - 1) / W4_WARPS : 0;
+    const int n = chunks > warp ? (chunks - warp + W - 1) / W : 0;
     const uint4* wp[T];
 #pragma unroll
     for (int i = 0; i < T; i++) wp[i] = wt[i] + (size_t)warp * 32;
@@ -245,12 +251,12 @@ __device__ __forceinline__ void w4_stream(const uint4* const (&wt)[T], const uns
     auto fetch_weights = [&](W4Chunk<T, NT>& ch) {
         w4_fetch_weights<T, NT, G32>(ch, wp, szt, c, group_magic);
 #pragma unroll
-        for (int i = 0; i < T; i++) wp[i] += W4_WARPS * 32;
-        c += W4_WARPS;
+        for (int i = 0; i < T; i++) wp[i] += W * 32;
+        c += W;
     };
     auto fetch_acts = [&](W4Chunk<T, NT>& ch) {
         w4_fetch_acts<T, NT, STAGED>(ch, xp, xoff);
-        xp += W4_WARPS * (W4_CHUNK / 8);
+        xp += W * (W4_CHUNK / 8);
     };
     // The first weights are requested before waiting for the previous
     // kernel (programmatic launch), the activations after. Weights run
@@ -290,9 +296,10 @@ __device__ __forceinline__ void w4_stream(const uint4* const (&wt)[T], const uns
 // staged[r] = rmsnorm(x[r]) * nw for the block's `nrows` (≤ W4_NORM_MAX_ROWS)
 // rows of k inputs, rounded as add_rms_norm rounds, row stride k / 8 +
 // W4_STAGE_PAD uint4. Every thread of the block takes part.
+template <int W>
 __device__ void w4_norm_rows(const raw16* x, const raw16* nw, float eps, int k, int nrows,
                              uint4* staged) {
-    __shared__ float part[W4_NORM_MAX_ROWS][W4_WARPS];
+    __shared__ float part[W4_NORM_MAX_ROWS][W];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kv = k / 8;
     const int stride = kv + W4_STAGE_PAD;
     for (int r = 0; r < nrows; r++) {
@@ -310,7 +317,7 @@ __device__ void w4_norm_rows(const raw16* x, const raw16* nw, float eps, int k, 
     for (int r = 0; r < nrows; r++) {
         float ss = 0.f;
 #pragma unroll
-        for (int w = 0; w < W4_WARPS; w++) ss += part[r][w];
+        for (int w = 0; w < W; w++) ss += part[r][w];
         const float rstd = rsqrtf(ss / k + eps);
         for (int c = threadIdx.x; c < kv; c += blockDim.x) {
             float f[8], g[8];
@@ -339,14 +346,14 @@ __device__ __forceinline__ float w4_add_residual(raw16* o, float v) {
 // interleaved 64-input chunks; their sums are added through shared memory.
 // NORM: x holds residual rows; the block stages rmsnorm(x) * nw of its rows
 // in dynamic shared memory first (w4_norm_rows) and multiplies those.
-template <int T, int NT, bool NORM>
+template <int T, int NT, int W, bool NORM>
 __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
                                       const unsigned* sz, int k, int group, int mode, void* y,
                                       int n, const raw16* bias, const float2* cs,
                                       const unsigned* slots, raw16* k_cache, raw16* v_cache,
                                       int inter, int nq, int nkv, int hd, const raw16* nw,
                                       float eps, float* sums, float* sums_zero, raw16* xs) {
-    __shared__ float red[W4_WARPS][T * NT * 4][32];
+    __shared__ float red[W][T * NT * 4][32];
     extern __shared__ uint4 staged[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int row0[T], freq0;
@@ -372,7 +379,7 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
                      : (const uint4*)(x + (size_t)(r < rows ? r : 0) * k + 8 * t);
     }
     auto norm_prologue = [&]() {
-        if (NORM) w4_norm_rows(x + (size_t)tok0 * k, nw, eps, k, min(rows - tok0, 8 * NT), staged);
+        if (NORM) w4_norm_rows<W>(x + (size_t)tok0 * k, nw, eps, k, min(rows - tok0, 8 * NT), staged);
     };
     float acc[T][NT][4];
 #pragma unroll
@@ -382,9 +389,9 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
     if (group32)
-        w4_stream<T, NT, true, NORM>(wt, szt, xr, warp, chunks, group_magic, acc, norm_prologue);
+        w4_stream<T, NT, W, true, NORM>(wt, szt, xr, warp, chunks, group_magic, acc, norm_prologue);
     else
-        w4_stream<T, NT, false, NORM>(wt, szt, xr, warp, chunks, group_magic, acc, norm_prologue);
+        w4_stream<T, NT, W, false, NORM>(wt, szt, xr, warp, chunks, group_magic, acc, norm_prologue);
     grid_dep_launch();
 #pragma unroll
     for (int i = 0; i < T; i++)
@@ -398,13 +405,13 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
     if (sums_zero && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < W4_HANDOFF_ROWS)
         sums_zero[threadIdx.x] = 0.f;
     // Warp w finishes fragment registers w, w + 8, ... of every tile.
-    for (int e = warp; e < NT * 4; e += W4_WARPS) {
+    for (int e = warp; e < NT * 4; e += W) {
         float v[T];
 #pragma unroll
         for (int i = 0; i < T; i++) {
             float s = 0.f;
 #pragma unroll
-            for (int w = 0; w < W4_WARPS; w++) s += red[w][i * NT * 4 + e][lane];
+            for (int w = 0; w < W; w++) s += red[w][i * NT * 4 + e][lane];
             v[i] = s;
         }
         const int j = e / 4, reg = e % 4;
@@ -444,15 +451,16 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
     }
 }
 
-// grid = (ceil(rows / (8 NT)), units), block = 32 * W4_WARPS. Units: n / 16
+// grid = (ceil(rows / (8 NT)), units), block = 32 * W. Units: n / 16
 // tiles (ACT), inter / 16 gate/up pairs (SWIGLU), or the QKV rope
 // and v pairs, (nq + 2 nkv) / 32 (QKV).
-// Blocks per SM each kernel's register budget must allow (≤ 128 registers
-// for two blocks of 8 warps): with one block per SM too few loads are in
-// flight to stream the weights. A ring of two chunks of two tiles and 32
-// activation rows needs more. (For one tile, one chunk at a time with two
-// blocks per SM measured faster than a ring of two with one: 32-row down
-// product 30.3 µs against 42.1.) -DW4_BLOCKS_<T>_<NT>=.. overrides one.
+// Blocks of 8 warps per SM each kernel's register budget must allow (≤ 128
+// registers for 16 warps per SM): with half as many warps too few loads
+// are in flight to stream the weights. A ring of two chunks of two tiles
+// and 32 activation rows needs more. (For one tile, one chunk at a time
+// with two blocks per SM measured faster than a ring of two with one:
+// 32-row down product 30.3 µs against 42.1.) Blocks of 4 warps: twice as
+// many. -DW4_BLOCKS_<T>_<NT>=.. overrides one.
 #ifndef W4_BLOCKS_1_1
 #define W4_BLOCKS_1_1 2
 #endif
@@ -472,26 +480,33 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
 #define W4_BLOCKS_2_4 1
 #endif
 #define W4_BLOCKS_PER_SM(T, NT) W4_BLOCKS_##T##_##NT
-// w4_mm_t<T>_n<NT>, and with NORM w4_mm_t<T>_n<NT>_norm (dynamic shared
-// memory: the block's rows × (k / 8 + W4_STAGE_PAD) × 16 bytes).
-#define W4_KERNEL(T, NT, NORM, SUFFIX)                                                            \
-    extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_BLOCKS_PER_SM(T, NT))          \
+// w4_mm_t<T>_n<NT> (8 warps), w4_mm_t<T>_n<NT>_w4 (4 warps), and with NORM
+// w4_mm_t<T>_n<NT>_norm (dynamic shared memory: the block's rows ×
+// (k / 8 + W4_STAGE_PAD) × 16 bytes).
+#define W4_KERNEL(T, NT, W, NORM, SUFFIX)                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * W, W4_BLOCKS_PER_SM(T, NT) * (8 / W))     \
         w4_mm_t##T##_n##NT##SUFFIX(                                                               \
         const raw16* x, int rows, const uint4* wq, const unsigned* sz, int k, int group, int mode, \
         void* y, int n, const raw16* bias, const float2* cs, const unsigned* slots,               \
         raw16* k_cache, raw16* v_cache, int inter, int nq, int nkv, int hd, const raw16* nw,      \
         float eps, float* sums, float* sums_zero, raw16* xs) {                                    \
-        w4_mm<T, NT, NORM>(x, rows, wq, sz, k, group, mode, y, n, bias, cs, slots, k_cache,       \
-                           v_cache, inter, nq, nkv, hd, nw, eps, sums, sums_zero, xs);            \
+        w4_mm<T, NT, W, NORM>(x, rows, wq, sz, k, group, mode, y, n, bias, cs, slots, k_cache,    \
+                              v_cache, inter, nq, nkv, hd, nw, eps, sums, sums_zero, xs);         \
     }
-W4_KERNEL(1, 1, false, )
-W4_KERNEL(1, 2, false, )
-W4_KERNEL(1, 4, false, )
-W4_KERNEL(2, 1, false, )
-W4_KERNEL(2, 2, false, )
-W4_KERNEL(2, 4, false, )
+W4_KERNEL(1, 1, 8, false, )
+W4_KERNEL(1, 2, 8, false, )
+W4_KERNEL(1, 4, 8, false, )
+W4_KERNEL(2, 1, 8, false, )
+W4_KERNEL(2, 2, 8, false, )
+W4_KERNEL(2, 4, 8, false, )
+W4_KERNEL(1, 1, 4, false, _w4)
+W4_KERNEL(1, 2, 4, false, _w4)
+W4_KERNEL(1, 4, 4, false, _w4)
+W4_KERNEL(2, 1, 4, false, _w4)
+W4_KERNEL(2, 2, 4, false, _w4)
+W4_KERNEL(2, 4, 4, false, _w4)
 // The paired products (QKV, gate/up) of decode batches, normed on the fly.
-W4_KERNEL(2, 1, true, _norm)
+W4_KERNEL(2, 1, 8, true, _norm)
 #undef W4_KERNEL
 
 #define W4_DQ_CHUNKS 8  // chunks of one tile per dequantization block (512 inputs)

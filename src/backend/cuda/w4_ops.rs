@@ -158,8 +158,19 @@ const STAGE_PAD: usize = 4;
 const NORM_SMEM_MAX: usize = 72 << 10;
 // With the kernel's static reduction buffer (8 KB) beside it.
 const _: () = assert!(NORM_SMEM_MAX + (8 << 10) <= 99 << 10);
-/// 32 * W4_WARPS of kernels/int4.cu.
-const W4_THREADS: u32 = 256;
+/// Warps of the int4 product blocks (`W` of kernels/int4.cu's `w4_mm`).
+const WIDE_BLOCK_WARPS: u32 = 8;
+const NARROW_BLOCK_WARPS: u32 = 4;
+/// Two blocks of 8 warps per SM (four of 4).
+const WIDE_BLOCKS_PER_SM: usize = 2;
+
+/// Whether a product of `units` units runs blocks of 4 warps: when 8-warp
+/// blocks would not all fit at once, 4-warp blocks stream longer runs per
+/// warp in fewer waves; below that they leave half the loads unissued
+/// (see kernels/int4.cu, H100 8B shapes).
+fn narrow_blocks(units: usize, sm_count: usize) -> bool {
+    units > WIDE_BLOCKS_PER_SM * sm_count
+}
 /// W4_DQ_CHUNKS of kernels/int4.cu.
 const DEQUANT_CHUNKS: usize = 8;
 
@@ -238,14 +249,27 @@ impl CudaDevice {
             _ => per_block,
         };
         let kn = &self.kernels;
-        let f = match (paired, per_block) {
-            _ if matches!(norm, W4Norm::Stage { .. }) => &kn.w4_mm_t2_n1_norm,
-            (false, 8) => &kn.w4_mm_t1_n1,
-            (false, 16) => &kn.w4_mm_t1_n2,
-            (false, _) => &kn.w4_mm_t1_n4,
-            (true, 8) => &kn.w4_mm_t2_n1,
-            (true, 16) => &kn.w4_mm_t2_n2,
-            (true, _) => &kn.w4_mm_t2_n4,
+        let staged = matches!(norm, W4Norm::Stage { .. });
+        let narrow = !staged && narrow_blocks(units, self.sm_count);
+        let f = match (paired, per_block, narrow) {
+            _ if staged => &kn.w4_mm_t2_n1_norm,
+            (false, 8, false) => &kn.w4_mm_t1_n1,
+            (false, 16, false) => &kn.w4_mm_t1_n2,
+            (false, _, false) => &kn.w4_mm_t1_n4,
+            (true, 8, false) => &kn.w4_mm_t2_n1,
+            (true, 16, false) => &kn.w4_mm_t2_n2,
+            (true, _, false) => &kn.w4_mm_t2_n4,
+            (false, 8, true) => &kn.w4_mm_t1_n1_w4,
+            (false, 16, true) => &kn.w4_mm_t1_n2_w4,
+            (false, _, true) => &kn.w4_mm_t1_n4_w4,
+            (true, 8, true) => &kn.w4_mm_t2_n1_w4,
+            (true, 16, true) => &kn.w4_mm_t2_n2_w4,
+            (true, _, true) => &kn.w4_mm_t2_n4_w4,
+        };
+        let warps = if narrow {
+            NARROW_BLOCK_WARPS
+        } else {
+            WIDE_BLOCK_WARPS
         };
         let e = match out {
             W4Out::Qkv(e) => e,
@@ -268,7 +292,7 @@ impl CudaDevice {
                 self.launch_raw(
                     f,
                     grid,
-                    W4_THREADS,
+                    32 * warps,
                     shared,
                     &[
                         KArg::Ptr(x),
@@ -348,6 +372,16 @@ impl CudaDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_products_wider_than_one_wave_of_8_warp_blocks_take_4_warp_blocks() {
+        // H100 (132 SMs), Llama-3-8B: gate/up 896 units, QKV 192, o and down 256.
+        assert!(narrow_blocks(896, 132));
+        assert!(!narrow_blocks(192, 132));
+        assert!(!narrow_blocks(256, 132));
+        assert!(!narrow_blocks(264, 132));
+        assert!(narrow_blocks(265, 132));
+    }
 
     #[test]
     fn decode_batches_of_8b_shapes_stage_their_normed_rows() {
