@@ -31,13 +31,13 @@
 #define W4_ONE2 0x3f803f80u
 #define W4_FMA2 "fma.rn.bf16x2 %0, %1, %2, %3;"
 #endif
-// Warps of a block (a template parameter W, 8 or 4): they split the
-// inputs of one unit. With more units than two 8-warp blocks per SM take
-// at once, blocks of 4 warps (4 per SM) are faster: each warp streams
-// twice as many chunks of its unit and the grid runs fewer waves (H100, 8B
-// shapes, one row: gate/up, 896 units, 27.3 -> 26.0 µs; 6144 x 4096, 384
-// units, 9.2 -> 7.7). With fewer units they leave loads unissued (o and
-// down, 256 units: 6.0 -> 6.5, 13.6 -> 16.9).
+// Warps of a block (a template parameter W: 8, 4 or 2): they split the
+// inputs of one unit. The fewer, the more chunks each warp streams and the
+// fewer waves the grid runs, as long as the blocks still fill the SMs'
+// 16 warp slots (CudaDevice::w4_mm picks W by the number of units). H100,
+// 8B shapes, one row, µs for W = 8 / 4 / 2: gate/up (896 units) 27.3 /
+// 26.0 / 25.3; 6144 x 4096 (384 units) 9.2 / 7.7 / 9.7; o and down (256
+// units) 6.0 / 6.5 and 13.6 / 16.9 for 8 / 4.
 #define W4_CHUNK 64  // inputs per chunk
 
 #define W4_OUT_ACT 0       // y[r, row] in the activation dtype
@@ -480,7 +480,7 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
 #define W4_BLOCKS_2_4 1
 #endif
 #define W4_BLOCKS_PER_SM(T, NT) W4_BLOCKS_##T##_##NT
-// w4_mm_t<T>_n<NT> (8 warps), w4_mm_t<T>_n<NT>_w4 (4 warps), and with NORM
+// w4_mm_t<T>_n<NT> (8 warps), w4_mm_t<T>_n<NT>_w4 and _w2 (4, 2 warps), and with NORM
 // w4_mm_t<T>_n<NT>_norm (dynamic shared memory: the block's rows ×
 // (k / 8 + W4_STAGE_PAD) × 16 bytes).
 #define W4_KERNEL(T, NT, W, NORM, SUFFIX)                                                         \
@@ -505,6 +505,12 @@ W4_KERNEL(1, 4, 4, false, _w4)
 W4_KERNEL(2, 1, 4, false, _w4)
 W4_KERNEL(2, 2, 4, false, _w4)
 W4_KERNEL(2, 4, 4, false, _w4)
+W4_KERNEL(1, 1, 2, false, _w2)
+W4_KERNEL(1, 2, 2, false, _w2)
+W4_KERNEL(1, 4, 2, false, _w2)
+W4_KERNEL(2, 1, 2, false, _w2)
+W4_KERNEL(2, 2, 2, false, _w2)
+W4_KERNEL(2, 4, 2, false, _w2)
 // The paired products (QKV, gate/up) of decode batches, normed on the fly.
 W4_KERNEL(2, 1, 8, true, _norm)
 #undef W4_KERNEL

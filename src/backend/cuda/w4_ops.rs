@@ -158,18 +158,25 @@ const STAGE_PAD: usize = 4;
 const NORM_SMEM_MAX: usize = 72 << 10;
 // With the kernel's static reduction buffer (8 KB) beside it.
 const _: () = assert!(NORM_SMEM_MAX + (8 << 10) <= 99 << 10);
-/// Warps of the int4 product blocks (`W` of kernels/int4.cu's `w4_mm`).
-const WIDE_BLOCK_WARPS: u32 = 8;
-const NARROW_BLOCK_WARPS: u32 = 4;
-/// Two blocks of 8 warps per SM (four of 4).
-const WIDE_BLOCKS_PER_SM: usize = 2;
+/// Warp slots of an SM the int4 kernels' register budget fills (≤ 128
+/// registers a thread: two blocks of 8 warps, four of 4, eight of 2).
+const WARPS_PER_SM: usize = 16;
 
-/// Whether a product of `units` units runs blocks of 4 warps: when 8-warp
-/// blocks would not all fit at once, 4-warp blocks stream longer runs per
-/// warp in fewer waves; below that they leave half the loads unissued
-/// (see kernels/int4.cu, H100 8B shapes).
-fn narrow_blocks(units: usize, sm_count: usize) -> bool {
-    units > WIDE_BLOCKS_PER_SM * sm_count
+/// Warps of each block of an int4 product of `units` units (`W` of
+/// kernels/int4.cu's `w4_mm`): the fewest that still fill the SMs. Fewer
+/// warps per unit stream longer runs each in fewer waves, but blocks of 4
+/// only pay once 8-warp blocks take more than one wave, and blocks of 2
+/// once they fill at least 3/4 of the warp slots in one (H100, 8B shapes:
+/// gate/up, 896 units, 2 warps; 384 units 4; o and down, 256, 8).
+fn block_warps(units: usize, sm_count: usize) -> u32 {
+    let slots = WARPS_PER_SM * sm_count;
+    if 4 * units * 2 >= 3 * slots {
+        2
+    } else if units * 8 > slots {
+        4
+    } else {
+        8
+    }
 }
 /// W4_DQ_CHUNKS of kernels/int4.cu.
 const DEQUANT_CHUNKS: usize = 8;
@@ -250,26 +257,31 @@ impl CudaDevice {
         };
         let kn = &self.kernels;
         let staged = matches!(norm, W4Norm::Stage { .. });
-        let narrow = !staged && narrow_blocks(units, self.sm_count);
-        let f = match (paired, per_block, narrow) {
-            _ if staged => &kn.w4_mm_t2_n1_norm,
-            (false, 8, false) => &kn.w4_mm_t1_n1,
-            (false, 16, false) => &kn.w4_mm_t1_n2,
-            (false, _, false) => &kn.w4_mm_t1_n4,
-            (true, 8, false) => &kn.w4_mm_t2_n1,
-            (true, 16, false) => &kn.w4_mm_t2_n2,
-            (true, _, false) => &kn.w4_mm_t2_n4,
-            (false, 8, true) => &kn.w4_mm_t1_n1_w4,
-            (false, 16, true) => &kn.w4_mm_t1_n2_w4,
-            (false, _, true) => &kn.w4_mm_t1_n4_w4,
-            (true, 8, true) => &kn.w4_mm_t2_n1_w4,
-            (true, 16, true) => &kn.w4_mm_t2_n2_w4,
-            (true, _, true) => &kn.w4_mm_t2_n4_w4,
-        };
-        let warps = if narrow {
-            NARROW_BLOCK_WARPS
+        let warps = if staged {
+            8
         } else {
-            WIDE_BLOCK_WARPS
+            block_warps(units, self.sm_count)
+        };
+        let f = match (paired, per_block, warps) {
+            _ if staged => &kn.w4_mm_t2_n1_norm,
+            (false, 8, 8) => &kn.w4_mm_t1_n1,
+            (false, 16, 8) => &kn.w4_mm_t1_n2,
+            (false, _, 8) => &kn.w4_mm_t1_n4,
+            (true, 8, 8) => &kn.w4_mm_t2_n1,
+            (true, 16, 8) => &kn.w4_mm_t2_n2,
+            (true, _, 8) => &kn.w4_mm_t2_n4,
+            (false, 8, 4) => &kn.w4_mm_t1_n1_w4,
+            (false, 16, 4) => &kn.w4_mm_t1_n2_w4,
+            (false, _, 4) => &kn.w4_mm_t1_n4_w4,
+            (true, 8, 4) => &kn.w4_mm_t2_n1_w4,
+            (true, 16, 4) => &kn.w4_mm_t2_n2_w4,
+            (true, _, 4) => &kn.w4_mm_t2_n4_w4,
+            (false, 8, _) => &kn.w4_mm_t1_n1_w2,
+            (false, 16, _) => &kn.w4_mm_t1_n2_w2,
+            (false, _, _) => &kn.w4_mm_t1_n4_w2,
+            (true, 8, _) => &kn.w4_mm_t2_n1_w2,
+            (true, 16, _) => &kn.w4_mm_t2_n2_w2,
+            (true, _, _) => &kn.w4_mm_t2_n4_w2,
         };
         let e = match out {
             W4Out::Qkv(e) => e,
@@ -374,13 +386,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_products_wider_than_one_wave_of_8_warp_blocks_take_4_warp_blocks() {
-        // H100 (132 SMs), Llama-3-8B: gate/up 896 units, QKV 192, o and down 256.
-        assert!(narrow_blocks(896, 132));
-        assert!(!narrow_blocks(192, 132));
-        assert!(!narrow_blocks(256, 132));
-        assert!(!narrow_blocks(264, 132));
-        assert!(narrow_blocks(265, 132));
+    fn blocks_have_the_fewest_warps_that_fill_the_sms() {
+        // H100 (132 SMs, 2112 warp slots), Llama-3-8B: gate/up 896 units,
+        // a 6144-row single product 384, QKV 192, o and down 256.
+        assert_eq!(block_warps(896, 132), 2);
+        assert_eq!(block_warps(384, 132), 4);
+        assert_eq!(block_warps(192, 132), 8);
+        assert_eq!(block_warps(256, 132), 8);
+        // The edges: one wave of 8-warp blocks; 3/4 of the slots in 2-warp blocks.
+        assert_eq!(block_warps(264, 132), 8);
+        assert_eq!(block_warps(265, 132), 4);
+        assert_eq!(block_warps(791, 132), 4);
+        assert_eq!(block_warps(792, 132), 2);
     }
 
     #[test]
