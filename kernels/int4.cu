@@ -165,6 +165,23 @@ struct W4Chunk {
     ((NT) == 1 ? ((T) == 1 ? W4_RING_1_1 : W4_RING_2_1) \
      : (NT) == 2 ? ((T) == 1 ? W4_RING_1_2 : W4_RING_2_2) : ((T) == 1 ? W4_RING_1_4 : W4_RING_2_4))
 
+#ifndef W4_WEIGHTS_NO_L1
+#define W4_WEIGHTS_NO_L1 1
+#endif
+// 16 bytes of streamed weights: read once, so they are not allocated in L1,
+// where they would evict the activations every unit rereads.
+__device__ __forceinline__ uint4 w4_load_weights(const uint4* p) {
+#if W4_WEIGHTS_NO_L1
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+#else
+    return __ldg(p);
+#endif
+}
+
 // A chunk's weights and scales/zeros (which never depend on the previous
 // kernel) and its activation runs.
 template <int T, int NT, bool G32>
@@ -173,7 +190,7 @@ __device__ __forceinline__ void w4_fetch_weights(W4Chunk<T, NT>& ch, const uint4
     const int gi = w4_group_of(c * W4_CHUNK, group_magic);
 #pragma unroll
     for (int i = 0; i < T; i++) {
-        ch.w[i] = __ldg(wp[i]);
+        ch.w[i] = w4_load_weights(wp[i]);
         ch.sz[i][0][0] = __ldg(szt[i] + gi * 16);
         ch.sz[i][0][1] = __ldg(szt[i] + gi * 16 + 8);
         if (G32) {
