@@ -510,24 +510,18 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
         w4_mm<T, NT, W, NORM>(x, rows, wq, sz, k, group, mode, y, n, bias, cs, slots, k_cache,    \
                               v_cache, inter, nq, nkv, hd, nw, eps, sums, sums_zero, xs);         \
     }
-W4_KERNEL(1, 1, 8, false, )
-W4_KERNEL(1, 2, 8, false, )
-W4_KERNEL(1, 4, 8, false, )
-W4_KERNEL(2, 1, 8, false, )
-W4_KERNEL(2, 2, 8, false, )
-W4_KERNEL(2, 4, 8, false, )
-W4_KERNEL(1, 1, 4, false, _w4)
-W4_KERNEL(1, 2, 4, false, _w4)
-W4_KERNEL(1, 4, 4, false, _w4)
-W4_KERNEL(2, 1, 4, false, _w4)
-W4_KERNEL(2, 2, 4, false, _w4)
-W4_KERNEL(2, 4, 4, false, _w4)
-W4_KERNEL(1, 1, 2, false, _w2)
-W4_KERNEL(1, 2, 2, false, _w2)
-W4_KERNEL(1, 4, 2, false, _w2)
-W4_KERNEL(2, 1, 2, false, _w2)
-W4_KERNEL(2, 2, 2, false, _w2)
-W4_KERNEL(2, 4, 2, false, _w2)
+// Every unit shape (T tiles, 8·NT rows) in blocks of W warps.
+#define W4_KERNEL_SET(W, SUFFIX)       \
+    W4_KERNEL(1, 1, W, false, SUFFIX) \
+    W4_KERNEL(1, 2, W, false, SUFFIX) \
+    W4_KERNEL(1, 4, W, false, SUFFIX) \
+    W4_KERNEL(2, 1, W, false, SUFFIX) \
+    W4_KERNEL(2, 2, W, false, SUFFIX) \
+    W4_KERNEL(2, 4, W, false, SUFFIX)
+W4_KERNEL_SET(8, )
+W4_KERNEL_SET(4, _w4)
+W4_KERNEL_SET(2, _w2)
+#undef W4_KERNEL_SET
 // The paired products (QKV, gate/up) of decode batches, normed on the fly.
 W4_KERNEL(2, 1, 8, true, _norm)
 #undef W4_KERNEL

@@ -2,7 +2,7 @@
 //! `kernels/int4.cu` for small batches, and dequantization to the
 //! activation dtype for cuBLAS on large ones.
 
-use super::kernels::Kernels;
+use super::kernels::{Kernel, Kernels};
 use super::w4::{W4Host, CHUNK, TILE_ROWS};
 use super::{cuda_error, CudaDevice, DeviceBuffer, KArg, Staging};
 use crate::{Error, ErrorKind, Result};
@@ -262,26 +262,20 @@ impl CudaDevice {
         } else {
             block_warps(units, self.sm_count)
         };
-        let f = match (paired, per_block, warps) {
+        // The kernel of `per_block` rows (8, 16 or 32) among one family's three.
+        let by_rows = |k8, k16, k32| match per_block {
+            8 => k8,
+            16 => k16,
+            _ => k32,
+        };
+        let f: &Kernel = match (paired, warps) {
             _ if staged => &kn.w4_mm_t2_n1_norm,
-            (false, 8, 8) => &kn.w4_mm_t1_n1,
-            (false, 16, 8) => &kn.w4_mm_t1_n2,
-            (false, _, 8) => &kn.w4_mm_t1_n4,
-            (true, 8, 8) => &kn.w4_mm_t2_n1,
-            (true, 16, 8) => &kn.w4_mm_t2_n2,
-            (true, _, 8) => &kn.w4_mm_t2_n4,
-            (false, 8, 4) => &kn.w4_mm_t1_n1_w4,
-            (false, 16, 4) => &kn.w4_mm_t1_n2_w4,
-            (false, _, 4) => &kn.w4_mm_t1_n4_w4,
-            (true, 8, 4) => &kn.w4_mm_t2_n1_w4,
-            (true, 16, 4) => &kn.w4_mm_t2_n2_w4,
-            (true, _, 4) => &kn.w4_mm_t2_n4_w4,
-            (false, 8, _) => &kn.w4_mm_t1_n1_w2,
-            (false, 16, _) => &kn.w4_mm_t1_n2_w2,
-            (false, _, _) => &kn.w4_mm_t1_n4_w2,
-            (true, 8, _) => &kn.w4_mm_t2_n1_w2,
-            (true, 16, _) => &kn.w4_mm_t2_n2_w2,
-            (true, _, _) => &kn.w4_mm_t2_n4_w2,
+            (false, 8) => by_rows(&kn.w4_mm_t1_n1, &kn.w4_mm_t1_n2, &kn.w4_mm_t1_n4),
+            (true, 8) => by_rows(&kn.w4_mm_t2_n1, &kn.w4_mm_t2_n2, &kn.w4_mm_t2_n4),
+            (false, 4) => by_rows(&kn.w4_mm_t1_n1_w4, &kn.w4_mm_t1_n2_w4, &kn.w4_mm_t1_n4_w4),
+            (true, 4) => by_rows(&kn.w4_mm_t2_n1_w4, &kn.w4_mm_t2_n2_w4, &kn.w4_mm_t2_n4_w4),
+            (false, _) => by_rows(&kn.w4_mm_t1_n1_w2, &kn.w4_mm_t1_n2_w2, &kn.w4_mm_t1_n4_w2),
+            (true, _) => by_rows(&kn.w4_mm_t2_n1_w2, &kn.w4_mm_t2_n2_w2, &kn.w4_mm_t2_n4_w2),
         };
         let e = match out {
             W4Out::Qkv(e) => e,
