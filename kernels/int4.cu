@@ -421,7 +421,7 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
     // (see W4_OUT_RESIDUAL): every earlier reader of them is complete.
     if (sums_zero && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < W4_HANDOFF_ROWS)
         sums_zero[threadIdx.x] = 0.f;
-    // Warp w finishes fragment registers w, w + 8, ... of every tile.
+    // Warp w finishes fragment registers w, w + W, ... of every tile.
     for (int e = warp; e < NT * 4; e += W) {
         float v[T];
 #pragma unroll
@@ -476,8 +476,8 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
 // are in flight to stream the weights. A ring of two chunks of two tiles
 // and 32 activation rows needs more. (For one tile, one chunk at a time
 // with two blocks per SM measured faster than a ring of two with one:
-// 32-row down product 30.3 µs against 42.1.) Blocks of 4 warps: twice as
-// many. -DW4_BLOCKS_<T>_<NT>=.. overrides one.
+// 32-row down product 30.3 µs against 42.1.) Blocks of W warps: 8 / W
+// times as many. -DW4_BLOCKS_<T>_<NT>=.. overrides one.
 #ifndef W4_BLOCKS_1_1
 #define W4_BLOCKS_1_1 2
 #endif
