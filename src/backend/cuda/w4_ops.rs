@@ -170,14 +170,17 @@ const WARPS_PER_SM: usize = 16;
 /// gate/up, 896 units, 2 warps; 384 units 4; o and down, 256, 8).
 fn block_warps(units: usize, sm_count: usize) -> u32 {
     let slots = WARPS_PER_SM * sm_count;
-    if 4 * units * 2 >= 3 * slots {
+    let warps_of = |warps_per_block: usize| units * warps_per_block;
+    if 4 * warps_of(2) >= 3 * slots {
         2
-    } else if units * 8 > slots {
+    } else if warps_of(8) > slots {
         4
     } else {
         8
     }
 }
+/// Warps of the normed (staging) kernel, `w4_mm_t2_n1_norm`.
+const STAGED_KERNEL_WARPS: u32 = 8;
 /// W4_DQ_CHUNKS of kernels/int4.cu.
 const DEQUANT_CHUNKS: usize = 8;
 
@@ -258,7 +261,7 @@ impl CudaDevice {
         let kn = &self.kernels;
         let staged = matches!(norm, W4Norm::Stage { .. });
         let warps = if staged {
-            8
+            STAGED_KERNEL_WARPS
         } else {
             block_warps(units, self.sm_count)
         };
