@@ -969,8 +969,9 @@ struct CudaForward {
     /// (grown on demand).
     sampling_words: Vec<u32>,
     sampling_params: Option<DeviceBuffer<u32>>,
-    /// Captured decode steps by padded batch size.
-    graphs: HashMap<usize, Graph>,
+    /// Captured decode steps by padded batch size and attention splits
+    /// (see `run`).
+    graphs: HashMap<(usize, usize), Graph>,
     use_graphs: bool,
     /// Where `kv` and `ws` come from (each buffer holds it too, so it
     /// outlives them). Swap staging and a grown `ws.inputs` come from the
@@ -1174,27 +1175,31 @@ impl CudaForward {
 
     fn run(&mut self, batch: &ForwardBatch<'_>, out: Output<'_>) -> Result<()> {
         let dev = self.model.dev.clone();
-        if let Some(bucket) = self.graph_bucket(batch) {
-            let inputs = self.upload_inputs(batch, Some(bucket))?;
-            let _turn = dev.step_lock.lock().unwrap_or_else(|p| p.into_inner());
-            if !self.graphs.contains_key(&bucket) {
-                // Splits fixed for any context the graph will see: each row
-                // divides its own context among them.
-                let longest = self.model.config.max_position_embeddings.min(self.slots);
-                let splits = self.attention_splits(bucket, longest);
-                let graph = dev.capture(|| self.enqueue(&inputs, splits))?;
-                self.graphs.insert(bucket, graph);
-            }
-            dev.replay(&self.graphs[&bucket])?;
-            return self.read_output(batch.logits_rows.len(), out);
-        }
-        let inputs = self.upload_inputs(batch, None)?;
         let longest = batch
             .seqs
             .iter()
             .map(|s| s.context_len + s.len)
             .max()
             .unwrap_or(1);
+        if let Some(bucket) = self.graph_bucket(batch) {
+            let inputs = self.upload_inputs(batch, Some(bucket))?;
+            let _turn = dev.step_lock.lock().unwrap_or_else(|p| p.into_inner());
+            // A graph's splits serve every context up to the next power of
+            // two (each row divides its own context among them), so short
+            // contexts do not pay for the splits and merge of long ones; a
+            // bucket has a graph per context class it has seen (at most
+            // log2(MAX_SPLITS) + 1 distinct splits).
+            let class = longest.next_power_of_two().min(self.slots.max(1));
+            let splits = self.attention_splits(bucket, class);
+            let key = (bucket, splits);
+            if !self.graphs.contains_key(&key) {
+                let graph = dev.capture(|| self.enqueue(&inputs, splits))?;
+                self.graphs.insert(key, graph);
+            }
+            dev.replay(&self.graphs[&key])?;
+            return self.read_output(batch.logits_rows.len(), out);
+        }
+        let inputs = self.upload_inputs(batch, None)?;
         let splits = self.attention_splits(inputs.n_decode.max(1), longest);
         let _turn = dev.step_lock.lock().unwrap_or_else(|p| p.into_inner());
         self.enqueue(&inputs, splits)?;
