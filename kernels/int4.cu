@@ -535,7 +535,7 @@ W4_KERNEL(2, 1, 8, true, _norm)
 // 32h + 8t .. 32h + 8t + 7, so the lane writes four 16-byte runs; the
 // warp's stores fill whole 32-byte sectors.
 // grid = (ceil(k / 64 / W4_DQ_CHUNKS), n / 16), block = 32 * W4_DQ_CHUNKS.
-extern "C" __global__ void w4_dequant(const uint4* wq, const unsigned* sz, raw16* out, int n, int k,
+extern "C" __global__ void w4_dequant(const uint4* wq, const unsigned* sz, raw16* out, int k,
                                       int group) {
     GRID_DEP_ENTER();
     const int chunks = k / W4_CHUNK, groups = (k + group - 1) / group;

@@ -368,7 +368,6 @@ impl CudaDevice {
                         KArg::Ptr(w.words.ptr()),
                         KArg::Ptr(w.sz.ptr()),
                         KArg::Ptr(out),
-                        KArg::I32(w.rows as i32),
                         KArg::I32(w.cols as i32),
                         KArg::I32(w.group as i32),
                     ],
