@@ -132,10 +132,15 @@ pub struct Kernel {
 
 impl Kernel {
     /// Whether it requests its inputs before `grid_dep_wait` (the int4
-    /// products their weights, decode attention the cached keys and
-    /// values), so launching it while the previous kernel drains pays off.
+    /// products and the one-row plain GEMV their weights, decode attention
+    /// the cached keys and values), so launching it while the previous
+    /// kernel drains pays off. The fused QKV and gate/up GEMVs do too, but
+    /// launched early they slowed bf16 decode (H100, 8B shape): only the
+    /// plain one (o, down, the LM head) gained.
     pub fn prefetches_before_wait(&self) -> bool {
-        self.name.starts_with("w4_mm_") || self.name == "attention_decode_mma"
+        self.name.starts_with("w4_mm_")
+            || self.name == "attention_decode_mma"
+            || self.name == "gemv_r1"
     }
 }
 

@@ -828,9 +828,11 @@ enum EarlyLaunch {
     /// `0`: every kernel waits for the previous one to finish.
     None,
     /// Default: only kernels that request their inputs before waiting for
-    /// the previous kernel, the int4 products and decode attention. On an
-    /// H100 (8B shape, batch 1) int4 decode gave 352-355 tok/s with the int4
-    /// products launched early, against 336 with no early launch. Launching
+    /// the previous kernel (`Kernel::prefetches_before_wait`): the int4
+    /// products, decode attention and the one-row plain GEMV. On an H100
+    /// (8B shape, batch 1) int4 decode gave 352-355 tok/s with the int4
+    /// products launched early, against 336 with no early launch; the plain
+    /// GEMV launched early took bf16 decode from 174.0 to 175.5. Launching
     /// every kernel early slowed bf16 decode (167.4 tok/s against 171.0).
     Prefetching,
     /// `1`: every kernel.
