@@ -1189,7 +1189,7 @@ impl CudaForward {
             // contexts do not pay for the splits and merge of long ones; a
             // bucket has a graph per context class it has seen (at most
             // log2(MAX_SPLITS) + 1 distinct splits).
-            let class = longest.next_power_of_two().min(self.slots.max(1));
+            let class = longest.next_power_of_two().min(self.slots);
             let splits = self.attention_splits(bucket, class);
             let key = (bucket, splits);
             if !self.graphs.contains_key(&key) {

@@ -134,9 +134,8 @@ impl Kernel {
     /// Whether it requests its inputs before `grid_dep_wait` (the int4
     /// products and the one-row plain GEMV their weights, decode attention
     /// the cached keys and values), so launching it while the previous
-    /// kernel drains pays off. The fused QKV and gate/up GEMVs do too, but
-    /// launched early they slowed bf16 decode (H100, 8B shape): only the
-    /// plain one (o, down, the LM head) gained.
+    /// kernel drains pays off. The fused QKV and gate/up GEMVs do too but
+    /// are left out: launched early they lose (see `EarlyLaunch`).
     pub fn prefetches_before_wait(&self) -> bool {
         self.name.starts_with("w4_mm_")
             || self.name == "attention_decode_mma"

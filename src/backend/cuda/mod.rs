@@ -833,7 +833,8 @@ enum EarlyLaunch {
     /// (8B shape, batch 1) int4 decode gave 352-355 tok/s with the int4
     /// products launched early, against 336 with no early launch; the plain
     /// GEMV launched early took bf16 decode from 174.0 to 175.5. Launching
-    /// every kernel early slowed bf16 decode (167.4 tok/s against 171.0).
+    /// every kernel early, the fused QKV and gate/up GEMVs among them,
+    /// slowed bf16 decode (167.4 tok/s against 171.0).
     Prefetching,
     /// `1`: every kernel.
     All,
