@@ -2,7 +2,10 @@
 //! Llama-3-8B layer (QKV, o, gate/up + SwiGLU, down) with random packed
 //! int4 weights (group 128), against the same shapes in bf16 through
 //! `CudaDevice::gemm` (our GEMV up to its row limit, cuBLAS above it or
-//! with `NANOINFER_CUDA_GEMV=0`).
+//! with `NANOINFER_CUDA_GEMV=0`). Above the fused int4 kernels' 128 rows
+//! the int4 product is the tensor-core GEMM (sm_90; its plain output, no
+//! SwiGLU), and a third time is printed: dequantization + cuBLAS, the path
+//! of GPUs without the GEMM.
 //!
 //! ```text
 //! cargo run --release --example w4_bench -- [--rows 1,8,16,32] [--reps 200]
@@ -15,10 +18,14 @@
 //! cycle through copies of the weights (over 200 MB of each kind), so the
 //! products read them from memory, not from the 50 MB L2, as in a model.
 
-use nanoinfer::backend::cuda::{ActDType, CudaDevice, GemmDType, W4Host, W4Matrix, W4Norm, W4Out};
+use nanoinfer::backend::cuda::{
+    w4_gemm_scratch_elems, ActDType, CudaDevice, GemmDType, W4Host, W4Matrix, W4Norm, W4Out,
+};
 use std::time::Instant;
 
 const GROUP: usize = 128;
+/// The most rows the fused int4 kernels take (the decoder's default).
+const FUSED_MAX_ROWS: usize = 128;
 /// Bytes of weight copies per shape and kind: four times the H100's L2.
 const COLD_BYTES: usize = 200 << 20;
 
@@ -142,6 +149,7 @@ fn main() -> nanoinfer::Result<()> {
         let mut x = dev.alloc::<u16>(max_rows * s.cols)?;
         dev.upload(&random_bf16(&mut seed, max_rows * s.cols), &mut x)?;
         let y = dev.alloc::<u16>(max_rows * s.rows)?;
+        let xp = dev.alloc::<u16>(w4_gemm_scratch_elems(max_rows, s.cols))?;
         for &rows in &row_counts {
             let out = if s.swiglu {
                 W4Out::SwiGlu { out: y.ptr() }
@@ -149,10 +157,15 @@ fn main() -> nanoinfer::Result<()> {
                 W4Out::Act { y: y.ptr() }
             };
             let mut i = 0;
+            let gemm = rows > FUSED_MAX_ROWS && dev.w4_gemm_available();
             let t4 = time_us(&dev, reps, || {
                 i += 1;
-                dev.w4_mm(x.ptr(), rows, &w4[i % w4.len()], out, W4Norm::None)
-                    .unwrap()
+                let w = &w4[i % w4.len()];
+                if gemm {
+                    dev.w4_gemm(x.ptr(), rows, w, y.ptr(), xp.ptr()).unwrap()
+                } else {
+                    dev.w4_mm(x.ptr(), rows, w, out, W4Norm::None).unwrap()
+                }
             });
             let tb = time_us(&dev, reps, || {
                 i += 1;
@@ -160,13 +173,38 @@ fn main() -> nanoinfer::Result<()> {
                 dev.gemm(x.ptr(), w, y.ptr(), rows, s.rows, s.cols, GemmDType::Act)
                     .unwrap()
             });
+            let flops = 2.0 * (rows * s.rows * s.cols) as f64;
             println!(
-                "{:8} {rows:4} {t4:9.1} {:10.0} {tb:9.1} {:10.0} {:9.2}×",
+                "{:8} {rows:4} {t4:9.1} {:10.0} {tb:9.1} {:10.0} {:9.2}×  ({:.0} / {:.0} TFLOP/s)",
                 s.name,
                 w4[0].bytes() as f64 / t4 / 1e3,
                 dense[0].bytes() as f64 / tb / 1e3,
-                tb / t4
+                tb / t4,
+                flops / t4 / 1e6,
+                flops / tb / 1e6
             );
+            if rows > FUSED_MAX_ROWS {
+                let scratch = &dense[0];
+                let td = time_us(&dev, reps, || {
+                    i += 1;
+                    dev.w4_dequant(&w4[i % w4.len()], scratch.ptr()).unwrap();
+                    dev.gemm(
+                        x.ptr(),
+                        scratch.ptr(),
+                        y.ptr(),
+                        rows,
+                        s.rows,
+                        s.cols,
+                        GemmDType::Act,
+                    )
+                    .unwrap()
+                });
+                println!(
+                    "{:8} {rows:4} dequantize + cuBLAS {td:9.1} µs: the GEMM is {:.2}× faster",
+                    s.name,
+                    td / t4
+                );
+            }
         }
     }
     Ok(())

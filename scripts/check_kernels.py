@@ -127,7 +127,7 @@ def check(lib, status, what):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--arch", default="80,90", help="compute capabilities, e.g. 80,89,90")
+    ap.add_argument("--arch", default="80,90a", help="compute capabilities, e.g. 80,89,90a (90a: sm_90, as the library compiles it)")
     ap.add_argument("--nvrtc", help="path of libnvrtc.so (default: the cached wheel)")
     ap.add_argument("--ptxas", action="store_true", help="also assemble the PTX with ptxas")
     ap.add_argument("--resources", help="with --ptxas: print resources of kernels matching this regex")

@@ -4,7 +4,8 @@
 //! `kernels/decoder.cu`. q/k/v and gate/up are fused into one matrix each at
 //! load, so a layer is four GEMMs. Int4 (AWQ/GPTQ) projections stay packed
 //! and run through `kernels/int4.cu` for batches up to `w4_mma_rows` rows,
-//! and are dequantized for cuBLAS above that.
+//! through the tensor-core GEMM of `kernels/int4_gemm.cu` above that on
+//! sm_90, and are dequantized for cuBLAS on other GPUs.
 
 use super::quant::{QuantMethod, QuantMode};
 use super::runner::{validate_batch, ContextShape, DeviceDecoder, ForwardContext, KvBudget};
@@ -13,9 +14,9 @@ use super::{ForwardBatch, ModelConfig, WeightDType, WeightSource};
 use crate::backend::cpu::attention::AttnSeq;
 use crate::backend::cpu::{Matrix, MatrixData, ThreadPool};
 use crate::backend::cuda::{
-    create_device_pool, ActDType, CudaDevice, DeviceBuffer, GemmDType, GemvFamily, GemvOut, Graph,
-    KArg, QkvEpilogue, Staging, W4Handoff, W4Host, W4Matrix, W4Norm, W4Out, BUDDY_MIN_BLOCK,
-    DEVICE_ALIGN, HANDOFF_ROWS,
+    create_device_pool, w4_gemm_scratch_elems, ActDType, CudaDevice, DeviceBuffer, GemmDType,
+    GemvFamily, GemvOut, Graph, KArg, QkvEpilogue, Staging, W4Handoff, W4Host, W4Matrix, W4Norm,
+    W4Out, BUDDY_MIN_BLOCK, DEVICE_ALIGN, HANDOFF_ROWS,
 };
 use crate::backend::{cuda, Device};
 use crate::kv::KvMapping;
@@ -97,15 +98,20 @@ pub struct CudaDecoder {
     /// Whether decode rows attend on tensor cores (`attention_decode_mma`).
     decode_mma: bool,
     /// Int4 projections of batches up to this many rows run through the
-    /// int4 kernels (weights read once per 32 rows); larger batches
-    /// dequantize for cuBLAS (NANOINFER_CUDA_W4_MMA_ROWS).
+    /// int4 kernels (weights read once per 32 rows); larger batches take
+    /// the int4 GEMM or dequantize for cuBLAS (NANOINFER_CUDA_W4_MMA_ROWS).
     w4_mma_rows: usize,
+    /// Larger int4 batches up to this many rows take the int4 GEMM (sm_90),
+    /// larger ones dequantize for cuBLAS (NANOINFER_CUDA_W4_GEMM_ROWS).
+    w4_gemm_rows: usize,
     /// Every projection int4 and no q/k norms (their QKV is not one fused
     /// product): decode steps may hand norms over (`CudaForward::norm_handoff`;
     /// NANOINFER_CUDA_W4_HANDOFF=0 turns it off).
     w4_handoff: bool,
     /// Elements of the largest int4 projection (the dequantization scratch).
     w4_max_elems: usize,
+    /// Widest input of an int4 projection (the int4 GEMM's packed activations).
+    w4_max_cols: usize,
     /// Widest input of an act-order int4 projection (0: none), for the
     /// gathered-activation scratch.
     w4_perm_cols: usize,
@@ -505,6 +511,12 @@ pub fn load(
         .filter_map(|w| w.int4().map(|m| m.rows * m.cols))
         .max()
         .unwrap_or(0);
+    let w4_max_cols = layers
+        .iter()
+        .flat_map(|l| l.projections())
+        .filter_map(|w| w.int4().map(|m| m.cols))
+        .max()
+        .unwrap_or(0);
     let w4_perm_cols = layers
         .iter()
         .flat_map(|l| l.projections())
@@ -515,6 +527,10 @@ pub fn load(
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(DEFAULT_W4_MMA_ROWS);
+    let w4_gemm_rows = std::env::var("NANOINFER_CUDA_W4_GEMM_ROWS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(DEFAULT_W4_GEMM_ROWS);
     let w4_handoff = cuda::switch_on("NANOINFER_CUDA_W4_HANDOFF")
         && layers.iter().all(|l| {
             l.q_norm.is_none() && l.projections().iter().all(|w| matches!(w, Weight::Int4(_)))
@@ -533,8 +549,10 @@ pub fn load(
         prefill: PrefillKernel::choose(dev.arch, config.head_dim),
         decode_mma: decode_mma_fits(dev.arch, &config),
         w4_mma_rows,
+        w4_gemm_rows,
         w4_handoff,
         w4_max_elems,
+        w4_max_cols,
         w4_perm_cols,
         config,
     }))
@@ -552,6 +570,10 @@ fn decode_mma_fits(arch: (i32, i32), c: &ModelConfig) -> bool {
 
 /// See `CudaDecoder::w4_mma_rows`.
 const DEFAULT_W4_MMA_ROWS: usize = 128;
+/// See `CudaDecoder::w4_gemm_rows`: where the int4 GEMM stops beating
+/// dequantization + cuBLAS (H100, 8B shapes: 14 % faster per gate/up
+/// product at 512 rows, 7 % slower at 2048).
+const DEFAULT_W4_GEMM_ROWS: usize = 1024;
 
 /// Per-session temporaries, sized once for the context's largest step.
 struct Workspace {
@@ -578,7 +600,8 @@ struct Workspace {
     argmax: DeviceBuffer<u32>,
     /// Per-slice (logit, index) keys of argmax_partial.
     argmax_part: DeviceBuffer<u64>,
-    /// Int4 weights dequantized for cuBLAS (batches above `w4_mma_rows`).
+    /// Int4 batches above `w4_mma_rows`: the int4 GEMM's packed
+    /// activations, or (GPUs without it) the weights dequantized for cuBLAS.
     w4_scratch: Option<DeviceBuffer<u16>>,
     /// Activations gathered for act-order int4 weights.
     w4_x: Option<DeviceBuffer<u16>>,
@@ -677,13 +700,32 @@ impl CudaDecoder {
             // the slot lists: one entry per cached position, plus room for
             // shared prefixes (grown on demand past that).
             inputs: 5 * r + l + shape.kv_slots + 4096,
-            w4_scratch: if r > self.w4_mma_rows {
-                self.w4_max_elems
-            } else {
-                0
-            },
+            w4_scratch: self.w4_scratch_elems(r),
             w4_x: r * self.w4_perm_cols,
         }
+    }
+
+    /// Whether a batch of `rows` rows runs its int4 projections through
+    /// the int4 GEMM.
+    fn w4_gemm_takes(&self, rows: usize) -> bool {
+        rows > self.w4_mma_rows && rows <= self.w4_gemm_rows && self.dev.w4_gemm_available()
+    }
+
+    /// The int4 scratch of batches of up to `r` rows: the GEMM's packed
+    /// activations and/or the dequantized weights of the largest projection.
+    fn w4_scratch_elems(&self, r: usize) -> usize {
+        if r <= self.w4_mma_rows || self.w4_max_elems == 0 {
+            return 0;
+        }
+        let gemm = match self.w4_gemm_takes(r.min(self.w4_gemm_rows)) {
+            true => w4_gemm_scratch_elems(r.min(self.w4_gemm_rows), self.w4_max_cols),
+            false => 0,
+        };
+        let dequant = match self.w4_gemm_takes(r) {
+            true => 0,
+            false => self.w4_max_elems,
+        };
+        gemm.max(dequant)
     }
 
     fn workspace_bytes(&self, shape: &ContextShape) -> usize {
@@ -1311,15 +1353,14 @@ impl CudaForward {
         w.int4().filter(|_| rows <= self.model.w4_mma_rows)
     }
 
-    /// `m` dequantized into the scratch (large batches, for cuBLAS).
-    fn dequantized(&self, m: &W4Matrix) -> Result<u64> {
+    /// The scratch of int4 batches above the fused kernels' rows.
+    fn w4_scratch(&self) -> Result<u64> {
         let scratch = self.ws.w4_scratch.as_ref().ok_or_else(|| {
             Error::new(
                 ErrorKind::Internal,
-                "int4 batch above the kernel limit without a dequantization scratch",
+                "int4 batch above the kernel limit without its scratch",
             )
         })?;
-        self.model.dev.w4_dequant(m, scratch.ptr())?;
         Ok(scratch.ptr())
     }
 
@@ -1344,12 +1385,17 @@ impl CudaForward {
         let dev = &self.model.dev;
         match w {
             Weight::Dense(b) => dev.gemm(x, b.ptr(), y, rows, n, k, GemmDType::Act)?,
+            Weight::Int4(m) if self.model.w4_gemm_takes(rows) => {
+                dev.w4_gemm(x, rows, m, y, self.w4_scratch()?)?
+            }
             Weight::Int4(m) => {
                 let x = self.w4_input(x, rows, m)?;
                 if rows <= self.model.w4_mma_rows {
                     dev.w4_mm(x, rows, m, W4Out::Act { y }, W4Norm::None)?
                 } else {
-                    dev.gemm(x, self.dequantized(m)?, y, rows, n, k, GemmDType::Act)?
+                    let dense = self.w4_scratch()?;
+                    dev.w4_dequant(m, dense)?;
+                    dev.gemm(x, dense, y, rows, n, k, GemmDType::Act)?
                 }
             }
         }

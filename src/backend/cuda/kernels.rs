@@ -1,5 +1,6 @@
-//! The decoder kernels (`kernels/decoder.cu`, `kernels/int4.cu` and
-//! `kernels/sampling.cu`, one module, embedded in the library),
+//! The decoder kernels (`kernels/decoder.cu`, `kernels/int4.cu`,
+//! `kernels/int4_gemm.cu` and `kernels/sampling.cu`, one module, embedded
+//! in the library),
 //! compiled by NVRTC for the device's architecture on first use and cached
 //! on disk as PTX. Cache key: source hash + activation dtype + arch + NVRTC
 //! version, so a changed source, GPU or toolkit never loads a stale module.
@@ -11,11 +12,13 @@ use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-/// int4.cu and sampling.cu use decoder.cu's helpers: one translation unit
+/// int4.cu, int4_gemm.cu and sampling.cu use decoder.cu's helpers (and
+/// int4_gemm.cu int4.cu's): one translation unit
 /// (scripts/check_kernels.py reads this list).
 const SOURCE: &str = concat!(
     include_str!("../../../kernels/decoder.cu"),
     include_str!("../../../kernels/int4.cu"),
+    include_str!("../../../kernels/int4_gemm.cu"),
     include_str!("../../../kernels/sampling.cu")
 );
 
@@ -99,9 +102,17 @@ fn tuning_defines() -> Vec<String> {
         .collect()
 }
 
+/// The NVRTC target of a compute capability: sm_90 compiles for `90a`,
+/// whose wgmma instructions the int4 GEMM needs (PTX for `90a` loads on
+/// sm_90 devices only, which is what it is compiled for).
+pub fn target(arch: (i32, i32)) -> String {
+    let suffix = if arch == (9, 0) { "a" } else { "" };
+    format!("{}{}{suffix}", arch.0, arch.1)
+}
+
 fn compile(arch: (i32, i32), act: ActDType, defines: &[String]) -> Result<String> {
     let mut options = vec![
-        format!("--gpu-architecture=compute_{}{}", arch.0, arch.1),
+        format!("--gpu-architecture=compute_{}", target(arch)),
         format!("-DNI_F16={}", (act == ActDType::F16) as i32),
     ];
     options.extend_from_slice(defines);
@@ -114,9 +125,8 @@ fn compile(arch: (i32, i32), act: ActDType, defines: &[String]) -> Result<String
         Err(CompileError::CompileError { log, .. }) => Err(Error::new(
             ErrorKind::Internal,
             format!(
-                "NVRTC failed to compile kernels/decoder.cu + int4.cu + sampling.cu for sm_{}{}:\n{}",
-                arch.0,
-                arch.1,
+                "NVRTC failed to compile kernels/decoder.cu + int4.cu + int4_gemm.cu + sampling.cu for sm_{}:\n{}",
+                target(arch),
                 log.to_string_lossy()
             ),
         )),
@@ -209,6 +219,9 @@ kernel_set!(
     w4_mm_t2_n1_norm,
     w4_dequant,
     w4_gather,
+    w4_gemm_pack_x,
+    w4_gemm_wg2,
+    w4_gemm_wg4,
     sample_rows,
 );
 
@@ -222,11 +235,10 @@ impl Kernels {
         let nvrtc = nvrtc_version();
         let defines = tuning_defines();
         let key = format!(
-            "decoder-{:016x}-{}-sm{}{}-nvrtc{}.{}{}",
+            "decoder-{:016x}-{}-sm{}-nvrtc{}.{}{}",
             fnv1a(SOURCE.as_bytes()),
             act.name(),
-            arch.0,
-            arch.1,
+            target(arch),
             nvrtc.0,
             nvrtc.1,
             defines.concat()

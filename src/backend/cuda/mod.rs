@@ -13,6 +13,7 @@ mod profile;
 pub mod sampling;
 mod staging;
 mod w4;
+mod w4_gemm;
 mod w4_ops;
 
 pub use gemm::GemmDType;
@@ -20,6 +21,7 @@ pub use kernels::{Kernel, KernelCache, Kernels};
 pub use pool::{create_device_pool, CudaBuddy, CudaStreamPool, BUDDY_MIN_BLOCK, DEVICE_ALIGN};
 pub use staging::Staging;
 pub use w4::W4Host;
+pub use w4_gemm::w4_gemm_scratch_elems;
 pub use w4_ops::{QkvEpilogue, W4Handoff, W4Matrix, W4Norm, W4Out, HANDOFF_ROWS};
 
 use crate::memory::{DeviceAllocation, DevicePool};
@@ -132,6 +134,8 @@ pub struct CudaDevice {
     pub sm_count: usize,
     /// Small-batch projections through our GEMV kernels (NANOINFER_CUDA_GEMV=0: cuBLAS only).
     use_gemv: bool,
+    /// Large int4 batches through the tensor-core GEMM (sm_90).
+    w4_gemm: w4_gemm::W4Gemm,
     /// Which kernels are launched programmatically (sm_90+), i.e. may start
     /// while the previous one drains.
     pdl: EarlyLaunch,
@@ -196,6 +200,10 @@ impl CudaDevice {
             // Int4 weights need sm_80+ (their MMAs); older GPUs refuse them.
             w4_ops::allow_norm_staging(&kernels)?;
         }
+        let w4_gemm = w4_gemm::W4Gemm::for_device(arch);
+        if w4_gemm != w4_gemm::W4Gemm::Off {
+            w4_gemm::allow_gemm_smem(&kernels)?;
+        }
         let profiler = Profiler::from_env(&ctx);
         let pdl = if arch.0 < 9 || profiler.is_some() {
             EarlyLaunch::None
@@ -213,6 +221,7 @@ impl CudaDevice {
             arch,
             sm_count,
             use_gemv: switch_on("NANOINFER_CUDA_GEMV"),
+            w4_gemm,
             pdl,
             profiler: profiler.map(Mutex::new),
             step_lock: Mutex::new(()),

@@ -84,6 +84,19 @@ impl W4Matrix {
     pub fn has_perm(&self) -> bool {
         self.perm.is_some()
     }
+
+    pub(super) fn words_ptr(&self) -> u64 {
+        self.words.ptr()
+    }
+
+    pub(super) fn sz_ptr(&self) -> u64 {
+        self.sz.ptr()
+    }
+
+    /// The act-order permutation, or 0 (none).
+    pub(super) fn perm_ptr(&self) -> u64 {
+        self.perm.as_ref().map_or(0, |p| p.ptr())
+    }
 }
 
 /// What an int4 product does with its result (W4_OUT_* of kernels/int4.cu).

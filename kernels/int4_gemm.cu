@@ -1,0 +1,370 @@
+// W4A16 GEMM on Hopper tensor cores, for int4 batches above the fused
+// kernels' rows (prefill chunks, serving steps that carry prompt chunks):
+// y[rows, n] = x[rows, k] · wᵀ. It replaces dequantizing w to the
+// activation dtype for cuBLAS, which writes and rereads 2 bytes per weight
+// on every pass. Appended after int4.cu; uses its helpers and layout.
+//
+// wgmma computes yᵀ. The weights are its A operand, from registers: the
+// packed layout of int4.cu already is the m16n8k16 A fragment, and wgmma's
+// register A fragment is that layout per warp (warp w of a warpgroup holds
+// rows 16w..16w + 15 of the 64). A lane dequantizes its word straight into
+// it. 128 activation rows are the B operand, from shared memory.
+//
+// The activations are first packed (w4_gemm_pack_x) into the image of the
+// B operand's shared memory, so each stage is one bulk copy: per block of
+// 128 rows and chunk of 64 inputs, 16 KB of 128-byte rows whose 16-byte
+// pieces are XOR-swizzled by row % 8 (wgmma's 128-byte swizzle), the
+// inputs in the MMA k order of the packed weights (a permutation of the
+// chunk, int4.cu), gathered through the act-order permutation if there is
+// one, and rows past the batch zero.
+//
+// Numerics: the operands are f16 whatever the activation dtype. Each weight
+// is (q − z)·s rounded once to f16 (bf16 holds only 8 of the f16 scale's 11
+// bits: rounding it twice exactly cost a third more dequantization work),
+// the activations are converted to f16 by the packing (exact within its
+// range, clamped to ±65504), the products are summed in f32 and each
+// output rounded once to the activation dtype. For bf16 models that is
+// closer to the exact product than w4_dequant's bf16 weights
+// (tests/cuda.rs, int4_gemm_matches_the_exact_product).
+//
+// Block: WGS warpgroups of 64 weight rows × 128 activation rows each
+// (two 64-row wgmmas per warpgroup, 128 accumulator registers, were slower).
+// Shared memory holds W4G_STAGES stages of one chunk each:
+// activations (16 KB), packed weights (512 bytes per 16-row tile) and the
+// scales/zeros of the chunk's two 32-input halves (128 bytes per tile),
+// brought W4G_AHEAD chunks ahead (the activations by a bulk copy, the rest
+// by cp.async), with a pair of mbarriers per stage. Each chunk's wgmmas are
+// one commit group; a warpgroup dequantizes chunk c + 1 into its second
+// register set while the tensor cores run chunk c.
+// grid = (ceil(rows / 128), ceil(n / (64·WGS))), block = 128·WGS,
+// dynamic shared memory = W4G_STAGES · stage bytes + 1 KB (alignment).
+
+#define W4G_TOKENS 128                   // activation rows per block (the wgmma N)
+#define W4G_X_BYTES (W4G_TOKENS * 128)  // one chunk of them: 128 rows × 64 inputs × 2 bytes
+#ifndef W4G_STAGES
+#define W4G_STAGES 8
+#endif
+// Chunks loaded ahead of the one being multiplied: a stage is refilled once
+// every warp is done with the chunk W4G_STAGES − W4G_AHEAD before, so warps
+// may drift that many chunks apart.
+#ifndef W4G_AHEAD
+#define W4G_AHEAD (W4G_STAGES - 3)
+#endif
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define W4G_WGMMA 1  // compiled for sm_90a: the kernels exist
+#else
+#define W4G_WGMMA 0  // other targets: the kernels trap; the host never launches them
+#endif
+
+#if NI_F16
+#define W4G_CVT2 "cvt.rn.f16x2.f32 %0, %1, %2;"
+#else
+#define W4G_CVT2 "cvt.rn.bf16x2.f32 %0, %1, %2;"
+#endif
+
+// Two floats rounded to the activation dtype, `lo` in the low half.
+__device__ __forceinline__ unsigned w4g_pack2(float lo, float hi) {
+    unsigned d;
+    asm(W4G_CVT2 : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// f16 arithmetic on pairs (the GEMM's operands are f16 for either activation dtype).
+__device__ __forceinline__ unsigned w4g_fma2(unsigned a, unsigned b, unsigned c) {
+    unsigned d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+// (v & mask) | 1024.0 (f16) in both halves, in one LOP3.
+__device__ __forceinline__ unsigned w4g_nibbles(unsigned v, unsigned mask) {
+    unsigned d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(v), "r"(mask), "r"(0x64006400u));
+    return d;
+}
+
+#if W4G_WGMMA
+__device__ __forceinline__ void w4g_mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// One arrival that also expects `bytes` of bulk copies to land.
+__device__ __forceinline__ void w4g_mbar_expect(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void w4g_mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void cp_async16_raw(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+}
+// `bytes` (a multiple of 16) from global to shared memory, completing on `bar`.
+__device__ __forceinline__ void w4g_bulk(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ void w4g_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void w4g_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void w4g_wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ uint4 w4g_lds16(unsigned addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ unsigned w4g_lds4(unsigned addr) {
+    unsigned v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+    return v;
+}
+
+// Shared-memory matrix descriptor of a K-major B tile with the 128-byte
+// swizzle: rows of 128 bytes, 8-row groups 1024 bytes apart (the stride
+// offset); the leading offset is unused for this layout. `addr` must be
+// 1024-aligned plus the k-step's 32-byte offset. (Without the swizzle, in
+// 128-byte core matrices, the same GEMM ran at half the speed.)
+__device__ __forceinline__ unsigned long long w4g_desc(unsigned addr) {
+    return (unsigned long long)((addr & 0x3ffffu) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
+}
+
+// d[64 rows, 128] += a (registers, 64 × 16) · b (shared memory, 16 × 128).
+__device__ __forceinline__ void w4g_mma(float (&d)[64], const unsigned (&a)[4], unsigned long long b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+        "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, "
+        "%39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, "
+        "%58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+          "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+          "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+          "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),
+          "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+          "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+          "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+
+// Keeps the compiler from moving accumulator accesses across the
+// asynchronous wgmmas that own them.
+__device__ __forceinline__ void w4g_fence_acc(float (&d)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+#endif  // W4G_WGMMA
+
+// The dequantization operands of one row's group, as f16 pairs: the scale
+// and −(MAGIC + z) for a nibble in bits 0-3 (MAGIC = 1024) or, scaled by
+// 1/16, in bits 4-7 (MAGIC = 64).
+struct W4GGroup {
+    unsigned s, negz;
+};
+__device__ __forceinline__ W4GGroup w4g_group_low(unsigned sz) {
+    const unsigned z = (sz >> 16) & 0xfu;
+    return {(sz & 0xffffu) * 0x10001u, (0xe400u | z) * 0x10001u};
+}
+__device__ __forceinline__ W4GGroup w4g_group_high(unsigned sz) {
+    const unsigned z = (sz >> 16) & 0xfu;
+    return {(sz & 0xffffu) * 0x10001u, (0xd400u + 16 * z) * 0x10001u};
+}
+
+// The A fragments (f16) of one packed word (k-step): q − z exact from one
+// LOP3 and one fma, then times the scale, rounded once. Rows g (nibbles in
+// bits 0-3 of each byte pair: p0/p4, p2/p6 after >> 8) and g + 8 (bits
+// 4-7: p1/p5, p3/p7) take their nibbles without a shift each.
+__device__ __forceinline__ void w4g_fragment(unsigned w, W4GGroup rg, W4GGroup rg8, unsigned (&a)[4]) {
+    const unsigned ONE = 0x3c003c00u, SIXTEENTH = 0x2c002c00u, NEG0 = 0x80008000u, w8 = w >> 8;
+    a[0] = w4g_fma2(w4g_fma2(w4g_nibbles(w, 0x000f000fu), ONE, rg.negz), rg.s, NEG0);
+    a[1] = w4g_fma2(w4g_fma2(w4g_nibbles(w, 0x00f000f0u), SIXTEENTH, rg8.negz), rg8.s, NEG0);
+    a[2] = w4g_fma2(w4g_fma2(w4g_nibbles(w8, 0x000f000fu), ONE, rg.negz), rg.s, NEG0);
+    a[3] = w4g_fma2(w4g_fma2(w4g_nibbles(w8, 0x00f000f0u), SIXTEENTH, rg8.negz), rg8.s, NEG0);
+}
+
+template <int WGS>
+__device__ __forceinline__ void w4_gemm(const raw16* __restrict__ xp, int rows, const uint4* __restrict__ wq,
+                                        const unsigned* __restrict__ sz, int k, int group, raw16* __restrict__ y,
+                                        int n) {
+    GRID_DEP_ENTER();
+#if W4G_WGMMA
+    constexpr int S = W4G_STAGES;
+    constexpr int TILES = 4 * WGS, THREADS = 128 * WGS;  // 16-row weight tiles per block
+    constexpr int W_BYTES = TILES * 512;
+    constexpr int SZ_BYTES = TILES * 2 * 64;  // 16 rows × two halves per tile
+    constexpr int STAGE = W4G_X_BYTES + W_BYTES + SZ_BYTES;
+    static_assert(STAGE % 1024 == 0, "stages keep the activation tiles 1024-aligned");
+    extern __shared__ unsigned char w4g_smem[];
+    // Per stage: `full` completes when its chunk has landed (thread 0's
+    // expected bytes of the bulk copy, and every thread's cp.async arrival),
+    // `empty` when every warp's wgmmas are done with it.
+    const unsigned smem = (smem_u32(w4g_smem) + 1023u) & ~1023u, full = smem + S * STAGE, empty = full + 8 * S;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
+    const int tile0 = blockIdx.y * TILES;
+    const int chunks = k / W4_CHUNK, groups = (k + group - 1) / group, n_tiles = n / 16;
+    const int tiles = min(TILES, n_tiles - tile0);  // this block's real tiles
+    const bool g32 = group == 32;
+    const unsigned group_magic = 0xffffffffu / (unsigned)group + 1u;  // see w4_group_of
+    if (tid == 0) {
+        for (int i = 0; i < S; i++) {
+            w4g_mbar_init(full + 8 * i, THREADS + 1);
+            w4g_mbar_init(empty + 8 * i, THREADS / 32);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    // Chunk c into its stage, once the warps are done with chunk c − S
+    // there: the activations in one bulk copy (thread 0); each tile's
+    // weights and its scales/zeros of the chunk's two halves by every
+    // thread's cp.async (small pieces: as bulk copies they were many times
+    // slower).
+    const raw16* xblock = xp + (size_t)blockIdx.x * chunks * (W4G_X_BYTES / 2);
+    auto load = [&](int c) {
+        if (c >= chunks) return;
+        const unsigned st = smem + (c % S) * STAGE, bar = full + 8 * (c % S);
+        if (c >= S) w4g_mbar_wait(empty + 8 * (c % S), (c / S - 1) & 1);
+        if (tid == 0) {
+            w4g_mbar_expect(bar, W4G_X_BYTES);
+            w4g_bulk(st, xblock + (size_t)c * (W4G_X_BYTES / 2), W4G_X_BYTES, bar);
+        }
+#pragma unroll
+        for (int q = 0; q < TILES * 32 / THREADS; q++) {
+            const int i = tid + THREADS * q;  // 16-byte piece i of the weights: tile i / 32, lane i % 32
+            if (i < tiles * 32)
+                cp_async16_raw(st + W4G_X_BYTES + i * 16, wq + ((size_t)(tile0 + (i >> 5)) * chunks + c) * 32 + (i & 31));
+        }
+        if (tid < tiles * 8) {  // piece tid % 4 of half (tid / 4) % 2 of tile tid / 8
+            const int gi = w4_group_of(c * W4_CHUNK + 32 * ((tid >> 2) & 1), group_magic);
+            cp_async16_raw(st + W4G_X_BYTES + W_BYTES + tid * 16,
+                           sz + ((size_t)(tile0 + (tid >> 3)) * groups + gi) * 16 + 4 * (tid & 3));
+        }
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+    };
+
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) acc[i] = 0.f;
+    const int tb = warp;  // this warp's tile: warp w of warpgroup j holds rows 64j + 16w..
+
+#pragma unroll
+    for (int c = 0; c < W4G_AHEAD; c++) load(c);
+
+    // One chunk: wait for its stage, dequantize into `a`, issue its
+    // wgmmas, load chunk c + W4G_AHEAD, wait for chunk c − 1's wgmmas and
+    // release that one's stage. Warps only wait for each other through the
+    // stages, so warpgroups drift apart and take turns on the tensor cores.
+    auto step = [&](int c, unsigned (&a)[4][4]) {
+        w4g_mbar_wait(full + 8 * (c % S), (c / S) & 1);
+        const unsigned st = smem + (c % S) * STAGE;
+        const uint4 wv = w4g_lds16(st + W4G_X_BYTES + tb * 512 + lane * 16);
+        const unsigned szb = st + W4G_X_BYTES + W_BYTES + tb * 128 + g * 4;
+        const W4GGroup lo = w4g_group_low(w4g_lds4(szb)), lo8 = w4g_group_high(w4g_lds4(szb + 32));
+        W4GGroup hi = lo, hi8 = lo8;  // the second half's group: the same unless groups are 32 wide
+        if (g32) {
+            hi = w4g_group_low(w4g_lds4(szb + 64));
+            hi8 = w4g_group_high(w4g_lds4(szb + 96));
+        }
+        w4g_fragment(wv.x, lo, lo8, a[0]);
+        w4g_fragment(wv.y, lo, lo8, a[1]);
+        w4g_fragment(wv.z, hi, hi8, a[2]);
+        w4g_fragment(wv.w, hi, hi8, a[3]);
+        w4g_wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < 4; s++) w4g_mma(acc, a[s], w4g_desc(st + 32 * s));  // k-step s: bytes 32s.. of each row
+        w4g_wgmma_commit();
+        load(c + W4G_AHEAD);
+        w4g_wgmma_wait<1>();
+        if (c > 0 && lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty + 8 * ((c - 1) % S)) : "memory");
+    };
+    unsigned a0[4][4], a1[4][4];
+    int c = 0;
+    for (; c + 1 < chunks; c += 2) {
+        step(c, a0);
+        step(c + 1, a1);
+    }
+    if (c < chunks) step(c, a0);
+    w4g_wgmma_wait<0>();
+    w4g_fence_acc(acc);
+
+    // acc[4i + 2hh + e] is y[token 8i + 2t + e][feature 16·tile + g + 8hh].
+    // Lanes g and g ^ 1 swap one value each, so every lane stores two
+    // adjacent features of one token: even g token 2t, odd g token 2t + 1.
+    const bool odd = g & 1;
+    const int m0 = blockIdx.x * W4G_TOKENS, t = lane & 3;
+    const int rt = tile0 + tb;
+    if (rt >= n_tiles) return;
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        const int token = m0 + 8 * i + 2 * t + odd;
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            const float v0 = acc[4 * i + 2 * hh], v1 = acc[4 * i + 2 * hh + 1];
+            const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+            const int feature = rt * 16 + g + 8 * hh - odd;
+            if (token < rows)
+                *(unsigned*)(y + (size_t)token * n + feature) = odd ? w4g_pack2(other, v1) : w4g_pack2(v0, other);
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
+#define W4G_KERNEL(WGS)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128 * WGS, 1)                                          \
+        w4_gemm_wg##WGS(const raw16* xp, int rows, const uint4* wq, const unsigned* sz, int k, int group, \
+                        raw16* y, int n) {                                                               \
+        w4_gemm<WGS>(xp, rows, wq, sz, k, group, y, n);                                                  \
+    }
+W4G_KERNEL(2)
+W4G_KERNEL(4)
+#undef W4G_KERNEL
+
+// Two values as f16 (low half first), clamped to its finite range: bf16
+// activations beyond ±65504 would otherwise become infinities.
+__device__ __forceinline__ unsigned w4g_f16x2(float lo, float hi) {
+    unsigned d;
+    lo = fminf(fmaxf(lo, -65504.f), 65504.f);
+    hi = fminf(fmaxf(hi, -65504.f), 65504.f);
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// xp = x[rows, k] as f16 in the GEMM's B layout (see the top of this
+// file), with rows padded to a multiple of 128 by zeros; perm (act-order, or null):
+// packed input i is x[·, perm[i]]. A thread writes one 16-byte piece;
+// consecutive threads write consecutive bytes of xp.
+// grid = ceil(ceil(rows / 128) · 128 · k / 8 / 256), block = 256.
+extern "C" __global__ void w4_gemm_pack_x(const raw16* x, const unsigned* perm, raw16* xp, int rows, int k) {
+    GRID_DEP_ENTER();
+    const int chunks = k / W4_CHUNK;
+    const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (id >= (long long)((rows + W4G_TOKENS - 1) / W4G_TOKENS) * W4G_TOKENS * k / 8) return;
+    // id = ((token block · chunks + chunk) · 128 + row) · 8 + stored piece
+    const int r = (id >> 3) & 127, kc = (id & 7) ^ (r & 7);
+    const long long bc = id >> 10;
+    const int c = bc % chunks, token = (int)(bc / chunks) * W4G_TOKENS + r;
+    unsigned out[4] = {0u, 0u, 0u, 0u};
+    if (token < rows) {
+        // Piece kc is MMA k rows 8(kc % 2) .. +7 of k-step kc / 2: for lane
+        // quad t, inputs 32(s / 2) + 8t + 4(s % 2) + 2(kc % 2) + {0, 1}.
+        const int s = kc >> 1, base = c * W4_CHUNK + 32 * (s >> 1) + 4 * (s & 1) + 2 * (kc & 1);
+        const raw16* row = x + (size_t)token * k;
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+            const int i = base + 8 * t;
+            const int i0 = perm ? perm[i] : i, i1 = perm ? perm[i + 1] : i + 1;
+            out[t] = w4g_f16x2(to_f(row[i0]), to_f(row[i1]));
+        }
+    }
+    *(uint4*)(xp + id * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+}
