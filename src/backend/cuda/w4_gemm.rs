@@ -153,27 +153,24 @@ impl CudaDevice {
                 )
             },
         )?;
-        self.timed(
-            || format!("{} {rows}x{}x{}", f.name, w.rows, w.cols),
-            w.bytes(),
-            || {
-                self.launch_raw(
-                    f,
-                    grid,
-                    128 * shape.warpgroups as u32,
-                    shape.smem_bytes() as u32,
-                    &[
-                        KArg::Ptr(xp),
-                        KArg::I32(rows as i32),
-                        KArg::Ptr(w.words_ptr()),
-                        KArg::Ptr(w.sz_ptr()),
-                        KArg::I32(w.cols as i32),
-                        KArg::I32(w.group as i32),
-                        KArg::Ptr(y),
-                        KArg::I32(w.rows as i32),
-                    ],
-                )
-            },
+        self.launch_product(
+            f,
+            (rows, w),
+            (
+                grid,
+                128 * shape.warpgroups as u32,
+                shape.smem_bytes() as u32,
+            ),
+            &[
+                KArg::Ptr(xp),
+                KArg::I32(rows as i32),
+                KArg::Ptr(w.words_ptr()),
+                KArg::Ptr(w.sz_ptr()),
+                KArg::I32(w.cols as i32),
+                KArg::I32(w.group as i32),
+                KArg::Ptr(y),
+                KArg::I32(w.rows as i32),
+            ],
         )
     }
 }

@@ -307,42 +307,51 @@ impl CudaDevice {
         };
         let xs = handoff.map_or(0, |h| h.xs);
         let grid = (rows.div_ceil(per_block) as u32, units as u32, 1);
+        self.launch_product(
+            f,
+            (rows, w),
+            (grid, 32 * warps, shared),
+            &[
+                KArg::Ptr(x),
+                KArg::I32(rows as i32),
+                KArg::Ptr(w.words.ptr()),
+                KArg::Ptr(w.sz.ptr()),
+                KArg::I32(w.cols as i32),
+                KArg::I32(w.group as i32),
+                KArg::I32(mode),
+                KArg::Ptr(y),
+                KArg::I32(w.rows as i32),
+                KArg::Ptr(e.bias),
+                KArg::Ptr(e.rope_cs),
+                KArg::Ptr(e.slots),
+                KArg::Ptr(e.k_cache),
+                KArg::Ptr(e.v_cache),
+                KArg::I32((w.rows / 2) as i32),
+                KArg::I32(e.nq as i32),
+                KArg::I32(e.nkv as i32),
+                KArg::I32(e.head_dim as i32),
+                KArg::Ptr(nw),
+                KArg::F32(eps),
+                KArg::Ptr(sums),
+                KArg::Ptr(clear),
+                KArg::Ptr(xs),
+            ],
+        )
+    }
+
+    /// Launches the int4 product kernel `f` of `rows` rows by `w` (timed
+    /// under its shape when profiling): `(grid, threads, shared bytes)`.
+    pub(super) fn launch_product(
+        &self,
+        f: &Kernel,
+        (rows, w): (usize, &W4Matrix),
+        (grid, block, shared): ((u32, u32, u32), u32, u32),
+        args: &[KArg],
+    ) -> Result<()> {
         self.timed(
             || format!("{} {rows}x{}x{}", f.name, w.rows, w.cols),
             w.bytes(),
-            || {
-                self.launch_raw(
-                    f,
-                    grid,
-                    32 * warps,
-                    shared,
-                    &[
-                        KArg::Ptr(x),
-                        KArg::I32(rows as i32),
-                        KArg::Ptr(w.words.ptr()),
-                        KArg::Ptr(w.sz.ptr()),
-                        KArg::I32(w.cols as i32),
-                        KArg::I32(w.group as i32),
-                        KArg::I32(mode),
-                        KArg::Ptr(y),
-                        KArg::I32(w.rows as i32),
-                        KArg::Ptr(e.bias),
-                        KArg::Ptr(e.rope_cs),
-                        KArg::Ptr(e.slots),
-                        KArg::Ptr(e.k_cache),
-                        KArg::Ptr(e.v_cache),
-                        KArg::I32((w.rows / 2) as i32),
-                        KArg::I32(e.nq as i32),
-                        KArg::I32(e.nkv as i32),
-                        KArg::I32(e.head_dim as i32),
-                        KArg::Ptr(nw),
-                        KArg::F32(eps),
-                        KArg::Ptr(sums),
-                        KArg::Ptr(clear),
-                        KArg::Ptr(xs),
-                    ],
-                )
-            },
+            || self.launch_raw(f, grid, block, shared, args),
         )
     }
 
