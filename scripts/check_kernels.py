@@ -13,7 +13,7 @@ the module: that catches what NVRTC lets through (too much shared memory per
 block, instructions the architecture lacks). --resources REGEX prints
 ptxas's registers / shared memory / spills for the kernels it matches.
 
-    python3 scripts/check_kernels.py [--arch 80,90] [--nvrtc PATH/libnvrtc.so]
+    python3 scripts/check_kernels.py [--arch 80,90a] [--nvrtc PATH/libnvrtc.so]
                                      [--ptxas [--resources 'w4a?_mm']] [-D NAME=VALUE ...]
 """
 import argparse
