@@ -927,11 +927,14 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
 }
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+// dst: a shared-memory address (smem_u32).
+__device__ __forceinline__ void cp_async16_at(unsigned dst, const void* src, int src_bytes) {
 #if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src),
-                 "r"(src_bytes));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
 #endif
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    cp_async16_at(smem_u32(dst), src, src_bytes);
 }
 __device__ __forceinline__ void cp_async_commit() {
 #if __CUDA_ARCH__ >= 800

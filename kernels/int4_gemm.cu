@@ -99,9 +99,6 @@ __device__ __forceinline__ void w4g_mbar_wait(unsigned bar, unsigned parity) {
         "r"(parity)
         : "memory");
 }
-__device__ __forceinline__ void cp_async16_raw(unsigned dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
-}
 // `bytes` (a multiple of 16) from global to shared memory, completing on `bar`.
 __device__ __forceinline__ void w4g_bulk(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
@@ -240,12 +237,12 @@ __device__ __forceinline__ void w4_gemm(const raw16* __restrict__ xp, int rows, 
         for (int q = 0; q < TILES * 32 / THREADS; q++) {
             const int i = tid + THREADS * q;  // 16-byte piece i of the weights: tile i / 32, lane i % 32
             if (i < tiles * 32)
-                cp_async16_raw(st + W4G_X_BYTES + i * 16, wq + ((size_t)(tile0 + (i >> 5)) * chunks + c) * 32 + (i & 31));
+                cp_async16_at(st + W4G_X_BYTES + i * 16, wq + ((size_t)(tile0 + (i >> 5)) * chunks + c) * 32 + (i & 31), 16);
         }
         if (tid < tiles * 8) {  // piece tid % 4 of half (tid / 4) % 2 of tile tid / 8
             const int gi = w4_group_of(c * W4_CHUNK + 32 * ((tid >> 2) & 1), group_magic);
-            cp_async16_raw(st + W4G_X_BYTES + W_BYTES + tid * 16,
-                           sz + ((size_t)(tile0 + (tid >> 3)) * groups + gi) * 16 + 4 * (tid & 3));
+            cp_async16_at(st + W4G_X_BYTES + W_BYTES + tid * 16,
+                          sz + ((size_t)(tile0 + (tid >> 3)) * groups + gi) * 16 + 4 * (tid & 3), 16);
         }
         asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
     };

@@ -505,32 +505,26 @@ pub fn load(
     dev.synchronize()?;
     let resident_bytes = up.bytes;
     let load_pinned = up.staging.is_some();
-    let w4_max_elems = layers
-        .iter()
-        .flat_map(|l| l.projections())
-        .filter_map(|w| w.int4().map(|m| m.rows * m.cols))
-        .max()
-        .unwrap_or(0);
-    let w4_max_cols = layers
-        .iter()
-        .flat_map(|l| l.projections())
-        .filter_map(|w| w.int4().map(|m| m.cols))
-        .max()
-        .unwrap_or(0);
-    let w4_perm_cols = layers
-        .iter()
-        .flat_map(|l| l.projections())
-        .filter_map(|w| w.int4().filter(|m| m.has_perm()).map(|m| m.cols))
-        .max()
-        .unwrap_or(0);
-    let w4_mma_rows = std::env::var("NANOINFER_CUDA_W4_MMA_ROWS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(DEFAULT_W4_MMA_ROWS);
-    let w4_gemm_rows = std::env::var("NANOINFER_CUDA_W4_GEMM_ROWS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(DEFAULT_W4_GEMM_ROWS);
+    // The largest `f` over the int4 projections (0 without any).
+    let int4_max = |f: fn(&W4Matrix) -> usize| {
+        layers
+            .iter()
+            .flat_map(|l| l.projections())
+            .filter_map(|w| w.int4().map(f))
+            .max()
+            .unwrap_or(0)
+    };
+    let w4_max_elems = int4_max(|m| m.rows * m.cols);
+    let w4_max_cols = int4_max(|m| m.cols);
+    let w4_perm_cols = int4_max(|m| if m.has_perm() { m.cols } else { 0 });
+    let rows_from_env = |var: &str, default: usize| {
+        std::env::var(var)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let w4_mma_rows = rows_from_env("NANOINFER_CUDA_W4_MMA_ROWS", DEFAULT_W4_MMA_ROWS);
+    let w4_gemm_rows = rows_from_env("NANOINFER_CUDA_W4_GEMM_ROWS", DEFAULT_W4_GEMM_ROWS);
     let w4_handoff = cuda::switch_on("NANOINFER_CUDA_W4_HANDOFF")
         && layers.iter().all(|l| {
             l.q_norm.is_none() && l.projections().iter().all(|w| matches!(w, Weight::Int4(_)))
@@ -717,8 +711,10 @@ impl CudaDecoder {
         if r <= self.w4_mma_rows || self.w4_max_elems == 0 {
             return 0;
         }
-        let gemm = match self.w4_gemm_takes(r.min(self.w4_gemm_rows)) {
-            true => w4_gemm_scratch_elems(r.min(self.w4_gemm_rows), self.w4_max_cols),
+        // Batches of up to `gemm_rows` rows take the GEMM, larger ones dequantize.
+        let gemm_rows = r.min(self.w4_gemm_rows);
+        let gemm = match self.w4_gemm_takes(gemm_rows) {
+            true => w4_gemm_scratch_elems(gemm_rows, self.w4_max_cols),
             false => 0,
         };
         let dequant = match self.w4_gemm_takes(r) {

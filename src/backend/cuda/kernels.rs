@@ -105,7 +105,7 @@ fn tuning_defines() -> Vec<String> {
 /// The NVRTC target of a compute capability: sm_90 compiles for `90a`,
 /// whose wgmma instructions the int4 GEMM needs (PTX for `90a` loads on
 /// sm_90 devices only, which is what it is compiled for).
-pub fn target(arch: (i32, i32)) -> String {
+fn target(arch: (i32, i32)) -> String {
     let suffix = if arch == (9, 0) { "a" } else { "" };
     format!("{}{}{suffix}", arch.0, arch.1)
 }
