@@ -63,6 +63,16 @@ pub struct Decoder {
     inv_freq: Vec<f32>,
 }
 
+/// The attention geometry of a model.
+pub(crate) fn attn_shape(c: &ModelConfig) -> AttnShape {
+    AttnShape {
+        n_heads: c.num_heads,
+        n_kv_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
+        scale: 1.0 / (c.head_dim as f32).sqrt(),
+    }
+}
+
 impl Decoder {
     /// Loads the weights; `quant` quantizes the dense linear layers (and the
     /// LM head when its method says so) at load.
@@ -271,12 +281,7 @@ impl Decoder {
         }
         self.rope_tables(batch, ws);
 
-        let shape = AttnShape {
-            n_heads: c.num_heads,
-            n_kv_heads: c.num_kv_heads,
-            head_dim: hd,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
+        let shape = attn_shape(c);
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm(
                 &ws.hidden[..rows * d],

@@ -5,8 +5,9 @@
 //! replace their weights first.
 
 use super::config::ModelConfig;
+use super::decoder::attn_shape;
 use super::safetensors::WeightFiles;
-use crate::backend::cpu::attention::{attention, AttnSeq, AttnShape};
+use crate::backend::cpu::attention::{attention, AttnSeq};
 use crate::backend::cpu::ops::{add_in_place, apply_rope, rms_norm, rms_norm_in_place, silu_mul};
 use crate::backend::cpu::{matmul, Matrix, MatrixData, ThreadPool};
 use crate::kv::KvMapping;
@@ -392,12 +393,7 @@ impl<'a> CalibForward<'a> {
                 kv: KvMapping::Slots(&self.slots[start..start + len]),
             })
             .collect();
-        let shape = AttnShape {
-            n_heads: c.num_heads,
-            n_kv_heads: c.num_kv_heads,
-            head_dim: hd,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
+        let shape = attn_shape(c);
         let mut attn = vec![0f32; n * nq];
         attention(
             self.pool, &shape, &seqs, &qkv, width, &keys, &values, &mut attn,

@@ -4,9 +4,10 @@
 //! engine drives both through `ForwardBatch` and host logits only, so the
 //! same scheduler runs on the CPU and on CUDA.
 
-use super::decoder::{Decoder, ForwardBatch};
+use super::decoder::{attn_shape, Decoder, ForwardBatch};
 use super::workspace::{ForwardWorkspace, WorkspacePlan, WorkspaceStats};
 use super::ModelConfig;
+use crate::backend::cpu::attention::reserve_decode_scratch;
 use crate::backend::cpu::ThreadPool;
 use crate::backend::Device;
 use crate::kv::KvStorage;
@@ -280,6 +281,8 @@ impl DeviceDecoder for CpuDecoder {
         let c = &self.decoder.config;
         let storage = KvStorage::new(c.num_layers, shape.kv_slots, c.num_kv_heads, c.head_dim);
         let ws = ForwardWorkspace::new(shape.memory_pool, self.workspace_plan(shape))?;
+        let max_positions = shape.kv_slots.min(c.max_position_embeddings);
+        reserve_decode_scratch(&self.pool, &attn_shape(c), max_positions);
         Ok(Box::new(CpuContext {
             model: self,
             storage,

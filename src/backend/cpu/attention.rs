@@ -51,6 +51,18 @@ thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
+/// Grows every pool thread's decode scratch for rows that see up to
+/// `max_positions` positions. Which thread runs which (row, head) task
+/// changes from step to step, so without this a warm decode step could
+/// still allocate on a thread meeting a longer context for the first time.
+pub fn reserve_decode_scratch(pool: &ThreadPool, shape: &AttnShape, max_positions: usize) {
+    let group = shape.n_heads / shape.n_kv_heads.max(1);
+    pool.broadcast(&|| {
+        SCORES.with(|s| attention_row::reserve_to(&mut s.borrow_mut(), group * max_positions));
+        attention_row::reserve_offsets(max_positions);
+    });
+}
+
 /// `out[row, h] = Σ_p softmax(q[row,h]·K[p]·scale) V[p]` over the causal window.
 /// `q` has rows of stride `q_stride` whose first `n_heads * head_dim` values
 /// are the query; `out` is `[rows, n_heads * head_dim]`; `keys`/`values` are

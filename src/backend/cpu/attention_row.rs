@@ -14,6 +14,16 @@ thread_local! {
     static OFFSETS: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
 }
 
+/// Grows this thread's position offsets to hold `positions` entries.
+pub fn reserve_offsets(positions: usize) {
+    OFFSETS.with(|o| reserve_to(&mut o.borrow_mut(), positions));
+}
+
+/// Ensures `v` can hold `n` elements without reallocating.
+pub fn reserve_to<T>(v: &mut Vec<T>, n: usize) {
+    v.reserve(n.saturating_sub(v.len()));
+}
+
 /// `out[p] = slot(p) · kv_width + offset` for `p < n`, walking the block
 /// table once instead of dividing per position.
 fn fill_offsets(

@@ -118,6 +118,23 @@ impl ThreadPool {
             panic!("a kernel panicked on a worker thread");
         }
     }
+
+    /// Calls `f` once on every thread of the pool, the caller included (to
+    /// prepare thread-local state such as kernel scratch).
+    pub fn broadcast(&self, f: &(dyn Fn() + Sync)) {
+        let threads = self.threads();
+        let arrived = AtomicUsize::new(0);
+        // One item per thread: each item waits until all have started, so no
+        // thread can take a second one.
+        self.run(threads, &|_| {
+            arrived.fetch_add(1, Ordering::AcqRel);
+            let mut spins = 0u32;
+            while arrived.load(Ordering::Acquire) < threads {
+                spin_or_yield(&mut spins);
+            }
+            f();
+        });
+    }
 }
 
 /// Busy-waits briefly, then yields the core: when the machine has more
@@ -228,5 +245,23 @@ mod tests {
             sum.fetch_add(i, Ordering::Relaxed);
         });
         assert_eq!(sum.load(Ordering::Relaxed), 90);
+    }
+
+    #[test]
+    fn broadcast_reaches_every_thread_once() {
+        for threads in [1usize, 2, 4] {
+            let pool = ThreadPool::new(threads);
+            let seen = Mutex::new(Vec::new());
+            pool.broadcast(&|| seen.lock().unwrap().push(std::thread::current().id()));
+            let mut ids = seen.into_inner().unwrap();
+            assert!(
+                ids.contains(&std::thread::current().id()),
+                "the caller runs it"
+            );
+            assert_eq!(ids.len(), threads);
+            ids.sort_by_key(|id| format!("{id:?}"));
+            ids.dedup();
+            assert_eq!(ids.len(), threads, "once per thread");
+        }
     }
 }
