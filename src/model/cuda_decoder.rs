@@ -517,14 +517,8 @@ pub fn load(
     let w4_max_elems = int4_max(|m| m.rows * m.cols);
     let w4_max_cols = int4_max(|m| m.cols);
     let w4_perm_cols = int4_max(|m| if m.has_perm() { m.cols } else { 0 });
-    let rows_from_env = |var: &str, default: usize| {
-        std::env::var(var)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    };
-    let w4_mma_rows = rows_from_env("NANOINFER_CUDA_W4_MMA_ROWS", DEFAULT_W4_MMA_ROWS);
-    let w4_gemm_rows = rows_from_env("NANOINFER_CUDA_W4_GEMM_ROWS", DEFAULT_W4_GEMM_ROWS);
+    let w4_mma_rows = cuda::env_number("NANOINFER_CUDA_W4_MMA_ROWS", DEFAULT_W4_MMA_ROWS);
+    let w4_gemm_rows = cuda::env_number("NANOINFER_CUDA_W4_GEMM_ROWS", DEFAULT_W4_GEMM_ROWS);
     let w4_handoff = cuda::switch_on("NANOINFER_CUDA_W4_HANDOFF")
         && layers.iter().all(|l| {
             l.q_norm.is_none() && l.projections().iter().all(|w| matches!(w, Weight::Int4(_)))
@@ -713,13 +707,15 @@ impl CudaDecoder {
         }
         // Batches of up to `gemm_rows` rows take the GEMM, larger ones dequantize.
         let gemm_rows = r.min(self.w4_gemm_rows);
-        let gemm = match self.w4_gemm_takes(gemm_rows) {
-            true => w4_gemm_scratch_elems(gemm_rows, self.w4_max_cols),
-            false => 0,
+        let gemm = if self.w4_gemm_takes(gemm_rows) {
+            w4_gemm_scratch_elems(gemm_rows, self.w4_max_cols)
+        } else {
+            0
         };
-        let dequant = match self.w4_gemm_takes(r) {
-            true => 0,
-            false => self.w4_max_elems,
+        let dequant = if self.w4_gemm_takes(r) {
+            0
+        } else {
+            self.w4_max_elems
         };
         gemm.max(dequant)
     }

@@ -831,6 +831,15 @@ pub(crate) fn switch_on(var: &str) -> bool {
     std::env::var(var).map_or(true, |v| v != "0")
 }
 
+/// The number in `var` (e.g. `NANOINFER_CUDA_W4_GEMM_ROWS`), or `default`
+/// when it is unset or not a number.
+pub(crate) fn env_number<T: std::str::FromStr>(var: &str, default: T) -> T {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// Programmatic dependent launch policy (`NANOINFER_CUDA_PDL`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum EarlyLaunch {

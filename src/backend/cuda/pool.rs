@@ -328,10 +328,10 @@ pub fn create_device_pool(
 ) -> Result<Arc<dyn DevicePool>> {
     Ok(match kind {
         MemoryPoolKind::CudaStream => {
-            let threshold = std::env::var("NANOINFER_CUDA_POOL_RELEASE_BYTES")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(CudaStreamPool::KEEP_ALL);
+            let threshold = super::env_number(
+                "NANOINFER_CUDA_POOL_RELEASE_BYTES",
+                CudaStreamPool::KEEP_ALL,
+            );
             Arc::new(CudaStreamPool::new(dev, threshold)?)
         }
         MemoryPoolKind::CudaBuddy => Arc::new(CudaBuddy::new(dev, buddy_capacity)?),
