@@ -2,7 +2,7 @@
 # Runs the CUDA checks on a GPU machine that has no Rust: the release binaries
 # built elsewhere are in $BIN (nanoinfer, cuda test binary), torch +
 # transformers are installed. Prints a short table last.
-#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|int4test|make8b|tests8b|bench|bench4|ab4|profile|sampling|serve|engine|offline]...
+#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|int4test|make8b|tests8b|bench|bench4|ab4|profile|trace|sampling|serve|engine|offline]...
 # Binaries: `bash scripts/cuda_carry.sh` (here, with Rust) fills gpu-carry/.
 set -uo pipefail
 BIN=${BIN:-gpu-carry}
@@ -42,6 +42,19 @@ for step in "$@"; do
         echo "== profile: engine, 256 concurrent decodes"
         NANOINFER_CUDA_PROFILE=5 "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --concurrency 256 \
             --decode-tokens 32 --prompt-len 512 --skip-prefix 2>&1 | grep -A16 NANOINFER_CUDA_PROFILE ;;
+    trace)
+        # In-graph time of every kernel of int4 and bf16 decode steps
+        # (scripts/cuda_trace.c, a CUPTI tracer; no Nsight Systems here).
+        inc=$(dirname "$(find /usr/local/cuda*/ -name cupti.h -path '*include*' 2>/dev/null | head -1)")
+        lib=$(find /usr/local/cuda*/ -name 'libcupti.so*' 2>/dev/null | head -1)
+        gcc -shared -fPIC -o "$WORK/libtrace.so" scripts/cuda_trace.c -I/usr/local/cuda/include -I"$inc" \
+            -L"$(dirname "$lib")" -l:"$(basename "$lib")" -Wl,-rpath,"$(dirname "$lib")" || continue
+        for q in awq none; do
+            CUDA_INJECTION64_PATH="$WORK/libtrace.so" TRACE_OUT="$WORK/trace-$q.csv" "$BIN/nanoinfer" bench \
+                --model "$WORK/l8b" --device cuda --quant $q -p 0 -n 48 -r 1 >/dev/null 2>&1
+            echo "== trace: decode, quant $q"
+            python3 scripts/cuda_timeline.py "$WORK/trace-$q.csv" --events
+        done ;;
     bench)
         "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 512 -n 128 -r 3 --json | tee "$WORK/ours.json"
         NANOINFER_CUDA_GRAPHS=0 "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 512 -n 128 -r 3 --json \
