@@ -21,6 +21,11 @@ def load(path):
         return sorted((int(r["Start"]), int(r["Duration"]), r["Name"]) for r in csv.DictReader(f))
 
 
+def gap(a, b):
+    """Start of record b minus the end of record a (start, duration, name)."""
+    return b[0] - a[0] - a[1]
+
+
 def is_kernel(name):
     return not name.startswith(("memcpy", "memset"))
 
@@ -43,26 +48,23 @@ def role(name, prev):
 
 
 def steps_of(events):
-    kernels = [e for e in events if is_kernel(e[2])]
-    labelled, prev = [], ""
-    for s, d, n in kernels:
-        labelled.append((s, d, role(n, prev)))
-        prev = n
-    steps, cur = [], []
-    for e in labelled:
-        if e[2] == "rope_table" and cur:
+    steps, cur, prev = [], [], ""
+    for s, d, n in events:
+        if not is_kernel(n):
+            continue
+        if n == "rope_table" and cur:
             steps.append(cur)
             cur = []
-        cur.append(e)
+        cur.append((s, d, role(n, prev)))
+        prev = n
     return steps[len(steps) // 3:]
 
 
 def summary(steps):
     per = {}
     for step in steps:
-        for i, (s, d, r) in enumerate(step):
-            gap = s - (step[i - 1][0] + step[i - 1][1]) if i else 0
-            per.setdefault(r, []).append((d, gap))
+        for i, e in enumerate(step):
+            per.setdefault(e[2], []).append((e[1], gap(step[i - 1], e) if i else 0))
     n = len(steps)
     span = st.median(s[-1][0] + s[-1][1] - s[0][0] for s in steps)
     print(f"{n} steps, {len(steps[0])} kernels each, median span {span / 1e3:.1f} us")
@@ -70,8 +72,8 @@ def summary(steps):
     for r, v in sorted(per.items(), key=lambda kv: -sum(d for d, _ in kv[1])):
         print(f"{r:40s} {len(v) / n:6.0f} {st.median(d for d, _ in v) / 1e3:8.2f} "
               f"{st.median(g for _, g in v) / 1e3:8.2f} {sum(d for d, _ in v) / n / 1e3:9.1f}")
-    idle = [sum(max(0, b[0] - a[0] - a[1]) for a, b in zip(step, step[1:])) for step in steps]
-    between = [b[0][0] - (a[-1][0] + a[-1][1]) for a, b in zip(steps, steps[1:])]
+    idle = [sum(max(0, gap(a, b)) for a, b in zip(step, step[1:])) for step in steps]
+    between = [gap(a[-1], b[0]) for a, b in zip(steps, steps[1:])]
     period = [b[0][0] - a[0][0] for a, b in zip(steps, steps[1:])]
     print(f"idle inside a step {st.median(idle) / 1e3:.1f} us; between steps "
           f"{st.median(between) / 1e3:.1f} us; step period {st.median(period) / 1e3:.1f} us")
@@ -83,8 +85,8 @@ def events_around_a_step(events):
     t0 = events[i1][0]
     for j in range(max(1, i1 - 6), min(len(events), i1 + 6)):
         s, d, n = events[j]
-        ps, pd, _ = events[j - 1]
-        print(f"{n:28s} start {(s - t0) / 1e3:9.2f} dur {d / 1e3:8.2f} gap {(s - ps - pd) / 1e3:8.2f}")
+        print(f"{n:28s} start {(s - t0) / 1e3:9.2f} dur {d / 1e3:8.2f} "
+              f"gap {gap(events[j - 1], events[j]) / 1e3:8.2f}")
 
 
 def main():
