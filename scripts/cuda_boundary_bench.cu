@@ -28,7 +28,7 @@
     } while (0)
 
 constexpr int LAYERS = 32, PHASES = 5, THREADS = 256, MAX_AHEAD = 8;
-// Bytes of each phase, in units of 16 bytes.
+// MB of each phase: QKV, attention, o, gate/up, down.
 const double PHASE_MB[PHASES] = {13.4, 0.5, 8.9, 62.4, 31.2};
 
 struct Phase {
@@ -44,12 +44,19 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
     return v;
 }
 
+// This block's slice of a phase's units, [begin, end).
+__device__ __forceinline__ void block_slice(Phase ph, long long& begin, long long& end) {
+    const long long per_block = (ph.units + gridDim.x - 1) / gridDim.x;
+    begin = per_block * blockIdx.x;
+    end = min(ph.units, begin + per_block);
+}
+
 // This block's share of a phase: units u = tid, tid + stride, ... of its
 // slice. `pre` holds the first `ahead` loads, requested earlier.
 template <int AHEAD>
 __device__ __forceinline__ unsigned stream_phase(Phase ph, const uint4 (&pre)[MAX_AHEAD]) {
-    const long long per_block = (ph.units + gridDim.x - 1) / gridDim.x;
-    const long long begin = per_block * blockIdx.x, end = min(ph.units, begin + per_block);
+    long long begin, end;
+    block_slice(ph, begin, end);
     unsigned acc = 0;
 #pragma unroll
     for (int a = 0; a < AHEAD; a++) acc ^= pre[a].x ^ pre[a].w;
@@ -65,8 +72,8 @@ __device__ __forceinline__ unsigned stream_phase(Phase ph, const uint4 (&pre)[MA
 
 template <int AHEAD>
 __device__ __forceinline__ void request_ahead(Phase ph, uint4 (&pre)[MAX_AHEAD]) {
-    const long long per_block = (ph.units + gridDim.x - 1) / gridDim.x;
-    const long long begin = per_block * blockIdx.x, end = min(ph.units, begin + per_block);
+    long long begin, end;
+    block_slice(ph, begin, end);
 #pragma unroll
     for (int a = 0; a < AHEAD; a++) {
         const long long u = begin + threadIdx.x + (long long)a * THREADS;
@@ -127,6 +134,8 @@ static float time_graph(cudaStream_t s, F enqueue, int reps) {
     CHECK(cudaEventSynchronize(b));
     float ms;
     CHECK(cudaEventElapsedTime(&ms, a, b));
+    CHECK(cudaEventDestroy(a));
+    CHECK(cudaEventDestroy(b));
     CHECK(cudaGraphExecDestroy(exec));
     CHECK(cudaGraphDestroy(graph));
     return ms * 1000.f / reps;  // µs per step
