@@ -373,11 +373,11 @@ pub fn load(
 ) -> Result<Arc<dyn DeviceDecoder>> {
     let act = act_dtype(dtype)?;
     let c = &config;
-    if c.hidden_size > MAX_HIDDEN {
+    if c.hidden_size > MAX_HIDDEN || c.hidden_size % 8 != 0 {
         return Err(Error::new(
             ErrorKind::Unsupported,
             format!(
-                "hidden_size {} is not supported on CUDA (at most {MAX_HIDDEN})",
+                "hidden_size {} is not supported on CUDA (a multiple of 8, at most {MAX_HIDDEN})",
                 c.hidden_size
             ),
         ));
@@ -645,14 +645,16 @@ const DA_GROUP_MAX: usize = 8;
 const TILE_THREADS: u32 = 128;
 /// ARGMAX_SPLITS of kernels/decoder.cu.
 const ARGMAX_SPLITS: usize = 32;
-/// NORM_PER_THREAD of kernels/decoder.cu: add_rms_norm keeps a row in
-/// registers, at most this many values per thread of a 1024-thread block.
+/// 8 × NORM_VECS of kernels/decoder.cu: add_rms_norm keeps a row in
+/// registers, at most this many values per thread of a 1024-thread block,
+/// in runs of eight.
 const NORM_PER_THREAD: usize = 16;
 const MAX_HIDDEN: usize = NORM_PER_THREAD * 1024;
 
-/// Threads of an add_rms_norm block: about eight values each.
+/// Threads of an add_rms_norm block: one run of eight values each (two
+/// above 8192).
 fn norm_threads(hidden: usize) -> u32 {
-    (hidden.div_ceil(8).next_multiple_of(32)).clamp(256, 1024) as u32
+    (hidden.div_ceil(8).next_multiple_of(32)).clamp(32, 1024) as u32
 }
 const TILE_HD_MAX: usize = 128;
 
