@@ -128,17 +128,23 @@ extern "C" __global__ void embed(const raw16* table, const unsigned* tokens, raw
     for (int i = threadIdx.x; i < d; i += blockDim.x) dst[i] = src[i];
 }
 
-#define NORM_VECS 2  // 16-byte vectors a thread keeps: d <= 8 * NORM_VECS * blockDim.x (the host checks)
+#define NORM_VECS 2          // 16-byte runs a thread keeps: d <= 8 * NORM_VECS * blockDim.x (the host checks)
+#define NORM_MAX_D (8 * 1024 * NORM_VECS)
 
 // Output row j reads input row r = rows ? rows[j] : j. With `delta`, the
 // residual row becomes residual + delta (written back when `rows` is null).
 // out[j] = rmsnorm(residual[r]) * w. One pass: each thread keeps its
-// elements in registers between the sum of squares and the output, eight
-// (one 16-byte load) at a time; d is a multiple of 8. (With a thread's
-// elements a block's width apart, 2-byte loads, an 8192-row prefill norm
-// streamed at ~1.1 TB/s.) grid = output rows.
+// elements in registers between the sum of squares and the output, in runs
+// of eight consecutive values (16-byte loads and stores; d is a multiple of
+// 8). (A thread's elements a block's width apart, in 2-byte accesses, made
+// an 8192-row prefill norm stream at ~1.1 TB/s.) The sum of squares keeps
+// that older order all the same, thread t adding elements t, t + B, ...
+// (B = blockDim.x) through shared memory, so rstd, and every output, is
+// bit for bit what it was: the fused norms of the GEMVs and int4 kernels
+// are checked against it. grid = output rows.
 extern "C" __global__ void add_rms_norm(raw16* residual, const raw16* delta, const unsigned* rows,
                                         const raw16* w, raw16* out, int d, float eps) {
+    __shared__ __align__(16) raw16 values[NORM_MAX_D];  // the row, as rounded to the activation dtype
     GRID_DEP_ENTER();
     const size_t r = rows ? rows[blockIdx.x] : blockIdx.x;
     uint4* x = (uint4*)(residual + r * d);
@@ -146,23 +152,31 @@ extern "C" __global__ void add_rms_norm(raw16* residual, const raw16* delta, con
     const bool write_back = delta && !rows;
     const int dv = d / 8;
     float v[NORM_VECS][8];
-    float ss = 0.f;
 #pragma unroll
     for (int j = 0; j < NORM_VECS; j++) {
         const int i = threadIdx.x + j * blockDim.x;
 #pragma unroll
         for (int e = 0; e < 8; e++) v[j][e] = 0.f;
         if (i < dv) {
-            unpack8(x[i], v[j]);
+            uint4 run = x[i];
+            unpack8(run, v[j]);
             if (dx) {
                 float f[8];
                 unpack8(dx[i], f);
 #pragma unroll
                 for (int e = 0; e < 8; e++) v[j][e] = rnd(v[j][e] + f[e]);
+                run = make_uint4(pack2(v[j][0], v[j][1]), pack2(v[j][2], v[j][3]), pack2(v[j][4], v[j][5]),
+                                 pack2(v[j][6], v[j][7]));
+                if (write_back) x[i] = run;
             }
-#pragma unroll
-            for (int e = 0; e < 8; e++) ss += v[j][e] * v[j][e];
+            ((uint4*)values)[i] = run;
         }
+    }
+    __syncthreads();
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float a = to_f(values[i]);
+        ss += a * a;  // the old kernel's expression (and so its fused multiply-add)
     }
     const float rstd = rsqrtf(block_sum(ss) / d + eps);
     uint4* y = (uint4*)(out + (size_t)blockIdx.x * d);
@@ -170,9 +184,6 @@ extern "C" __global__ void add_rms_norm(raw16* residual, const raw16* delta, con
     for (int j = 0; j < NORM_VECS; j++) {
         const int i = threadIdx.x + j * blockDim.x;
         if (i < dv) {
-            if (write_back)
-                x[i] = make_uint4(pack2(v[j][0], v[j][1]), pack2(v[j][2], v[j][3]), pack2(v[j][4], v[j][5]),
-                                  pack2(v[j][6], v[j][7]));
             float g[8];
             unpack8(((const uint4*)w)[i], g);
             unsigned o[4];

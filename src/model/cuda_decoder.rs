@@ -652,9 +652,10 @@ const NORM_PER_THREAD: usize = 16;
 const MAX_HIDDEN: usize = NORM_PER_THREAD * 1024;
 
 /// Threads of an add_rms_norm block: one run of eight values each (two
-/// above 8192).
+/// above 8192), at least 256 (its sum of squares keeps the order of the
+/// kernel's 256-thread blocks).
 fn norm_threads(hidden: usize) -> u32 {
-    (hidden.div_ceil(8).next_multiple_of(32)).clamp(32, 1024) as u32
+    (hidden.div_ceil(8).next_multiple_of(32)).clamp(256, 1024) as u32
 }
 const TILE_HD_MAX: usize = 128;
 
