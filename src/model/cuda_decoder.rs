@@ -373,7 +373,7 @@ pub fn load(
 ) -> Result<Arc<dyn DeviceDecoder>> {
     let act = act_dtype(dtype)?;
     let c = &config;
-    if c.hidden_size > MAX_HIDDEN || c.hidden_size % 8 != 0 {
+    if c.hidden_size > MAX_HIDDEN || !c.hidden_size.is_multiple_of(8) {
         return Err(Error::new(
             ErrorKind::Unsupported,
             format!(
