@@ -7,6 +7,7 @@
 //!     [--device cpu|cuda] [--quant none|awq|gptq|q8_0] [--concurrency 1,4,16,64] [--decode-tokens 64] [--prompt-len 16]
 //!     [--prefix-requests 32] [--prefix-len 1000] [--suffix-len 16] [--skip-decode] [--skip-prefix]
 //!     [--offline N [--max-batched-tokens 512] [--max-seqs 64]] [--sampling greedy|device|host]
+//!     [--kv-cache-dtype auto|fp8]
 //! ```
 //! `--sampling device|host` samples with temperature 0.8, top-k 50, top-p 0.95
 //! and repetition penalty 1.1 on the device (a GPU) or on the host.
@@ -18,6 +19,7 @@
 //! Prompts are seeded random token ids: speed does not depend on their text.
 
 use nanoinfer::engine::{Model, ModelParams, RequestId, RequestParams, Session, SessionParams};
+use nanoinfer::kv::KvCacheDType;
 use nanoinfer::sampling::SamplingParams;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -50,6 +52,7 @@ struct Opts {
     /// `greedy`, or `device` / `host`: temperature 0.8, top-k 50, top-p
     /// 0.95 and repetition penalty 1.1, sampled on the device or the host.
     sampling: String,
+    kv_cache_dtype: KvCacheDType,
 }
 
 fn parse() -> Result<Opts, String> {
@@ -72,6 +75,7 @@ fn parse() -> Result<Opts, String> {
         max_seqs: 64,
         random_from: None,
         sampling: "greedy".into(),
+        kv_cache_dtype: KvCacheDType::Auto,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -101,6 +105,7 @@ fn parse() -> Result<Opts, String> {
             "--offline" => o.offline = num(v)?,
             "--max-batched-tokens" => o.max_batched_tokens = num(v)?,
             "--max-seqs" => o.max_seqs = num(v)?,
+            "--kv-cache-dtype" => o.kv_cache_dtype = v.parse()?,
             "--sampling" if ["greedy", "device", "host"].contains(&v.as_str()) => {
                 o.sampling = v.clone()
             }
@@ -154,6 +159,7 @@ fn session(
         max_seqs: max_seqs.max(64),
         prefix_caching,
         device_sampling: o.sampling != "host",
+        kv_cache_dtype: o.kv_cache_dtype,
         ..Default::default()
     };
     Session::new(model.clone(), params).expect("session")
@@ -208,6 +214,7 @@ fn offline_throughput(model: &Arc<Model>, o: &Opts) {
         prefill_chunk_size: o.max_batched_tokens,
         prefix_caching: false,
         device_sampling: o.sampling != "host",
+        kv_cache_dtype: o.kv_cache_dtype,
         ..Default::default()
     };
     let mut s = Session::new(model.clone(), params).expect("session");

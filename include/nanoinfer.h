@@ -228,6 +228,11 @@ typedef uint32_t ni_schedule_policy;
 typedef uint32_t ni_preemption_mode;
 
 /**
+ * What a session's KV cache stores.
+ */
+typedef uint32_t ni_kv_cache_dtype;
+
+/**
  * Shape of a session. Fill with `ni_session_params_init`, then change fields.
  *
  * KV capacity is taken from the first non-zero of `kv_capacity_tokens`,
@@ -308,6 +313,14 @@ typedef struct ni_session_params {
      * memory available now; 0 = automatic. Default 0. (Appended in a later version: see `struct_size`.)
      */
     float memory_utilization;
+    /**
+     * `NI_KV_CACHE_DTYPE_*`; default `NI_KV_CACHE_DTYPE_AUTO` (0). Appended
+     * later, into what was the struct's tail padding, so `sizeof` did not
+     * change: a caller built against the older header that filled the struct
+     * with `ni_session_params_init` (or zeroed it) gets the default, and a
+     * value that is not an `NI_KV_CACHE_DTYPE_*` is refused.
+     */
+    ni_kv_cache_dtype kv_cache_dtype;
 } ni_session_params;
 
 /**
@@ -806,6 +819,18 @@ typedef struct ni_event {
  * Copy its KV to host memory and back when resumed.
  */
 #define NI_PREEMPTION_SWAP 1
+
+/**
+ * The model's activation dtype (CUDA: bf16 or f16; CPU: f32).
+ */
+#define NI_KV_CACHE_DTYPE_AUTO 0
+
+/**
+ * FP8 e4m3, unscaled (vLLM's `kv_cache_dtype="fp8"`): half the bytes of a
+ * 16-bit cache, so twice the tokens per byte. CUDA only; a CPU model
+ * refuses it with `NI_ERR_UNSUPPORTED`.
+ */
+#define NI_KV_CACHE_DTYPE_FP8 1
 
 /**
  * The device's automatic budget.

@@ -120,6 +120,102 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
     return (unsigned)from_f(lo) | ((unsigned)from_f(hi) << 16);
 }
 
+// ---- The FP8 KV cache ----
+// A KV cache of `fp8` elements holds OCP e4m3fn bytes (sign, 4 exponent
+// bits of bias 7, 3 mantissa bits; largest 448, no infinities), unscaled
+// (vLLM's fp8 cache with scale 1): half the bytes of a 16-bit cache. Stores
+// round the activation-dtype value to nearest even and saturate at ±448;
+// loads widen exactly. The kernels that read or write the cache are
+// templates over its element type, `raw16` or `fp8`.
+typedef unsigned char fp8;
+
+// The e4m3 byte of f without the sm_89+ instruction (same results).
+__device__ __forceinline__ unsigned e4m3_soft(float f) {
+    const unsigned sign = (__float_as_uint(f) >> 24) & 0x80u;
+    float a = fabsf(f);
+    if (a != a) return sign | 0x7fu;  // NaN
+    a = fminf(a, 448.f);
+    if (a < 0.015625f)  // below 2^-6: the subnormal steps of 2^-9 (8 steps = 0x08, the smallest normal)
+        return sign | (unsigned)__float2int_rn(a * 512.f);
+    unsigned v = __float_as_uint(a);
+    v += 0x7ffffu + ((v >> 20) & 1u);  // round to 3 mantissa bits, nearest even
+    return sign | ((((v >> 23) - 120u) << 3) | ((v >> 20) & 7u));
+}
+
+// Two values as e4m3 bytes, `lo` in the low byte.
+__device__ __forceinline__ unsigned short e4m3x2(float lo, float hi) {
+#if __CUDA_ARCH__ >= 890
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (unsigned short)(e4m3_soft(lo) | (e4m3_soft(hi) << 8));
+#endif
+}
+
+// Two e4m3 bytes, at bits 8..15 and 24..31 of t (the other bits are
+// ignored), as two activation-dtype values, the first in the low half.
+// Exact: the byte's exponent and mantissa bits move into the 16-bit
+// format's fields, and a multiply by a power of two corrects the exponent
+// bias (subnormals included; half-precision arithmetic keeps them).
+__device__ __forceinline__ unsigned e4m3x2_widen(unsigned t) {
+#if NI_F16
+    const unsigned bits = (t & 0x80008000u) | ((t & 0x7f007f00u) >> 1);
+    unsigned r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(bits), "r"(0x5c005c00u));  // 2^(15 - 7)
+    return r;
+#else
+    const unsigned bits = (t & 0x80008000u) | ((t & 0x7f007f00u) >> 4);
+#if __CUDA_ARCH__ >= 800
+    unsigned r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;"  // bits * 2^(127 - 7) + (-0)
+        : "=r"(r)
+        : "r"(bits), "r"(0x7b807b80u), "r"(0x80008000u));
+    return r;
+#else
+    return pack2(to_f((raw16)bits) * 0x1p120f, to_f((raw16)(bits >> 16)) * 0x1p120f);
+#endif
+#endif
+}
+// Bytes 2i and 2i + 1 of w, widened.
+__device__ __forceinline__ unsigned e4m3_pair(unsigned w, int i) {
+    return e4m3x2_widen(__byte_perm(w, 0, i ? 0x3020u : 0x1000u));
+}
+// Byte i of a and byte i of b, widened (a's in the low half).
+__device__ __forceinline__ unsigned e4m3_cross(unsigned a, unsigned b, int i) {
+    return e4m3x2_widen(__byte_perm(a, b, ((4u + i) << 12) | ((unsigned)i << 4)));
+}
+
+// Element access of a KV cache of either type.
+__device__ __forceinline__ raw16 kv_raw16(raw16 x) { return x; }
+__device__ __forceinline__ raw16 kv_raw16(fp8 x) { return (raw16)e4m3x2_widen((unsigned)x << 8); }
+__device__ __forceinline__ void kv_store(raw16* p, float v) { *p = from_f(v); }
+// From the activation-dtype value, as a 16-bit cache holds it (transformers
+// rounds a key to bf16, then to fp8; one rounding straight from f32 can differ).
+__device__ __forceinline__ void kv_store(fp8* p, float v) { *p = (fp8)e4m3x2(rnd(v), 0.f); }
+// Eight consecutive elements as one load (16 bytes of raw16, 8 of fp8) and
+// their values.
+template <typename KV>
+struct KvRun;
+template <>
+struct KvRun<raw16> {
+    typedef uint4 type;
+};
+template <>
+struct KvRun<fp8> {
+    typedef uint2 type;
+};
+__device__ __forceinline__ void kv_unpack8(uint4 v, float* f) { unpack8(v, f); }
+__device__ __forceinline__ void kv_unpack8(uint2 v, float* f) {
+    const unsigned u[2] = {v.x, v.y};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const unsigned h = e4m3_pair(u[i / 2], i & 1);
+        f[2 * i] = to_f((raw16)h);
+        f[2 * i + 1] = to_f((raw16)(h >> 16));
+    }
+}
+
 // out[r] = table[tokens[r]]; grid = rows.
 extern "C" __global__ void embed(const raw16* table, const unsigned* tokens, raw16* out, int d) {
     GRID_DEP_ENTER();
@@ -273,18 +369,26 @@ extern "C" __global__ void silu_mul(const raw16* gate_up, raw16* out, int inter)
 }
 
 // Copies each row's k and v (columns k_off.. and v_off.. of the QKV row) to
-// its slot of the layer's cache. grid = rows.
-extern "C" __global__ void kv_write(const raw16* qkv, int stride, int k_off, int v_off,
-                                    const unsigned* slots, raw16* k_cache, raw16* v_cache,
-                                    int kv_width) {
+// its slot of the layer's cache (kv_write_fp8: an FP8 cache). grid = rows.
+template <typename KV>
+__device__ void kv_write_row(const raw16* qkv, int stride, int k_off, int v_off,
+                             const unsigned* slots, KV* k_cache, KV* v_cache, int kv_width) {
     GRID_DEP_ENTER();
     const raw16* row = qkv + (size_t)blockIdx.x * stride;
     const size_t dst = (size_t)slots[blockIdx.x] * kv_width;
     for (int i = threadIdx.x; i < kv_width; i += blockDim.x) {
-        k_cache[dst + i] = row[k_off + i];
-        v_cache[dst + i] = row[v_off + i];
+        kv_store(k_cache + dst + i, to_f(row[k_off + i]));
+        kv_store(v_cache + dst + i, to_f(row[v_off + i]));
     }
 }
+#define KV_WRITE_KERNEL(NAME, KV)                                                                   \
+    extern "C" __global__ void NAME(const raw16* qkv, int stride, int k_off, int v_off,             \
+                                    const unsigned* slots, KV* k_cache, KV* v_cache, int kv_width) { \
+        kv_write_row(qkv, stride, k_off, v_off, slots, k_cache, v_cache, kv_width);                 \
+    }
+KV_WRITE_KERNEL(kv_write, raw16)
+KV_WRITE_KERNEL(kv_write_fp8, fp8)
+#undef KV_WRITE_KERNEL
 
 #define ATTN_WARPS 8
 #define ATTN_STEPS 2  // position groups each warp loads per iteration (loads in flight)
@@ -342,9 +446,9 @@ struct AttnShared {
 // partial sum and its (max, sum) go to part_o / part_ml for attn_merge. Block
 // row y serves batch row row_list[y] (every row when row_list is null).
 // grid = (kv_heads * ceil(group / ATTN_GROUP), rows, splits), block = 32 * ATTN_WARPS.
-template <int LPP>
-__device__ void attention_group(const raw16* qkv, int stride, const raw16* k_cache,
-                                const raw16* v_cache, const unsigned* slot_list,
+template <int LPP, typename KV>
+__device__ void attention_group(const raw16* qkv, int stride, const KV* k_cache,
+                                const KV* v_cache, const unsigned* slot_list,
                                 const unsigned* table_off, const int* positions, int heads,
                                 int kv_heads, float scale, raw16* out, float* part_o,
                                 float* part_ml, const unsigned* row_list, AttnShared& sm) {
@@ -388,12 +492,13 @@ __device__ void attention_group(const raw16* qkv, int stride, const raw16* k_cac
         sl[s] = p < end ? slots[p] : 0u;
     }
     for (; p0 < end; p0 += stride_p) {
-        uint4 kr[ATTN_STEPS], vr[ATTN_STEPS];
+        typedef typename KvRun<KV>::type Run;
+        Run kr[ATTN_STEPS], vr[ATTN_STEPS];
 #pragma unroll
         for (int s = 0; s < ATTN_STEPS; s++) {
             const size_t base = (size_t)sl[s] * kv_width + head_off;
-            kr[s] = *(const uint4*)(k_cache + base);
-            vr[s] = *(const uint4*)(v_cache + base);
+            kr[s] = *(const Run*)(k_cache + base);
+            vr[s] = *(const Run*)(v_cache + base);
         }
         // The next iteration's slots, in flight while this one computes.
 #pragma unroll
@@ -411,7 +516,7 @@ __device__ void attention_group(const raw16* qkv, int stride, const raw16* k_cac
 #pragma unroll
             for (int s = 0; s < ATTN_STEPS; s++) {
                 float kf[8], dot = 0.f;
-                unpack8(kr[s], kf);  // again per head: registers are the tighter budget
+                kv_unpack8(kr[s], kf);  // again per head: registers are the tighter budget
 #pragma unroll
                 for (int e = 0; e < 8; e++) dot += q[g][e] * kf[e];
 #pragma unroll
@@ -434,7 +539,7 @@ __device__ void attention_group(const raw16* qkv, int stride, const raw16* k_cac
 #pragma unroll
             for (int s = 0; s < ATTN_STEPS; s++) {
                 float vf[8];
-                unpack8(vr[s], vf);
+                kv_unpack8(vr[s], vf);
 #pragma unroll
                 for (int e = 0; e < 8; e++) acc[g][e] += w[s] * vf[e];
             }
@@ -481,12 +586,13 @@ __device__ void attention_group(const raw16* qkv, int stride, const raw16* k_cac
     }
 }
 
-// head_dim 32, 64, 128 or 256 (the host checks).
-extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, 2)
-    attention(const raw16* qkv, int stride, const raw16* k_cache, const raw16* v_cache,
-              const unsigned* slot_list, const unsigned* table_off, const int* positions,
-              int heads, int kv_heads, int hd, float scale, raw16* out, float* part_o,
-              float* part_ml, const unsigned* row_list) {
+// head_dim 32, 64, 128 or 256 (the host checks); attention_fp8 reads an FP8 cache.
+template <typename KV>
+__device__ void attention_heads(const raw16* qkv, int stride, const KV* k_cache, const KV* v_cache,
+                                const unsigned* slot_list, const unsigned* table_off,
+                                const int* positions, int heads, int kv_heads, int hd, float scale,
+                                raw16* out, float* part_o, float* part_ml,
+                                const unsigned* row_list) {
     __shared__ AttnShared sm;
     GRID_DEP_ENTER();
 #define ATTN_CASE(LPP)                                                                          \
@@ -502,6 +608,18 @@ extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, 2)
     }
 #undef ATTN_CASE
 }
+#define ATTENTION_KERNEL(NAME, KV)                                                                \
+    extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, 2)                               \
+        NAME(const raw16* qkv, int stride, const KV* k_cache, const KV* v_cache,                  \
+             const unsigned* slot_list, const unsigned* table_off, const int* positions,          \
+             int heads, int kv_heads, int hd, float scale, raw16* out, float* part_o,             \
+             float* part_ml, const unsigned* row_list) {                                          \
+        attention_heads(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, heads,    \
+                        kv_heads, hd, scale, out, part_o, part_ml, row_list);                    \
+    }
+ATTENTION_KERNEL(attention, raw16)
+ATTENTION_KERNEL(attention_fp8, fp8)
+#undef ATTENTION_KERNEL
 
 // Merges the splits of attention: grid = (heads, rows), block >= hd threads;
 // block row y is batch row row_list[y] (y when null), as in `attention`.
@@ -525,14 +643,16 @@ extern "C" __global__ void attn_merge(const float* part_o, const float* part_ml,
 }
 
 // Gathers (to_host = 1) or scatters (0) whole KV slots of one layer between
-// the cache and a staging buffer [n, kv_width]: swap-out and swap-in.
+// the cache and a staging buffer [n, 2 * units]: swap-out and swap-in. A
+// slot's row is `units` 16-bit words (kv_width elements of raw16, half as
+// many words of fp8).
 extern "C" __global__ void kv_copy_slots(raw16* k_cache, raw16* v_cache, const unsigned* slots,
-                                         raw16* staging, int kv_width, int to_host) {
+                                         raw16* staging, int units, int to_host) {
     GRID_DEP_ENTER();
-    const size_t src = (size_t)slots[blockIdx.x] * kv_width;
-    raw16* k = staging + (size_t)blockIdx.x * 2 * kv_width;
-    raw16* v = k + kv_width;
-    for (int i = threadIdx.x; i < kv_width; i += blockDim.x) {
+    const size_t src = (size_t)slots[blockIdx.x] * units;
+    raw16* k = staging + (size_t)blockIdx.x * 2 * units;
+    raw16* v = k + units;
+    for (int i = threadIdx.x; i < units; i += blockDim.x) {
         if (to_host) {
             k[i] = k_cache[src + i];
             v[i] = v_cache[src + i];
@@ -728,8 +848,8 @@ GEMV_KERNEL(gemv_swiglu_r1, GEMV_ONE_ROW)
 // rows (stride nq + 2 * nkv), k and v to slot slots[r] of the caches.
 __device__ __forceinline__ void qkv_pair_store(float ya, float yb, int r, int a, int b, int freq,
                                                const raw16* bias, raw16* qkv, const float2* cs,
-                                               const unsigned* slots, raw16* k_cache,
-                                               raw16* v_cache, int nq, int nkv, int hd) {
+                                               const unsigned* slots, void* k_cache,
+                                               void* v_cache, int nq, int nkv, int hd, bool kv_fp8) {
     ya = rnd(ya);
     yb = rnd(yb);
     if (bias) {
@@ -746,18 +866,23 @@ __device__ __forceinline__ void qkv_pair_store(float ya, float yb, int r, int a,
         row[b] = from_f(yb);
     } else {
         const bool is_k = a < nq + nkv;
-        const int col = a - (is_k ? nq : nq + nkv);
-        raw16* dst = (is_k ? k_cache : v_cache) + (size_t)slots[r] * nkv + col;
-        dst[0] = from_f(ya);
-        dst[b - a] = from_f(yb);
+        const size_t at = (size_t)slots[r] * nkv + a - (is_k ? nq : nq + nkv);
+        void* cache = is_k ? k_cache : v_cache;
+        if (kv_fp8) {
+            kv_store((fp8*)cache + at, ya);
+            kv_store((fp8*)cache + at + b - a, yb);
+        } else {
+            kv_store((raw16*)cache + at, ya);
+            kv_store((raw16*)cache + at + b - a, yb);
+        }
     }
 }
 
 template <int R, bool NORM>
 __device__ void gemv_qkv_rope_rows(const raw16* x, const raw16* w, const raw16* bias, raw16* qkv,
-                                   const float2* cs, const unsigned* slots, raw16* k_cache,
-                                   raw16* v_cache, int nq, int nkv, int hd, int k,
-                                   const raw16* nw, float eps) {
+                                   const float2* cs, const unsigned* slots, void* k_cache,
+                                   void* v_cache, int nq, int nkv, int hd, int k,
+                                   const raw16* nw, float eps, bool kv_fp8) {
     const int u = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const int half = hd / 2, width = nq + 2 * nkv, rope_units = (nq + nkv) / 2;
     if (u >= width / 2) return;
@@ -781,23 +906,26 @@ __device__ void gemv_qkv_rope_rows(const raw16* x, const raw16* w, const raw16* 
 #pragma unroll
     for (int r = 0; r < R; r++)
         qkv_pair_store(acc[0][r], acc[1][r], r, a, b, freq, bias, qkv, cs, slots, k_cache, v_cache,
-                       nq, nkv, hd);
+                       nq, nkv, hd, kv_fp8);
 }
 
 // The QKV projection fused with bias, RoPE and the KV-cache write for decode
 // batches (models without q/k norms): q goes to the QKV rows (stride nq +
 // 2 * nkv), k and v straight to slot slots[r] of the layer's caches. Each
 // warp streams the two weight rows of one rope pair or two v columns.
-// grid = ceil((nq + 2 * nkv) / 2 / GEMV_WARPS), block = 32 * GEMV_WARPS.
-#define GEMV_CALL_PLAIN(R) \
-    gemv_qkv_rope_rows<R, false>(x, w, bias, qkv, cs, slots, k_cache, v_cache, nq, nkv, hd, k, nw, eps)
-#define GEMV_CALL_NORM(R) \
-    gemv_qkv_rope_rows<R, true>(x, w, bias, qkv, cs, slots, k_cache, v_cache, nq, nkv, hd, k, nw, eps)
+// kv_fp8: the caches hold fp8. grid = ceil((nq + 2 * nkv) / 2 / GEMV_WARPS),
+// block = 32 * GEMV_WARPS.
+#define GEMV_CALL_PLAIN(R)                                                                       \
+    gemv_qkv_rope_rows<R, false>(x, w, bias, qkv, cs, slots, k_cache, v_cache, nq, nkv, hd, k, nw, \
+                                 eps, kv_fp8)
+#define GEMV_CALL_NORM(R)                                                                       \
+    gemv_qkv_rope_rows<R, true>(x, w, bias, qkv, cs, slots, k_cache, v_cache, nq, nkv, hd, k, nw, \
+                                eps, kv_fp8)
 #define GEMV_KERNEL(NAME, SWITCH)                                                                 \
     extern "C" __global__ void NAME(const raw16* x, const raw16* w, const raw16* bias, raw16* qkv, \
-                                    const float2* cs, const unsigned* slots, raw16* k_cache,       \
-                                    raw16* v_cache, int nq, int nkv, int hd, int k, int rows,      \
-                                    const raw16* nw, float eps) {                                  \
+                                    const float2* cs, const unsigned* slots, void* k_cache,        \
+                                    void* v_cache, int nq, int nkv, int hd, int k, int rows,       \
+                                    const raw16* nw, float eps, int kv_fp8) {                      \
         GEMV_DISPATCH(SWITCH, rows, nw, GEMV_CALL)                                                \
     }
 GEMV_KERNEL(gemv_qkv_rope, GEMV_ROWS_SWITCH)
@@ -819,13 +947,13 @@ GEMV_KERNEL(gemv_qkv_rope_r1, GEMV_ONE_ROW)
 // memory once and used by every row of the tile, instead of once per row.
 // Each warp owns ROWS_PER_WARP rows; lane j scores position j of the key
 // block, and owns output dims lane + 32 e. grid = (heads, tiles),
-// block = 32 * TILE_WARPS.
-extern "C" __global__ void attention_tiles(const raw16* qkv, int stride, const raw16* k_cache,
-                                           const raw16* v_cache, const unsigned* slot_list,
-                                           const unsigned* table_off, const int* positions,
-                                           const unsigned* tile_row, const unsigned* tile_n,
-                                           int heads, int kv_heads, int hd, float scale,
-                                           raw16* out) {
+// block = 32 * TILE_WARPS. attention_tiles_fp8 reads an FP8 cache.
+template <typename KV>
+__device__ void attention_tile_rows(const raw16* qkv, int stride, const KV* k_cache,
+                                    const KV* v_cache, const unsigned* slot_list,
+                                    const unsigned* table_off, const int* positions,
+                                    const unsigned* tile_row, const unsigned* tile_n, int heads,
+                                    int kv_heads, int hd, float scale, raw16* out) {
     GRID_DEP_ENTER();
     __shared__ float q_s[TILE_ROWS][TILE_HD_MAX];
     __shared__ raw16 k_s[TILE_KEYS][TILE_HD_MAX + KV_PAD];
@@ -861,8 +989,8 @@ extern "C" __global__ void attention_tiles(const raw16* qkv, int stride, const r
             raw16 kv = 0, vv = 0;
             if (p <= last) {
                 const size_t base = (size_t)slots[p] * kv_width + kv_head * hd + d;
-                kv = k_cache[base];
-                vv = v_cache[base];
+                kv = kv_raw16(k_cache[base]);
+                vv = kv_raw16(v_cache[base]);
             }
             k_s[j][d] = kv;
             v_s[j][d] = vv;
@@ -910,6 +1038,19 @@ extern "C" __global__ void attention_tiles(const raw16* qkv, int stride, const r
             if (e < per_lane) o[lane + 32 * e] = from_f(l[i] > 0.f ? acc[i][e] / l[i] : 0.f);
     }
 }
+
+#define ATTENTION_TILES_KERNEL(NAME, KV)                                                            \
+    extern "C" __global__ void NAME(const raw16* qkv, int stride, const KV* k_cache,                \
+                                    const KV* v_cache, const unsigned* slot_list,                   \
+                                    const unsigned* table_off, const int* positions,                \
+                                    const unsigned* tile_row, const unsigned* tile_n, int heads,    \
+                                    int kv_heads, int hd, float scale, raw16* out) {                \
+        attention_tile_rows(qkv, stride, k_cache, v_cache, slot_list, table_off, positions,        \
+                            tile_row, tile_n, heads, kv_heads, hd, scale, out);                    \
+    }
+ATTENTION_TILES_KERNEL(attention_tiles, raw16)
+ATTENTION_TILES_KERNEL(attention_tiles_fp8, fp8)
+#undef ATTENTION_TILES_KERNEL
 
 // ---- Prefill attention on tensor cores (sm_80+) ----
 #define FA_ROWS 64  // query rows per block, 16 per warp
@@ -991,20 +1132,62 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) {
 #endif
 }
 
-// Starts the asynchronous gather of cached positions kb .. kb + FA_KEYS - 1
-// of one kv head into `dst`; positions past `last` are zero-filled.
+// Gathers key or value tiles of cached positions kb .. kb + FA_KEYS - 1 of
+// one kv head into shared memory for flash_tile (positions past `last` are
+// zero): `start` begins a tile, `land` finishes it before the block's
+// barrier. A 16-bit cache is copied by cp.async (land waits for it). An
+// FP8 cache is loaded into registers by start and widened into shared
+// memory by land, so its loads, too, are in flight while the warps compute.
+template <int HD, typename KV>
+struct FlashStager;
+
 template <int HD>
-__device__ __forceinline__ void flash_stage(raw16 (*dst)[HD + FA_PAD], const raw16* cache,
-                                            const unsigned* slots, int kb, int last,
-                                            int kv_width, int kv_col) {
-    for (int i = threadIdx.x; i < FA_KEYS * HD / 8; i += 32 * FA_WARPS) {
-        const int j = i / (HD / 8), c = (i % (HD / 8)) * 8, p = kb + j;
-        const bool ok = p <= last;
-        const raw16* src = ok ? cache + (size_t)slots[p] * kv_width + kv_col + c : cache;
-        cp_async16(&dst[j][c], src, ok ? 16 : 0);
+struct FlashStager<HD, raw16> {
+    __device__ __forceinline__ void start(raw16 (*dst)[HD + FA_PAD], const raw16* cache,
+                                          const unsigned* slots, int kb, int last, int kv_width,
+                                          int kv_col) {
+        for (int i = threadIdx.x; i < FA_KEYS * HD / 8; i += 32 * FA_WARPS) {
+            const int j = i / (HD / 8), c = (i % (HD / 8)) * 8, p = kb + j;
+            const bool ok = p <= last;
+            const raw16* src = ok ? cache + (size_t)slots[p] * kv_width + kv_col + c : cache;
+            cp_async16(&dst[j][c], src, ok ? 16 : 0);
+        }
+        cp_async_commit();
     }
-    cp_async_commit();
-}
+    __device__ __forceinline__ void land() { cp_async_wait_all(); }
+};
+
+template <int HD>
+struct FlashStager<HD, fp8> {
+    static constexpr int LOADS = FA_KEYS * HD / 16 / (32 * FA_WARPS);  // 16-byte loads per thread
+    uint4 r[LOADS];
+    raw16 (*dst)[HD + FA_PAD];
+
+    __device__ __forceinline__ void start(raw16 (*tile)[HD + FA_PAD], const fp8* cache,
+                                          const unsigned* slots, int first, int last,
+                                          int kv_width, int kv_col) {
+        dst = tile;
+#pragma unroll
+        for (int n = 0; n < LOADS; n++) {
+            const int i = threadIdx.x + n * 32 * FA_WARPS;
+            const int j = i / (HD / 16), c = (i % (HD / 16)) * 16, p = first + j;
+            r[n] = p <= last ? *(const uint4*)(cache + (size_t)slots[p] * kv_width + kv_col + c)
+                             : make_uint4(0, 0, 0, 0);
+        }
+    }
+    __device__ __forceinline__ void land() {
+#pragma unroll
+        for (int n = 0; n < LOADS; n++) {
+            const int i = threadIdx.x + n * 32 * FA_WARPS;
+            const int j = i / (HD / 16), c = (i % (HD / 16)) * 16;
+            const unsigned w[4] = {r[n].x, r[n].y, r[n].z, r[n].w};
+            *(uint4*)&dst[j][c] = make_uint4(e4m3_pair(w[0], 0), e4m3_pair(w[0], 1),
+                                             e4m3_pair(w[1], 0), e4m3_pair(w[1], 1));
+            *(uint4*)&dst[j][c + 8] = make_uint4(e4m3_pair(w[2], 0), e4m3_pair(w[2], 1),
+                                                 e4m3_pair(w[3], 0), e4m3_pair(w[3], 1));
+        }
+    }
+};
 
 // Causal attention for prefill, flash-attention style on tensor cores: one
 // block per (head, tile), a tile being up to FA_ROWS consecutive rows of one
@@ -1016,9 +1199,9 @@ __device__ __forceinline__ void flash_stage(raw16 (*dst)[HD + FA_PAD], const raw
 // dtype, as flash-attention does). Only tiles that reach past a warp's first
 // row are masked. Lane layout: g = lane / 4 picks fragment rows g and g + 8,
 // t = lane % 4 the column pairs 2t, 2t + 1.
-template <int HD>
-__device__ void flash_tile(const raw16* qkv, int stride, const raw16* k_cache,
-                           const raw16* v_cache, const unsigned* slot_list,
+template <int HD, typename KV>
+__device__ void flash_tile(const raw16* qkv, int stride, const KV* k_cache,
+                           const KV* v_cache, const unsigned* slot_list,
                            const unsigned* table_off, const int* positions,
                            const unsigned* tile_row, const unsigned* tile_n, int heads,
                            int kv_heads, float scale, raw16* out, raw16 (*ks)[HD + FA_PAD],
@@ -1039,7 +1222,8 @@ __device__ void flash_tile(const raw16* qkv, int stride, const raw16* k_cache,
     const int warp_first = warp * 16 < n ? positions[row0 + warp * 16] : -1;
     const int warp_last = warp * 16 < n ? positions[row0 + min(n, warp * 16 + 16) - 1] : -1;
 
-    flash_stage<HD>(ks, k_cache, slots, 0, last, kv_width, kv_col);
+    FlashStager<HD, KV> stage;
+    stage.start(ks, k_cache, slots, 0, last, kv_width, kv_col);
     unsigned qf[HD / 16][4];
     {
         const raw16* qa = qkv + (size_t)(row0 + ra) * stride + head * HD;
@@ -1064,9 +1248,9 @@ __device__ void flash_tile(const raw16* qkv, int stride, const raw16* k_cache,
     const int v_row = (lane & 7) + ((lane >> 3) & 1) * 8, v_col = (lane >> 4) * 8;
 
     for (int kb = 0; kb <= last; kb += FA_KEYS) {
-        cp_async_wait_all();
+        stage.land();
         __syncthreads();  // keys kb.. landed; no warp still reads the previous values
-        flash_stage<HD>(vs, v_cache, slots, kb, last, kv_width, kv_col);
+        stage.start(vs, v_cache, slots, kb, last, kv_width, kv_col);
         const bool active = kb <= warp_last;  // warp-uniform
         float s[FA_KEYS / 8][4];
         if (active) {
@@ -1141,10 +1325,9 @@ __device__ void flash_tile(const raw16* qkv, int stride, const raw16* k_cache,
                 o[d][3] *= corr_b;
             }
         }
-        cp_async_wait_all();
+        stage.land();
         __syncthreads();  // values landed; no warp still reads these keys
-        if (kb + FA_KEYS <= last)
-            flash_stage<HD>(ks, k_cache, slots, kb + FA_KEYS, last, kv_width, kv_col);
+        if (kb + FA_KEYS <= last) stage.start(ks, k_cache, slots, kb + FA_KEYS, last, kv_width, kv_col);
         if (!active) continue;
         // O += P V: the S accumulators of key tiles 2k, 2k+1 are the A
         // fragment of k-step k; one transposed ldmatrix gives the B
@@ -1182,11 +1365,12 @@ __device__ void flash_tile(const raw16* qkv, int stride, const raw16* k_cache,
 }
 
 // head_dim 64 or 128 (the host checks); grid = (heads, tiles), block = 32 * FA_WARPS.
-extern "C" __global__ void __launch_bounds__(32 * FA_WARPS, FA_MIN_BLOCKS)
-    attention_flash(const raw16* qkv, int stride, const raw16* k_cache, const raw16* v_cache,
-                    const unsigned* slot_list, const unsigned* table_off, const int* positions,
-                    const unsigned* tile_row, const unsigned* tile_n, int heads, int kv_heads,
-                    int hd, float scale, raw16* out) {
+// attention_flash_fp8 reads an FP8 cache.
+template <typename KV>
+__device__ void flash_heads(const raw16* qkv, int stride, const KV* k_cache, const KV* v_cache,
+                            const unsigned* slot_list, const unsigned* table_off,
+                            const int* positions, const unsigned* tile_row, const unsigned* tile_n,
+                            int heads, int kv_heads, int hd, float scale, raw16* out) {
     __shared__ __align__(16) raw16 ks[FA_KEYS * (128 + FA_PAD)];
     __shared__ __align__(16) raw16 vs[FA_KEYS * (128 + FA_PAD)];
     GRID_DEP_ENTER();
@@ -1199,6 +1383,18 @@ extern "C" __global__ void __launch_bounds__(32 * FA_WARPS, FA_MIN_BLOCKS)
                        tile_n, heads, kv_heads, scale, out, (raw16(*)[64 + FA_PAD])ks,
                        (raw16(*)[64 + FA_PAD])vs);
 }
+#define FLASH_KERNEL(NAME, KV)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * FA_WARPS, FA_MIN_BLOCKS)                      \
+        NAME(const raw16* qkv, int stride, const KV* k_cache, const KV* v_cache,                   \
+             const unsigned* slot_list, const unsigned* table_off, const int* positions,           \
+             const unsigned* tile_row, const unsigned* tile_n, int heads, int kv_heads, int hd,    \
+             float scale, raw16* out) {                                                            \
+        flash_heads(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, tile_row,      \
+                    tile_n, heads, kv_heads, hd, scale, out);                                      \
+    }
+FLASH_KERNEL(attention_flash, raw16)
+FLASH_KERNEL(attention_flash_fp8, fp8)
+#undef FLASH_KERNEL
 
 // ---- Decode attention on tensor cores (sm_80+) ----
 #define DA_WARPS 4
@@ -1206,11 +1402,29 @@ extern "C" __global__ void __launch_bounds__(32 * FA_WARPS, FA_MIN_BLOCKS)
 #ifndef DA_MIN_BLOCKS
 #define DA_MIN_BLOCKS 2
 #endif
+#ifndef DA_FP8_MIN_BLOCKS
+#define DA_FP8_MIN_BLOCKS 2  // attention_decode_mma_fp8's (161 registers: 3 blocks fit)
+#endif
 
 struct DecodeShared {
     float m[DA_WARPS][DA_GROUP_MAX], l[DA_WARPS][DA_GROUP_MAX];
     float o[DA_WARPS][128];
 };
+
+// `n` 32-bit words from p (16-byte aligned, or 8-byte for n = 2).
+template <int N>
+__device__ __forceinline__ void load_words(unsigned* w, const void* p, bool ok) {
+    if constexpr (N == 2) {
+        const uint2 v = ok ? *(const uint2*)p : make_uint2(0, 0);
+        w[0] = v.x, w[1] = v.y;
+    } else {
+#pragma unroll
+        for (int i = 0; i < N / 4; i++) {
+            const uint4 v = ok ? ((const uint4*)p)[i] : make_uint4(0, 0, 0, 0);
+            w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+        }
+    }
+}
 
 // Decode attention with the GQA group's query heads as the rows of m16n8k16
 // MMAs: one block serves every query head of one kv head for one row and one
@@ -1220,27 +1434,30 @@ struct DecodeShared {
 // from the cache in 16-byte pieces, which fixes how it sees the head dims.
 // (A second register buffer, loading the next step while one computes, was
 // no faster: 255 registers, and occupancy already hides the latency.)
-// - S = Q Kᵀ sums over the head dims in any order, so lane (g, t) holds
-//   chunks t, t + 4, ... of key g, and the Q fragments take the same chunks
-//   of their rows.
-// - O += P V: the output dims of n-tile j and fragment column c are dim
-//   64 (j / 8) + 8c + j % 8, so lane (g, t) loads 16-byte chunks of its four
-//   keys (2t, 2t + 1, 2t + 8, 2t + 9) and pairs their halves with a byte
-//   permute.
+// - S = Q Kᵀ sums over the head dims in any order, so lane (g, t) holds runs
+//   t, t + 4, ... of key g (a run: the 16 bytes of 8 dims of raw16, of 16
+//   dims of fp8), and the Q fragments take the same dims of their rows.
+// - O += P V: lane (g, t) loads the same dims of its four keys (2t, 2t + 1,
+//   2t + 8, 2t + 9) and pairs them with a byte permute. raw16: 16-byte runs
+//   8c + g, so n-tile j and fragment column c are dim 64 (j / 8) + 8c + j % 8;
+//   fp8: dims g HD / 8 .., so they are dim c HD / 8 + j.
+// An FP8 cache (KV = fp8) is widened to the activation dtype in registers.
 // Warps merge through shared memory at the end; with one split the result
 // goes to `out`, otherwise (max, sum) and the unnormalized sums go to part_ml
 // and part_o for attn_merge (the max in natural-log units, as `attention`).
 // grid = (kv_heads, rows, splits), block = 32 * DA_WARPS.
-template <int HD>
-__device__ void decode_mma(const raw16* qkv, int stride, const raw16* k_cache,
-                           const raw16* v_cache, const unsigned* slot_list,
-                           const unsigned* table_off, const int* positions, int heads,
-                           int kv_heads, float scale, raw16* out, float* part_o, float* part_ml,
-                           const unsigned* row_list, DecodeShared& sm) {
-    constexpr int KC = HD / 32;      // 16-byte key chunks per lane (of HD / 8, over 4 lanes)
-    constexpr int KS = HD / 16;      // k-steps of S
-    constexpr int NT = HD / 8;       // n-tiles of O
-    constexpr int VC = HD / 64;  // 16-byte value chunks per lane and key
+template <int HD, typename KV>
+__device__ void decode_mma(const raw16* qkv, int stride, const KV* k_cache, const KV* v_cache,
+                           const unsigned* slot_list, const unsigned* table_off,
+                           const int* positions, int heads, int kv_heads, float scale,
+                           raw16* out, float* part_o, float* part_ml, const unsigned* row_list,
+                           DecodeShared& sm) {
+    constexpr bool FP8 = sizeof(KV) == 1;
+    constexpr int RUN = 16 / sizeof(KV);      // dims of a 16-byte run
+    constexpr int KW = HD * sizeof(KV) / 16;  // words of a key per lane (HD / 4 lanes)
+    constexpr int VW = HD * sizeof(KV) / 32;  // words of a value per lane
+    constexpr int KS = HD / 16;               // k-steps of S
+    constexpr int NT = HD / 8;                // n-tiles of O
     const int group = heads / kv_heads;
     const int kv_head = blockIdx.x, h0 = kv_head * group;
     const int prow = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
@@ -1254,39 +1471,41 @@ __device__ void decode_mma(const raw16* qkv, int stride, const raw16* k_cache,
     const int chunk = (n + splits - 1) / splits;
     const int begin = split * chunk, end = min(n, begin + chunk);
     const unsigned* slots = slot_list + table_off[row];
-    const raw16* k_head = k_cache + kv_head * HD;
-    const raw16* v_head = v_cache + kv_head * HD;
+    const KV* k_head = k_cache + kv_head * HD;
+    const KV* v_head = v_cache + kv_head * HD;
 
     // Fragments of keys kb .. kb + 15: K rows g and g + 8, V rows of the
     // lane's four keys; keys from `limit` on are zero.
-    auto load = [&](uint4 (&kr)[2][KC], uint4 (&vr)[4][VC], int kb, int limit) {
+    auto load = [&](unsigned (&kw)[2][KW], unsigned (&vw)[4][VW], int kb, int limit) {
         const unsigned sl = kb + (lane & 15) < limit ? slots[kb + (lane & 15)] : 0u;
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const int key = 8 * j + g;
-            const raw16* src = k_head + (size_t)__shfl_sync(0xffffffffu, sl, key) * kv_width;
+            const KV* src = k_head + (size_t)__shfl_sync(0xffffffffu, sl, key) * kv_width;
 #pragma unroll
-            for (int i = 0; i < KC; i++)
-                kr[j][i] = kb + key < limit ? *(const uint4*)(src + (tq + 4 * i) * 8)
-                                            : make_uint4(0, 0, 0, 0);
+            for (int i = 0; i < KW / 4; i++)
+                load_words<4>(&kw[j][4 * i], src + (tq + 4 * i) * RUN, kb + key < limit);
         }
 #pragma unroll
         for (int r = 0; r < 4; r++) {
             const int key = 2 * tq + (r & 1) + 8 * (r >> 1);
-            const raw16* src = v_head + (size_t)__shfl_sync(0xffffffffu, sl, key) * kv_width;
+            const KV* src = v_head + (size_t)__shfl_sync(0xffffffffu, sl, key) * kv_width;
+            if constexpr (FP8) {
+                load_words<VW>(vw[r], src + g * (HD / 8), kb + key < limit);
+            } else {
 #pragma unroll
-            for (int c = 0; c < VC; c++)
-                vr[r][c] = kb + key < limit ? *(const uint4*)(src + (8 * c + g) * 8)
-                                            : make_uint4(0, 0, 0, 0);
+                for (int c = 0; c < VW / 4; c++)
+                    load_words<4>(&vw[r][4 * c], src + (8 * c + g) * 8, kb + key < limit);
+            }
         }
     };
     // The warp's first keys are requested before the wait, all but the
     // newest (n - 1), which the previous kernel (the QKV projection) writes.
     int kb = begin + 16 * warp;
-    uint4 kr[2][KC], vr[4][VC];
-    if (kb < end) load(kr, vr, kb, min(end, n - 1));
+    unsigned kw[2][KW], vw[4][VW];
+    if (kb < end) load(kw, vw, kb, min(end, n - 1));
     grid_dep_wait();
-    if (kb <= n - 1 && n - 1 < min(end, kb + 16)) load(kr, vr, kb, end);
+    if (kb <= n - 1 && n - 1 < min(end, kb + 16)) load(kw, vw, kb, end);
 
     // Q: fragment row g is query head g of the group (rows 8..15 are zero),
     // in the lane's order of the dims.
@@ -1295,10 +1514,10 @@ __device__ void decode_mma(const raw16* qkv, int stride, const raw16* k_cache,
         unsigned w[2 * KS];
         const raw16* q = qkv + (size_t)row * stride + (size_t)(h0 + g) * HD;
 #pragma unroll
-        for (int i = 0; i < KC; i++) {
-            const uint4 c = g < group ? *(const uint4*)(q + (tq + 4 * i) * 8) : make_uint4(0, 0, 0, 0);
-            w[4 * i] = c.x, w[4 * i + 1] = c.y, w[4 * i + 2] = c.z, w[4 * i + 3] = c.w;
-        }
+        for (int i = 0; i < HD / (4 * RUN); i++)
+#pragma unroll
+            for (int c = 0; c < RUN / 8; c++)
+                load_words<4>(&w[4 * (RUN / 8) * i + 4 * c], q + (tq + 4 * i) * RUN + 8 * c, g < group);
 #pragma unroll
         for (int s = 0; s < KS; s++) {
             qa[s][0] = w[2 * s];
@@ -1313,14 +1532,18 @@ __device__ void decode_mma(const raw16* qkv, int stride, const raw16* k_cache,
     float m = -NI_INF, l = 0.f;
 
     // Scores, online softmax and O += P V for keys kb .. kb + 15 (kb < end).
-    auto attend = [&](const uint4 (&kr)[2][KC], const uint4 (&vr)[4][VC], int kb) {
+    auto attend = [&](const unsigned (&kw)[2][KW], const unsigned (&vw)[4][VW], int kb) {
         float s[2][2];
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             s[j][0] = s[j][1] = 0.f;
-            const unsigned* w = (const unsigned*)kr[j];
 #pragma unroll
-            for (int st = 0; st < KS; st++) mma16816_top(s[j], qa[st], w[2 * st], w[2 * st + 1]);
+            for (int st = 0; st < KS; st++) {
+                if constexpr (FP8)
+                    mma16816_top(s[j], qa[st], e4m3_pair(kw[j][st], 0), e4m3_pair(kw[j][st], 1));
+                else
+                    mma16816_top(s[j], qa[st], kw[j][2 * st], kw[j][2 * st + 1]);
+            }
         }
         if (kb + 16 > end) {
 #pragma unroll
@@ -1347,18 +1570,22 @@ __device__ void decode_mma(const raw16* qkv, int stride, const raw16* k_cache,
         const unsigned a[4] = {pack2(s[0][0], s[0][1]), 0u, pack2(s[1][0], s[1][1]), 0u};
 #pragma unroll
         for (int j = 0; j < NT; j++) {
-            const int c = j / 8, wi = (j % 8) / 2;
-            const unsigned sel = (j & 1) ? 0x7632u : 0x5410u;
-            const unsigned b0 = __byte_perm(((const unsigned*)&vr[0][c])[wi],
-                                            ((const unsigned*)&vr[1][c])[wi], sel);
-            const unsigned b1 = __byte_perm(((const unsigned*)&vr[2][c])[wi],
-                                            ((const unsigned*)&vr[3][c])[wi], sel);
+            unsigned b0, b1;
+            if constexpr (FP8) {
+                b0 = e4m3_cross(vw[0][j / 4], vw[1][j / 4], j % 4);
+                b1 = e4m3_cross(vw[2][j / 4], vw[3][j / 4], j % 4);
+            } else {
+                const int wi = 4 * (j / 8) + (j % 8) / 2;
+                const unsigned sel = (j & 1) ? 0x7632u : 0x5410u;
+                b0 = __byte_perm(vw[0][wi], vw[1][wi], sel);
+                b1 = __byte_perm(vw[2][wi], vw[3][wi], sel);
+            }
             mma16816_top(o[j], a, b0, b1);
         }
     };
     for (; kb < end; kb += 16 * DA_WARPS) {
-        attend(kr, vr, kb);
-        if (kb + 16 * DA_WARPS < end) load(kr, vr, kb + 16 * DA_WARPS, end);
+        attend(kw, vw, kb);
+        if (kb + 16 * DA_WARPS < end) load(kw, vw, kb + 16 * DA_WARPS, end);
     }
     // Each lane summed a quarter of its row's keys.
 #pragma unroll
@@ -1373,9 +1600,10 @@ __device__ void decode_mma(const raw16* qkv, int stride, const raw16* k_cache,
         if (g == h) {
 #pragma unroll
             for (int j = 0; j < NT; j++) {
-                const int d = 64 * (j / 8) + 16 * tq + j % 8;
+                const int d = FP8 ? 2 * tq * (HD / 8) + j : 64 * (j / 8) + 16 * tq + j % 8;
+                const int step = FP8 ? HD / 8 : 8;  // fragment column 2t + 1
                 sm.o[warp][d] = o[j][0];
-                sm.o[warp][d + 8] = o[j][1];
+                sm.o[warp][d + step] = o[j][1];
             }
         }
         __syncthreads();
@@ -1387,13 +1615,14 @@ __device__ void decode_mma(const raw16* qkv, int stride, const raw16* k_cache,
     }
 }
 
-// head_dim 64 or 128, at most DA_GROUP_MAX query heads per kv head (the host checks).
-extern "C" __global__ void __launch_bounds__(32 * DA_WARPS, DA_MIN_BLOCKS)
-    attention_decode_mma(const raw16* qkv, int stride, const raw16* k_cache,
-                         const raw16* v_cache, const unsigned* slot_list,
-                         const unsigned* table_off, const int* positions, int heads,
-                         int kv_heads, int hd, float scale, raw16* out, float* part_o,
-                         float* part_ml, const unsigned* row_list) {
+// head_dim 64 or 128, at most DA_GROUP_MAX query heads per kv head (the host
+// checks); attention_decode_mma_fp8 reads an FP8 cache.
+template <typename KV>
+__device__ void decode_mma_heads(const raw16* qkv, int stride, const KV* k_cache,
+                                 const KV* v_cache, const unsigned* slot_list,
+                                 const unsigned* table_off, const int* positions, int heads,
+                                 int kv_heads, int hd, float scale, raw16* out, float* part_o,
+                                 float* part_ml, const unsigned* row_list) {
     __shared__ DecodeShared sm;
     grid_dep_launch();  // decode_mma waits once its first keys are requested
     if (hd == 128)
@@ -1403,6 +1632,18 @@ extern "C" __global__ void __launch_bounds__(32 * DA_WARPS, DA_MIN_BLOCKS)
         decode_mma<64>(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, heads,
                        kv_heads, scale, out, part_o, part_ml, row_list, sm);
 }
+#define DECODE_MMA_KERNEL(NAME, KV, MIN_BLOCKS)                                                    \
+    extern "C" __global__ void __launch_bounds__(32 * DA_WARPS, MIN_BLOCKS)                        \
+        NAME(const raw16* qkv, int stride, const KV* k_cache, const KV* v_cache,                  \
+             const unsigned* slot_list, const unsigned* table_off, const int* positions,          \
+             int heads, int kv_heads, int hd, float scale, raw16* out, float* part_o,             \
+             float* part_ml, const unsigned* row_list) {                                          \
+        decode_mma_heads(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, heads,   \
+                         kv_heads, hd, scale, out, part_o, part_ml, row_list);                   \
+    }
+DECODE_MMA_KERNEL(attention_decode_mma, raw16, DA_MIN_BLOCKS)
+DECODE_MMA_KERNEL(attention_decode_mma_fp8, fp8, DA_FP8_MIN_BLOCKS)
+#undef DECODE_MMA_KERNEL
 
 #define ARGMAX_SPLITS 32  // blocks per row in argmax_partial; one warp merges them
 

@@ -44,6 +44,7 @@
 #define W4_OUT_RESIDUAL 2  // y[r, row] += the product: a residual add (as GEMV_OUT_RESIDUAL)
 #define W4_OUT_SWIGLU 3    // out[r, j] = silu(gate) * up; tile pair (j, inter + j)
 #define W4_OUT_QKV 4       // qkv_pair_store: bias, RoPE, q row / k, v cache
+#define W4_OUT_QKV_FP8 5   // the same with an FP8 KV cache
 // A norm handoff (decode batches of at most W4_HANDOFF_ROWS rows): the o and
 // down products (W4_OUT_RESIDUAL with xs) also write x · nw and add the
 // squares of x into sums[r]; the next paired product reads xs as its rows
@@ -367,7 +368,7 @@ template <int T, int NT, int W, bool NORM>
 __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
                                       const unsigned* sz, int k, int group, int mode, void* y,
                                       int n, const raw16* bias, const float2* cs,
-                                      const unsigned* slots, raw16* k_cache, raw16* v_cache,
+                                      const unsigned* slots, void* k_cache, void* v_cache,
                                       int inter, int nq, int nkv, int hd, const raw16* nw,
                                       float eps, float* sums, float* sums_zero, raw16* xs) {
     __shared__ float red[W][T * NT * 4][32];
@@ -463,7 +464,8 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
             ((raw16*)y)[(size_t)r * inter + row0[0] + f] = from_f(silu_mul_f(rnd(v[0]), rnd(v[T - 1])));
         } else {  // W4_OUT_QKV
             qkv_pair_store(v[0], v[T - 1], r, row0[0] + f, row0[T - 1] + f, freq0 < 0 ? -1 : freq0 + f,
-                           bias, (raw16*)y, cs, slots, k_cache, v_cache, nq, nkv, hd);
+                           bias, (raw16*)y, cs, slots, k_cache, v_cache, nq, nkv, hd,
+                           mode == W4_OUT_QKV_FP8);
         }
     }
 }
@@ -505,7 +507,7 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
         w4_mm_t##T##_n##NT##SUFFIX(                                                               \
         const raw16* x, int rows, const uint4* wq, const unsigned* sz, int k, int group, int mode, \
         void* y, int n, const raw16* bias, const float2* cs, const unsigned* slots,               \
-        raw16* k_cache, raw16* v_cache, int inter, int nq, int nkv, int hd, const raw16* nw,      \
+        void* k_cache, void* v_cache, int inter, int nq, int nkv, int hd, const raw16* nw,        \
         float eps, float* sums, float* sums_zero, raw16* xs) {                                    \
         w4_mm<T, NT, W, NORM>(x, rows, wq, sz, k, group, mode, y, n, bias, cs, slots, k_cache,    \
                               v_cache, inter, nq, nkv, hd, nw, eps, sums, sums_zero, xs);         \

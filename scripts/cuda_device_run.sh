@@ -4,9 +4,11 @@
 # transformers are installed. Prints a short table last.
 #   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|int4test|make8b|tests8b|bench|bench4|ab4|profile|trace|sampling|serve|engine|offline]...
 # Binaries: `bash scripts/cuda_carry.sh` (here, with Rust) fills gpu-carry/.
+# KV_CACHE_DTYPE=fp8 runs the offline steps with an FP8 KV cache (default auto).
 set -uo pipefail
 BIN=${BIN:-gpu-carry}
 WORK=${WORK:-/tmp/nanoinfer-gpu}
+KV_CACHE_DTYPE=${KV_CACHE_DTYPE:-auto}
 mkdir -p "$WORK"
 # cuBLAS / NVRTC: the toolkit's, else the pip wheels torch brought.
 for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
@@ -17,7 +19,7 @@ export LD_LIBRARY_PATH NANOINFER_KERNEL_CACHE="$WORK/kernels"
 for step in "$@"; do
     case $step in
     fixtures)
-        [ -f "$WORK/fx/qwen3/golden.json" ] || python3 scripts/cuda_fixtures.py "$WORK/fx" ;;
+        [ -f "$WORK/fx/qwen3/golden_fp8kv.json" ] || python3 scripts/cuda_fixtures.py "$WORK/fx" ;;
     tests)
         NANOINFER_CUDA_FIXTURES="$WORK/fx" "$BIN/cuda" --test-threads 1 --nocapture 2>&1 | tail -40 ;;
     int4test)
@@ -112,7 +114,7 @@ for step in "$@"; do
             --prompt-len 512 --skip-prefix ;;
     offline)
         "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --offline 1000 --prompt-len 512 --decode-tokens 256 \
-            --max-seqs 256 --max-batched-tokens 8192 ;;
+            --max-seqs 256 --max-batched-tokens 8192 --kv-cache-dtype "$KV_CACHE_DTYPE" ;;
     serve)
         # Issue 9's throughput benchmark: nanoinfer bench in serving mode
         # (offline: all 1000 requests ready at once; then 256 at a time),
@@ -125,7 +127,7 @@ for step in "$@"; do
     offline_hf)
         # The peer: HF generate, 256 requests in one batch of 256 (its best case).
         "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --offline 256 --prompt-len 512 --decode-tokens 256 \
-            --max-seqs 256 --max-batched-tokens 8192
+            --max-seqs 256 --max-batched-tokens 8192 --kv-cache-dtype "$KV_CACHE_DTYPE"
         python3 scripts/cuda_bench_hf.py --model "$WORK/l8b" --offline 256 --batch 256 -p 512 -n 256 ;;
     esac
 done

@@ -5,7 +5,9 @@ Creates tiny random-weight Llama (llama3 rope scaling), Qwen2 (q/k/v bias) and
 Qwen3 (q/k norm, head_dim != hidden/heads) models with transformers, saves
 them as HF directories (bf16 safetensors), and records transformers' own
 greedy continuation of fixed random prompts in bf16 on the GPU: token ids and
-the top-5 logprobs of every step. tests/cuda.rs compares NanoInfer's CUDA
+the top-5 logprobs of every step (golden.json), and the same with keys and
+values rounded to FP8 e4m3 where attention reads them, as an FP8 KV cache
+stores them (golden_fp8kv.json). tests/cuda.rs compares NanoInfer's CUDA
 backend against these.
 
 Usage: python3 scripts/cuda_fixtures.py OUT_DIR [--new-tokens 24]
@@ -16,7 +18,8 @@ import json
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 COMMON = dict(
     vocab_size=4096,
@@ -57,6 +60,20 @@ def prompts(vocab, seed=7):
     return [(torch.randint(3, vocab, (n,), generator=g)).tolist() for n in lengths]
 
 
+def fp8(t):
+    """Rounds to e4m3 (nearest even, saturating at +-448, as NanoInfer stores it) and back."""
+    return t.clamp(-448, 448).to(torch.float8_e4m3fn).to(t.dtype)
+
+
+def fp8_kv_attention(module, query, key, value, *args, **kwargs):
+    # key/value: the whole cache after this step's update (keys after RoPE
+    # and any k norm); rounding already-rounded entries again changes nothing.
+    return sdpa_attention_forward(module, query, fp8(key), fp8(value), *args, **kwargs)
+
+
+AttentionInterface.register("fp8_kv", fp8_kv_attention)
+
+
 def golden(model, prompt_ids, new_tokens):
     ids = torch.tensor([prompt_ids], device="cuda")
     out = model.generate(
@@ -90,14 +107,17 @@ def main():
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
         model.save_pretrained(d, safe_serialization=True)
         ps = prompts(cfg.vocab_size)
-        gold = {"model": name, "dtype": "bf16", "prompts": ps, "tokens": [], "top": []}
-        with torch.no_grad():
-            for p in ps:
-                t, top = golden(model, p, a.new_tokens)
-                gold["tokens"].append(t)
-                gold["top"].append(top)
-        with open(os.path.join(d, "golden.json"), "w") as f:
-            json.dump(gold, f)
+        default = model.config._attn_implementation
+        for attention, file in [(default, "golden.json"), ("fp8_kv", "golden_fp8kv.json")]:
+            model.set_attn_implementation(attention)
+            gold = {"model": name, "dtype": "bf16", "attention": attention, "prompts": ps, "tokens": [], "top": []}
+            with torch.no_grad():
+                for p in ps:
+                    t, top = golden(model, p, a.new_tokens)
+                    gold["tokens"].append(t)
+                    gold["top"].append(top)
+            with open(os.path.join(d, file), "w") as f:
+                json.dump(gold, f)
         print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params -> {d}")
         del model
         torch.cuda.empty_cache()

@@ -15,7 +15,8 @@ use nanoinfer::backend::cuda::{
 };
 use nanoinfer::backend::Device;
 use nanoinfer::engine::{Event, Model, ModelParams, RequestParams, Session, SessionParams};
-use nanoinfer::kv::KvBackendKind;
+use nanoinfer::kv::cache_dtype::{e4m3_from_f32, e4m3_to_f32};
+use nanoinfer::kv::{KvBackendKind, KvCacheDType};
 use nanoinfer::memory::MemoryPoolKind;
 use nanoinfer::model::quant_calib::Calibration;
 use nanoinfer::model::quant_gptq::GptqOptions;
@@ -1126,5 +1127,191 @@ fn pools_of_the_other_device_are_refused() {
             e.message.contains(pool.as_str()) && e.message.contains("cuda:0"),
             "{e}"
         );
+    }
+}
+
+fn fp8_kv() -> SessionParams {
+    SessionParams {
+        kv_cache_dtype: KvCacheDType::Fp8E4m3,
+        ..Default::default()
+    }
+}
+
+/// The cached keys and values of slots 1..=n after forwarding `tokens`
+/// (a prefill of all but the last token, then a one-row decode step: the
+/// two ways the QKV projection writes the cache) into a fresh context
+/// keeping a cache of `dtype`.
+fn cached_kv(model: &Arc<Model>, tokens: &[u32], dtype: KvCacheDType) -> Vec<f32> {
+    use nanoinfer::backend::cpu::attention::AttnSeq;
+    use nanoinfer::kv::KvMapping;
+    use nanoinfer::model::{ContextShape, ForwardBatch};
+    let n = tokens.len();
+    let mut shape = ContextShape::new(n + 1, n, n);
+    shape.memory_pool = MemoryPoolKind::default_for(true);
+    shape.kv_dtype = dtype;
+    let mut ctx = model.decoder.clone().new_context(&shape).unwrap();
+    let slots: Vec<u32> = (1..=n as u32).collect();
+    let vocab = model.config().vocab_size;
+    let mut logits = vec![0f32; vocab];
+    for (start, len) in [(0, n - 1), (n - 1, 1)] {
+        let seqs = [AttnSeq {
+            start: 0,
+            len,
+            context_len: start,
+            kv: KvMapping::Slots(&slots),
+        }];
+        let batch = ForwardBatch {
+            tokens: &tokens[start..start + len],
+            seqs: &seqs,
+            logits_rows: &[len - 1],
+        };
+        ctx.forward(&batch, &mut logits).unwrap();
+    }
+    let mut kv = Vec::new();
+    ctx.save_kv(&slots, &mut kv).unwrap();
+    kv
+}
+
+/// An FP8 KV cache holds exactly the e4m3 rounding (nearest even) of what a
+/// 16-bit cache holds, from every writer: the prefill path, the fused
+/// decode projection and the int4 epilogue; the Rust encoder
+/// (`kv::cache_dtype`) is the reference for the device's. Layer 0 only: the
+/// later layers' keys and values depend on attention over the rounded ones.
+fn check_fp8_cache_contents(name: &str, model: &Arc<Model>) {
+    let tokens: Vec<u32> = (0..40u32).map(|i| 3 + (i * 7919) % 4000).collect();
+    let c = model.config();
+    let per_slot = 2 * c.num_layers * c.num_kv_heads * c.head_dim;
+    let layer0 = |kv: Vec<f32>| -> Vec<f32> {
+        kv.chunks(per_slot)
+            .flat_map(|slot| slot[..2 * c.num_kv_heads * c.head_dim].to_vec())
+            .collect()
+    };
+    let wide = layer0(cached_kv(model, &tokens, KvCacheDType::Auto));
+    let narrow = layer0(cached_kv(model, &tokens, KvCacheDType::Fp8E4m3));
+    assert_eq!(wide.len(), narrow.len());
+    let mut nonzero = 0;
+    for (i, (&w, &f)) in wide.iter().zip(&narrow).enumerate() {
+        let want = e4m3_to_f32(e4m3_from_f32(w));
+        assert!(
+            want.to_bits() == f.to_bits(),
+            "{name}: cached value {i} is {f}, the e4m3 rounding of {w} is {want}"
+        );
+        nonzero += usize::from(f != 0.0);
+    }
+    assert!(nonzero > wide.len() / 2, "{name}: the cache is mostly zero");
+}
+
+#[test]
+fn fp8_kv_cache_matches_transformers_with_fp8_kv() {
+    let Some(fx) = fixtures() else { return };
+    for name in MODELS {
+        let dir = fx.join(name);
+        let gold: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("golden_fp8kv.json")).unwrap())
+                .unwrap();
+        let model = load(&dir);
+        check_fp8_cache_contents(name, &model);
+        let n = ids(&gold["tokens"][0]).len() as u32;
+        let reqs = requests(&gold, n);
+        let outs = run(&model, fp8_kv(), &reqs);
+        let matched: Vec<usize> = outs
+            .iter()
+            .enumerate()
+            .map(|(i, o)| {
+                check_near(
+                    &format!("{name} prompt {i} fp8 KV"),
+                    o,
+                    &reference(&gold, i),
+                )
+            })
+            .collect();
+        eprintln!("{name}: fp8 KV greedy tokens identical to transformers (fp8 KV) for {matched:?} of {n} steps");
+        let total: usize = matched.iter().sum();
+        assert!(
+            3 * total >= matched.len() * n as usize,
+            "{name}: too few tokens identical to transformers: {matched:?} of {n}"
+        );
+        // Token and paged KV address the same bytes.
+        let token = SessionParams {
+            kv_backend: KvBackendKind::Token,
+            ..fp8_kv()
+        };
+        assert_eq!(
+            run(&model, token, &reqs),
+            outs,
+            "{name}: fp8 token and paged KV differ"
+        );
+    }
+    let dir = fx.join("llama3");
+    let reqs = requests(&golden(&dir), 20);
+    // The int4 QKV epilogue writes the cache too.
+    let int4 = Arc::new(
+        Model::load(
+            &dir,
+            &ModelParams {
+                device: Device::Cuda(0),
+                quant: QuantMode::Awq { group_size: 128 },
+                ..Default::default()
+            },
+            None,
+        )
+        .unwrap(),
+    );
+    check_fp8_cache_contents("llama3 int4", &int4);
+    // Swap preemption moves fp8 bytes out and back losslessly.
+    let model = load(&dir);
+    let roomy = run(&model, fp8_kv(), &reqs);
+    let tight = SessionParams {
+        kv_capacity_tokens: 320,
+        preemption: nanoinfer::engine::PreemptionMode::Swap,
+        ..fp8_kv()
+    };
+    let (swapped, st) = run_with_stats(&model, tight, &reqs);
+    assert!(
+        st.preemptions > 0 && st.swapped_in_tokens > 0,
+        "no swap: {st:?}"
+    );
+    for (i, (x, y)) in roomy.iter().zip(&swapped).enumerate() {
+        check_near(&format!("prompt {i} fp8 swap preemption"), y, x);
+    }
+    // The same bytes hold twice the tokens.
+    let budget = |kv_cache_dtype| {
+        let params = SessionParams {
+            kv_memory_bytes: 64 << 20,
+            kv_cache_dtype,
+            ..Default::default()
+        };
+        Session::new(model.clone(), params)
+            .unwrap()
+            .stats()
+            .kv_capacity_tokens
+    };
+    let (wide, narrow) = (budget(KvCacheDType::Auto), budget(KvCacheDType::Fp8E4m3));
+    assert!(
+        narrow >= 2 * wide - 16,
+        "fp8 holds {narrow} tokens, bf16 {wide}"
+    );
+    // The CUDA-core decode kernel reads fp8 like the tensor-core one, over
+    // many splits and contexts that end mid-step (head_dim 64 and 128).
+    let long: Vec<RequestParams> = [(5u32, 1u32), (700, 3), (130, 4)]
+        .iter()
+        .map(|&(len, salt)| RequestParams {
+            prompt: (0..len)
+                .map(|i| 3 + (i * 7919 + salt * 104_729) % 4000)
+                .collect(),
+            sampling: sampling(12, 5),
+            ..Default::default()
+        })
+        .collect();
+    for name in ["llama3", "qwen3"] {
+        let dir = fx.join(name);
+        let mma = run(&load(&dir), fp8_kv(), &long);
+        std::env::set_var("NANOINFER_CUDA_DECODE_MMA", "0");
+        let simt_model = load(&dir);
+        std::env::remove_var("NANOINFER_CUDA_DECODE_MMA");
+        let simt = run(&simt_model, fp8_kv(), &long);
+        for (i, (a, b)) in mma.iter().zip(&simt).enumerate() {
+            check_near(&format!("{name} request {i} fp8 mma vs cuda cores"), a, b);
+        }
     }
 }

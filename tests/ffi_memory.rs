@@ -195,6 +195,26 @@ fn too_small_a_byte_budget_is_a_clear_error() {
 }
 
 #[test]
+fn kv_cache_dtype_fp8_is_refused_on_the_cpu_and_unknown_values_are_named() {
+    let mut p = session_params();
+    p.kv_cache_dtype = NI_KV_CACHE_DTYPE_FP8;
+    let mut s = ptr::null_mut();
+    // SAFETY: valid pointers.
+    let status = unsafe { ni_session_create(shared_model(), &p, &mut s) };
+    assert_err(status, NI_ERR_UNSUPPORTED, &["fp8", "CUDA only"]);
+    assert!(s.is_null());
+    p.kv_cache_dtype = 7;
+    // SAFETY: valid pointers.
+    let status = unsafe { ni_session_create(shared_model(), &p, &mut s) };
+    assert_err(status, NI_ERR_INVALID_ARGUMENT, &["kv_cache_dtype 7"]);
+    assert!(s.is_null());
+    p.kv_cache_dtype = NI_KV_CACHE_DTYPE_AUTO;
+    let s = session_with(&p);
+    // SAFETY: freed once.
+    unsafe { ni_session_free(s) };
+}
+
+#[test]
 fn older_struct_sizes_are_accepted() {
     // A params struct from the older header: no memory_utilization field.
     // Its bytes past the old size are garbage that must not be read.

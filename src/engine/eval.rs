@@ -3,7 +3,7 @@
 
 use super::model::Model;
 use crate::backend::cpu::attention::AttnSeq;
-use crate::kv::KvMapping;
+use crate::kv::{KvCacheDType, KvMapping};
 use crate::memory::MemoryPoolKind;
 use crate::model::{ContextShape, ForwardBatch, ForwardContext};
 use crate::{bail_arg, Result};
@@ -24,18 +24,22 @@ impl SingleSequence {
     /// Room for `capacity` positions, forwards of up to `max_rows` tokens.
     pub fn new(model: &Model, capacity: usize, max_rows: usize) -> Result<Self> {
         let gpu = model.decoder.device() != crate::backend::Device::Cpu;
-        Self::with_pool(model, capacity, max_rows, MemoryPoolKind::default_for(gpu))
+        let pool = MemoryPoolKind::default_for(gpu);
+        Self::with_options(model, capacity, max_rows, pool, KvCacheDType::Auto)
     }
 
-    /// Like `new`, taking the step temporaries from a pool of `pool`.
-    pub fn with_pool(
+    /// Like `new`, taking the step temporaries from a pool of `pool` and
+    /// keeping a KV cache of `kv_dtype`.
+    pub fn with_options(
         model: &Model,
         capacity: usize,
         max_rows: usize,
         pool: MemoryPoolKind,
+        kv_dtype: KvCacheDType,
     ) -> Result<Self> {
         let mut shape = ContextShape::new(capacity + 1, max_rows, max_rows);
         shape.memory_pool = pool;
+        shape.kv_dtype = kv_dtype;
         Ok(SingleSequence {
             ctx: model.decoder.clone().new_context(&shape)?,
             slots: (1..=capacity as u32).collect(),

@@ -17,7 +17,7 @@ use super::policy::{create_policy, RankInput, SchedulePolicy, SchedulePolicyKind
 use super::request::{Event, FinishReason, RequestId, RequestParams};
 use crate::backend::cpu::attention::AttnSeq;
 use crate::backend::Device;
-use crate::kv::{create_kv_backend, KvBackendKind, KvCacheBackend, KvStats};
+use crate::kv::{create_kv_backend, KvBackendKind, KvCacheBackend, KvCacheDType, KvStats};
 use crate::memory::{
     utilization_kv_bytes, BudgetSource, DeviceMemory, MemoryBudget, MemoryPoolKind,
 };
@@ -90,6 +90,9 @@ pub struct SessionParams {
     /// instead of logits rows. Requests that ask for logprobs are sampled on
     /// the host. Off: the host samples every row that is not plain greedy.
     pub device_sampling: bool,
+    /// What the KV cache stores: the activation dtype (`Auto`) or FP8
+    /// (CUDA only; twice the tokens per byte).
+    pub kv_cache_dtype: KvCacheDType,
 }
 
 impl Default for SessionParams {
@@ -111,6 +114,7 @@ impl Default for SessionParams {
             preemption: PreemptionMode::Recompute,
             seed: 0,
             device_sampling: true,
+            kv_cache_dtype: KvCacheDType::Auto,
         }
     }
 }
@@ -242,7 +246,7 @@ impl Session {
         if params.block_size == 0 || params.block_size > 1024 {
             bail_arg!("block_size must be in 1..=1024, got {}", params.block_size);
         }
-        let per_token = model.decoder.kv_bytes_per_slot();
+        let per_token = model.decoder.kv_bytes_per_slot(params.kv_cache_dtype)?;
         if !(params.gpu_memory_utilization > 0.0 && params.gpu_memory_utilization <= 1.0) {
             bail_arg!(
                 "gpu_memory_utilization must be in (0, 1], got {}",
@@ -261,6 +265,7 @@ impl Session {
         pool.check_device(gpu, &device.to_string())?;
         let mut shape = ContextShape::new(0, params.max_batched_tokens, params.max_seqs);
         shape.memory_pool = pool;
+        shape.kv_dtype = params.kv_cache_dtype;
         shape.memory_utilization = params.gpu_memory_utilization;
         if mu > 0.0 {
             shape.memory_utilization = mu;

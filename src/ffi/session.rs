@@ -7,7 +7,7 @@ use super::model::ni_model;
 use super::request::{self, ni_request_params};
 use super::status::ni_status;
 use crate::engine::{Model, PreemptionMode, SchedulePolicyKind, Session, SessionParams};
-use crate::kv::KvBackendKind;
+use crate::kv::{KvBackendKind, KvCacheDType};
 use crate::memory::{BudgetSource, MemoryPoolKind};
 use crate::{bail_arg, Error, Result};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -59,6 +59,15 @@ pub const NI_PREEMPTION_RECOMPUTE: ni_preemption_mode = 0;
 /// Copy its KV to host memory and back when resumed.
 pub const NI_PREEMPTION_SWAP: ni_preemption_mode = 1;
 
+/// What a session's KV cache stores.
+pub type ni_kv_cache_dtype = u32;
+/// The model's activation dtype (CUDA: bf16 or f16; CPU: f32).
+pub const NI_KV_CACHE_DTYPE_AUTO: ni_kv_cache_dtype = 0;
+/// FP8 e4m3, unscaled (vLLM's `kv_cache_dtype="fp8"`): half the bytes of a
+/// 16-bit cache, so twice the tokens per byte. CUDA only; a CPU model
+/// refuses it with `NI_ERR_UNSUPPORTED`.
+pub const NI_KV_CACHE_DTYPE_FP8: ni_kv_cache_dtype = 1;
+
 /// Shape of a session. Fill with `ni_session_params_init`, then change fields.
 ///
 /// KV capacity is taken from the first non-zero of `kv_capacity_tokens`,
@@ -108,6 +117,12 @@ pub struct ni_session_params {
     /// `gpu_memory_utilization`), on the CPU too, where it never exceeds the
     /// memory available now; 0 = automatic. Default 0. (Appended in a later version: see `struct_size`.)
     pub memory_utilization: f32,
+    /// `NI_KV_CACHE_DTYPE_*`; default `NI_KV_CACHE_DTYPE_AUTO` (0). Appended
+    /// later, into what was the struct's tail padding, so `sizeof` did not
+    /// change: a caller built against the older header that filled the struct
+    /// with `ni_session_params_init` (or zeroed it) gets the default, and a
+    /// value that is not an `NI_KV_CACHE_DTYPE_*` is refused.
+    pub kv_cache_dtype: ni_kv_cache_dtype,
 }
 
 /// `struct_size` of `ni_session_params` before `memory_utilization`.
@@ -143,6 +158,10 @@ impl Default for ni_session_params {
             },
             seed: d.seed,
             memory_utilization: d.memory_utilization,
+            kv_cache_dtype: match d.kv_cache_dtype {
+                KvCacheDType::Auto => NI_KV_CACHE_DTYPE_AUTO,
+                KvCacheDType::Fp8E4m3 => NI_KV_CACHE_DTYPE_FP8,
+            },
         }
     }
 }
@@ -182,6 +201,11 @@ fn to_engine(p: &ni_session_params) -> Result<SessionParams> {
         NI_PREEMPTION_SWAP => PreemptionMode::Swap,
         v => bail_arg!("session params: preemption {v} is not an NI_PREEMPTION_* value"),
     };
+    let kv_cache_dtype = match p.kv_cache_dtype {
+        NI_KV_CACHE_DTYPE_AUTO => KvCacheDType::Auto,
+        NI_KV_CACHE_DTYPE_FP8 => KvCacheDType::Fp8E4m3,
+        v => bail_arg!("session params: kv_cache_dtype {v} is not an NI_KV_CACHE_DTYPE_* value"),
+    };
     let f = p.kv_memory_fraction;
     if !(0.0..=1.0).contains(&f) {
         bail_arg!("session params: kv_memory_fraction must be in [0, 1] (0 = automatic), got {f}");
@@ -215,6 +239,7 @@ fn to_engine(p: &ni_session_params) -> Result<SessionParams> {
         preemption,
         seed: p.seed,
         device_sampling: true,
+        kv_cache_dtype,
     })
 }
 

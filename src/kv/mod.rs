@@ -6,6 +6,7 @@
 //! hands it, together with `&mut KvStorage`, to the model's forward pass.
 
 pub mod block_pool;
+pub mod cache_dtype;
 pub mod paged;
 pub mod prefix_hash;
 pub mod radix;
@@ -14,6 +15,7 @@ pub mod storage;
 mod tests;
 pub mod token;
 
+pub use cache_dtype::KvCacheDType;
 pub use paged::PagedKv;
 pub use storage::KvStorage;
 pub use token::TokenKv;

@@ -19,7 +19,8 @@ use crate::backend::cuda::{
     W4Out, BUDDY_MIN_BLOCK, DEVICE_ALIGN, HANDOFF_ROWS,
 };
 use crate::backend::{cuda, Device};
-use crate::kv::KvMapping;
+use crate::kv::cache_dtype::{e4m3_from_f32, e4m3_to_f32};
+use crate::kv::{KvCacheDType, KvMapping};
 use crate::memory::buddy::BuddyAllocator;
 use crate::memory::{DeviceMemory, DevicePool, MemoryPoolKind};
 use crate::sampling::DeviceSampling;
@@ -763,10 +764,15 @@ impl CudaDecoder {
         })
     }
 
-    /// Elements of a context's KV buffer.
-    fn kv_elems(&self, shape: &ContextShape) -> usize {
+    /// 16-bit words of a context's KV buffer.
+    fn kv_words(&self, shape: &ContextShape) -> usize {
+        shape.kv_slots * self.kv_slot_bytes(shape.kv_dtype) / 2
+    }
+
+    /// Bytes one KV slot holds across all layers in a cache of `dtype`.
+    fn kv_slot_bytes(&self, dtype: KvCacheDType) -> usize {
         let c = &self.config;
-        c.num_layers * 2 * shape.kv_slots * c.num_kv_heads * c.head_dim
+        2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype.element_bytes(2)
     }
 
     /// The device pool of a context of `shape`: a `CudaBuddy` is sized for
@@ -776,7 +782,7 @@ impl CudaDecoder {
         let kind = shape.memory_pool;
         kind.check_device(true, &Device::Cuda(self.ordinal).to_string())?;
         let capacity = if kind == MemoryPoolKind::CudaBuddy {
-            let mut sizes = vec![self.kv_elems(shape).max(1) * 2];
+            let mut sizes = vec![self.kv_words(shape).max(1) * 2];
             sizes.extend(
                 self.workspace_sizes(shape)
                     .buffer_bytes(shape.max_logits_rows),
@@ -793,7 +799,7 @@ impl CudaDecoder {
     fn create_context(self: Arc<Self>, shape: &ContextShape) -> Result<CudaForward> {
         let pool = self.new_pool(shape)?;
         // The KV buffer first: a buddy region's largest block.
-        let kv = self.dev.alloc_in::<u16>(&pool, self.kv_elems(shape))?;
+        let kv = self.dev.alloc_in::<u16>(&pool, self.kv_words(shape))?;
         let ws = self.new_workspace(shape, &pool)?;
         let inputs_len = ws.inputs.len();
         Ok(CudaForward {
@@ -801,6 +807,7 @@ impl CudaDecoder {
             max_rows: shape.max_rows,
             max_logits_rows: shape.max_logits_rows,
             kv,
+            kv_fp8: shape.kv_dtype == KvCacheDType::Fp8E4m3,
             ws,
             staging: None,
             host: Vec::with_capacity(inputs_len),
@@ -842,7 +849,7 @@ impl CudaDecoder {
             .max(rows.div_ceil(max_pos));
         let mut tiny = *shape;
         tiny.kv_slots = rows + 1 + PROFILE_EXTRA_SLOTS;
-        let tiny_kv_bytes = self.kv_elems(&tiny) * 2;
+        let tiny_kv_bytes = self.kv_words(&tiny) * 2;
         let tokens = vec![0u32; rows];
         let slots: Vec<u32> = (1..=rows as u32).collect();
         let (mut seqs, mut logits_rows, mut start) = (Vec::new(), Vec::new(), 0);
@@ -916,9 +923,8 @@ impl DeviceDecoder for CudaDecoder {
     fn threads(&self) -> usize {
         1
     }
-    fn kv_bytes_per_slot(&self) -> usize {
-        let c = &self.config;
-        2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
+    fn kv_bytes_per_slot(&self, dtype: KvCacheDType) -> Result<usize> {
+        Ok(self.kv_slot_bytes(dtype))
     }
     fn default_kv_budget(self: Arc<Self>, shape: &ContextShape) -> Result<KvBudget> {
         let (free, total) = self.dev.memory_info()?;
@@ -995,8 +1001,10 @@ struct CudaForward {
     slots: usize,
     max_rows: usize,
     max_logits_rows: usize,
-    /// `[layer][k | v][slot][kv_heads * head_dim]`.
+    /// `[layer][k | v][slot][kv_heads * head_dim]` of the activation dtype,
+    /// or of fp8 bytes with `kv_fp8`.
     kv: DeviceBuffer<u16>,
+    kv_fp8: bool,
     ws: Workspace,
     /// Swap staging, allocated on first use.
     staging: Option<DeviceBuffer<u16>>,
@@ -1069,9 +1077,18 @@ impl CudaForward {
         c.num_kv_heads * c.head_dim
     }
 
+    /// 16-bit words of one slot of one layer's keys (or values).
+    fn kv_row_words(&self) -> usize {
+        if self.kv_fp8 {
+            self.kv_width() / 2
+        } else {
+            self.kv_width()
+        }
+    }
+
     /// Device addresses of layer `l`'s key and value caches.
     fn layer_kv(&self, l: usize) -> (u64, u64) {
-        let per = self.slots * self.kv_width();
+        let per = self.slots * self.kv_row_words();
         (self.kv.at(2 * l * per), self.kv.at((2 * l + 1) * per))
     }
 
@@ -1542,6 +1559,7 @@ impl CudaForward {
                 slots: ws.inputs.at(inputs.write_slots),
                 k_cache: kc,
                 v_cache: vc,
+                kv_fp8: self.kv_fp8,
                 nq,
                 nkv,
                 head_dim: hd,
@@ -1575,6 +1593,7 @@ impl CudaForward {
                     KArg::I32(rows as i32),
                     KArg::Ptr(nw),
                     KArg::F32(eps),
+                    KArg::I32(self.kv_fp8 as i32),
                 ],
             );
         }
@@ -1617,8 +1636,13 @@ impl CudaForward {
                 KArg::I32(hd as i32),
             ],
         )?;
+        let kv_write = if self.kv_fp8 {
+            &k.kv_write_fp8
+        } else {
+            &k.kv_write
+        };
         dev.launch(
-            &k.kv_write,
+            kv_write,
             (r32, 1, 1),
             256,
             &[
@@ -1646,9 +1670,11 @@ impl CudaForward {
         let scale = 1.0 / (hd as f32).sqrt();
         let inp = |o: usize| KArg::Ptr(ws.inputs.at(o));
         if inputs.n_tiles > 0 {
-            let kernel = match m.prefill {
-                PrefillKernel::Flash => &k.attention_flash,
-                _ => &k.attention_tiles,
+            let kernel = match (m.prefill, self.kv_fp8) {
+                (PrefillKernel::Flash, false) => &k.attention_flash,
+                (PrefillKernel::Flash, true) => &k.attention_flash_fp8,
+                (_, false) => &k.attention_tiles,
+                (_, true) => &k.attention_tiles_fp8,
             };
             dev.launch(
                 kernel,
@@ -1677,10 +1703,11 @@ impl CudaForward {
         }
         let row_list = inputs.decode_rows.map_or(KArg::Ptr(0), inp);
         let n_decode = inputs.n_decode as u32;
-        let (kernel, threads) = if m.decode_mma {
-            (&k.attention_decode_mma, DA_THREADS)
-        } else {
-            (&k.attention, ATTN_THREADS)
+        let (kernel, threads) = match (m.decode_mma, self.kv_fp8) {
+            (true, false) => (&k.attention_decode_mma, DA_THREADS),
+            (true, true) => (&k.attention_decode_mma_fp8, DA_THREADS),
+            (false, false) => (&k.attention, ATTN_THREADS),
+            (false, true) => (&k.attention_fp8, ATTN_THREADS),
         };
         dev.launch(
             kernel,
@@ -1921,10 +1948,11 @@ impl CudaForward {
     }
 
     /// Gathers (`to_host`) or scatters the KV of `slots`, layer by layer,
-    /// through a device staging buffer; `host` is `[slot][layer][k | v]`.
+    /// through a device staging buffer; `host` is `[slot][layer][k | v]`
+    /// in the cache's 16-bit words (two fp8 values each with `kv_fp8`).
     fn copy_slots(&mut self, slots: &[u32], host: &mut [u16], to_host: bool) -> Result<()> {
         let c = &self.model.config;
-        let (n, w, layers) = (slots.len(), self.kv_width(), c.num_layers);
+        let (n, w, layers) = (slots.len(), self.kv_row_words(), c.num_layers);
         let dev = self.model.dev.clone();
         if self
             .staging
@@ -1970,6 +1998,28 @@ impl CudaForward {
             }
         }
         dev.synchronize()
+    }
+
+    /// The values of the cache's words (`copy_slots`' layout).
+    fn decode_kv_words(&self, words: &[u16], out: &mut Vec<f32>) {
+        if self.kv_fp8 {
+            out.extend(words.iter().flat_map(|w| w.to_le_bytes()).map(e4m3_to_f32));
+        } else {
+            let act = self.model.dev.act;
+            out.extend(words.iter().map(|&b| act.decode(b)));
+        }
+    }
+
+    /// The cache's words of `values` (exact for values read by `decode_kv_words`).
+    fn encode_kv_words(&self, values: &[f32]) -> Vec<u16> {
+        if self.kv_fp8 {
+            values
+                .chunks(2)
+                .map(|p| u16::from_le_bytes([e4m3_from_f32(p[0]), e4m3_from_f32(p[1])]))
+                .collect()
+        } else {
+            self.model.dev.act.encode(values)
+        }
     }
 }
 
@@ -2050,13 +2100,13 @@ impl ForwardContext for CudaForward {
                 format!("no host memory for {n} swapped KV values"),
             )
         };
+        let words = slots.len() * 2 * self.model.config.num_layers * self.kv_row_words();
         let mut bits = Vec::new();
-        bits.try_reserve_exact(n).map_err(no_memory)?;
-        bits.resize(n, 0u16);
+        bits.try_reserve_exact(words).map_err(no_memory)?;
+        bits.resize(words, 0u16);
         out.try_reserve(n).map_err(no_memory)?;
         self.copy_slots(slots, &mut bits, true)?;
-        let act = self.model.dev.act;
-        out.extend(bits.iter().map(|&b| act.decode(b)));
+        self.decode_kv_words(&bits, out);
         Ok(())
     }
 
@@ -2068,7 +2118,7 @@ impl ForwardContext for CudaForward {
                 slots.len()
             );
         }
-        let mut bits = self.model.dev.act.encode(data);
+        let mut bits = self.encode_kv_words(data);
         self.copy_slots(slots, &mut bits, false)
     }
 }

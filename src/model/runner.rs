@@ -10,7 +10,7 @@ use super::ModelConfig;
 use crate::backend::cpu::attention::reserve_decode_scratch;
 use crate::backend::cpu::ThreadPool;
 use crate::backend::Device;
-use crate::kv::KvStorage;
+use crate::kv::{KvCacheDType, KvStorage};
 use crate::memory::{utilization_kv_bytes, DeviceMemory, MemoryPoolKind};
 use crate::sampling::DeviceSampling;
 use crate::{bail_arg, Error, Result};
@@ -37,6 +37,8 @@ pub struct ContextShape {
     /// GPU context's workspace and KV cache. Must suit the device (the
     /// session checks; a decoder refuses the other device's pools).
     pub memory_pool: MemoryPoolKind,
+    /// What the KV cache stores (a decoder refuses a type it lacks).
+    pub kv_dtype: KvCacheDType,
 }
 
 impl ContextShape {
@@ -50,6 +52,7 @@ impl ContextShape {
             memory_utilization: Self::DEFAULT_MEMORY_UTILIZATION,
             utilization_budget: false,
             memory_pool: MemoryPoolKind::default(),
+            kv_dtype: KvCacheDType::Auto,
         }
     }
 }
@@ -78,8 +81,9 @@ pub trait DeviceDecoder: Send + Sync {
     fn weight_bytes(&self) -> usize;
     /// Host threads the kernels run on (1 for a GPU: one launching thread).
     fn threads(&self) -> usize;
-    /// Bytes of KV data one slot holds across all layers.
-    fn kv_bytes_per_slot(&self) -> usize;
+    /// Bytes of KV data one slot holds across all layers with a cache of
+    /// `dtype`; an error names a type this decoder cannot store.
+    fn kv_bytes_per_slot(&self, dtype: KvCacheDType) -> Result<usize>;
     /// KV budget when the session gives none: what the device can spare
     /// after the weights and the temporaries of a context of `shape` (its
     /// `kv_slots` ignored). A GPU measures the temporaries with a profiling
@@ -233,9 +237,14 @@ impl DeviceDecoder for CpuDecoder {
     fn threads(&self) -> usize {
         self.pool.threads()
     }
-    fn kv_bytes_per_slot(&self) -> usize {
+    fn kv_bytes_per_slot(&self, dtype: KvCacheDType) -> Result<usize> {
+        check_cpu_kv_dtype(dtype)?;
         let c = &self.decoder.config;
-        KvStorage::bytes_per_slot(c.num_layers, c.num_kv_heads, c.head_dim)
+        Ok(KvStorage::bytes_per_slot(
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+        ))
     }
     fn default_kv_budget(self: Arc<Self>, shape: &ContextShape) -> Result<KvBudget> {
         if shape.utilization_budget {
@@ -278,6 +287,7 @@ impl DeviceDecoder for CpuDecoder {
     }
     fn new_context(self: Arc<Self>, shape: &ContextShape) -> Result<Box<dyn ForwardContext>> {
         shape.memory_pool.check_device(false, "cpu")?;
+        check_cpu_kv_dtype(shape.kv_dtype)?;
         let c = &self.decoder.config;
         let storage = KvStorage::new(c.num_layers, shape.kv_slots, c.num_kv_heads, c.head_dim);
         let ws = ForwardWorkspace::new(shape.memory_pool, self.workspace_plan(shape))?;
@@ -288,6 +298,16 @@ impl DeviceDecoder for CpuDecoder {
             storage,
             ws,
         }))
+    }
+}
+
+/// The CPU keeps f32 keys and values only.
+fn check_cpu_kv_dtype(dtype: KvCacheDType) -> Result<()> {
+    match dtype {
+        KvCacheDType::Auto => Ok(()),
+        KvCacheDType::Fp8E4m3 => Err(Error::unsupported(format!(
+            "KV cache dtype {dtype} is supported on CUDA only; the CPU stores keys and values as f32 (use auto)"
+        ))),
     }
 }
 

@@ -299,6 +299,10 @@ func TestErrors(t *testing.T) {
 	if !errors.Is(err, ErrCancelled) {
 		t.Errorf("progress cancel: %v", err)
 	}
+	// An FP8 KV cache is CUDA only: this CPU model names why it refuses one.
+	if _, err := NewSession(model(t), &SessionOptions{KVCapacityTokens: 1024, KVCacheDType: KVCacheFP8}); !errors.Is(err, ErrUnsupported) || !strings.Contains(err.Error(), "CUDA only") {
+		t.Errorf("fp8 KV cache on the CPU: %v", err)
+	}
 	// Closed objects refuse calls; closing twice is fine.
 	s2, err := NewSession(model(t), &SessionOptions{KVCapacityTokens: 1024})
 	if err != nil {

@@ -38,6 +38,14 @@ const (
 	PreemptSwap      Preemption = C.NI_PREEMPTION_SWAP
 )
 
+// KVCacheDType selects what the KV cache stores.
+type KVCacheDType int
+
+const (
+	KVCacheAuto KVCacheDType = C.NI_KV_CACHE_DTYPE_AUTO // the activation dtype (default)
+	KVCacheFP8  KVCacheDType = C.NI_KV_CACHE_DTYPE_FP8  // FP8 e4m3, CUDA only: twice the tokens per byte
+)
+
 // SessionOptions shapes a session. Zero fields keep the library defaults
 // (paged KV, 16-token blocks, automatic KV budget, 512-token step budget,
 // 64 sequences, 512-token prefill chunks, FCFS, prefix caching on).
@@ -57,6 +65,7 @@ type SessionOptions struct {
 	DisablePrefixCaching bool
 	Preemption           Preemption
 	Seed                 uint64 // seeds requests without their own Seed
+	KVCacheDType         KVCacheDType
 }
 
 // Request is one generation request. Set Prompt (token ids) or Text.
@@ -202,6 +211,7 @@ func NewSession(m *Model, opts *SessionOptions) (*Session, error) {
 	p.prefix_caching = C.bool(!opts.DisablePrefixCaching)
 	p.preemption = C.ni_preemption_mode(opts.Preemption)
 	p.seed = C.uint64_t(opts.Seed)
+	p.kv_cache_dtype = C.ni_kv_cache_dtype(opts.KVCacheDType)
 
 	s := &Session{}
 	err := m.with(func(mp *C.ni_model) error {

@@ -154,6 +154,8 @@ pub struct QkvEpilogue {
     pub slots: u64,
     pub k_cache: u64,
     pub v_cache: u64,
+    /// The caches hold fp8 (W4_OUT_QKV_FP8).
+    pub kv_fp8: bool,
     pub nq: usize,
     pub nkv: usize,
     pub head_dim: usize,
@@ -239,7 +241,11 @@ impl CudaDevice {
             W4Out::Act { y } => (false, 0, y, w.rows / TILE_ROWS, None),
             W4Out::Residual { y, handoff } => (false, 2, y, w.rows / TILE_ROWS, handoff),
             W4Out::SwiGlu { out } => (true, 3, out, w.rows / 2 / TILE_ROWS, None),
-            W4Out::Qkv(e) => (true, 4, e.qkv, w.rows / 2 / TILE_ROWS, None),
+            // W4_OUT_QKV, W4_OUT_QKV_FP8
+            W4Out::Qkv(e) => {
+                let mode = if e.kv_fp8 { 5 } else { 4 };
+                (true, mode, e.qkv, w.rows / 2 / TILE_ROWS, None)
+            }
         };
         let fits = match norm {
             W4Norm::None => true,

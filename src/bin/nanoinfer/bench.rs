@@ -15,9 +15,12 @@
 
 use crate::args::Args;
 use crate::serve_bench;
-use crate::session_opts::{load_model, memory_pool, quant_mode, MODEL_OPTS, SESSION_OPTS};
+use crate::session_opts::{
+    kv_cache_dtype, load_model, memory_pool, quant_mode, MODEL_OPTS, SESSION_OPTS,
+};
 use nanoinfer::engine::eval::SingleSequence;
 use nanoinfer::engine::Model;
+use nanoinfer::kv::KvCacheDType;
 use nanoinfer::memory::MemoryPoolKind;
 use nanoinfer::model::ModelConfig;
 use nanoinfer::sampling::rng::SplitMix64;
@@ -32,6 +35,7 @@ const OPTS: &[&str] = &[
     "repetitions",
     "seed",
     "memory-pool",
+    "kv-cache-dtype",
 ];
 
 /// llama-bench's short options, mapped to the long ones `Args` understands.
@@ -100,7 +104,9 @@ pub fn run(a: &Args) -> Result<(), String> {
     }
     let gpu = model.decoder.device() != nanoinfer::backend::Device::Cpu;
     let pool = memory_pool(a)?.unwrap_or(MemoryPoolKind::default_for(gpu));
-    let mut bench = Bench::new(&model, longest, s.n_prompt.max(FILL_CHUNK), s.seed, pool)?;
+    let kv_dtype = kv_cache_dtype(a)?;
+    let rows = s.n_prompt.max(FILL_CHUNK);
+    let mut bench = Bench::new(&model, longest, rows, s.seed, (pool, kv_dtype))?;
     let pp = if s.n_prompt > 0 {
         Some(measure(s.repetitions, s.n_prompt, || {
             bench.prompt(s.n_prompt)
@@ -191,14 +197,20 @@ impl<'m> Bench<'m> {
         capacity: usize,
         max_rows: usize,
         seed: u64,
-        pool: MemoryPoolKind,
+        (pool, kv_dtype): (MemoryPoolKind, KvCacheDType),
     ) -> Result<Self, String> {
         let c = model.config();
         let mut rng = SplitMix64::new(seed);
         Ok(Bench {
             model,
-            seq: SingleSequence::with_pool(model, capacity, max_rows.min(capacity), pool)
-                .map_err(|e| e.to_string())?,
+            seq: SingleSequence::with_options(
+                model,
+                capacity,
+                max_rows.min(capacity),
+                pool,
+                kv_dtype,
+            )
+            .map_err(|e| e.to_string())?,
             logits: vec![0.0; c.vocab_size],
             tokens: (0..capacity)
                 .map(|_| rng.below(c.vocab_size) as u32)

@@ -20,7 +20,7 @@ const USAGE: &str = "usage:
                      [--quant none|q8_0|awq|gptq] [--json]
                      [--kv-backend paged|token] [--block-size N] [--kv-capacity TOKENS]
                      [--gpu-memory-utilization F] [--memory-utilization F]
-                     [--memory-pool arena|slab|system|cuda-stream|cuda-buddy]
+                     [--memory-pool arena|slab|system|cuda-stream|cuda-buddy] [--kv-cache-dtype auto|fp8]
                      [--max-batched-tokens N] [--max-seqs N] [--prefill-chunk N]
                      [--policy fcfs|priority] [--preemption recompute|swap] [--no-prefix-cache]
                      [--host-sampling]
@@ -28,7 +28,8 @@ const USAGE: &str = "usage:
                      [--quant ..] [--json]
   nanoinfer bench --model DIR [-p 512] [-n 128] [-r|--repetitions 3] [--device ..] [-t|--threads N]
                   [--dtype auto|f32|f16|bf16] [--quant none|q8_0|awq|gptq] [--seed S]
-                  [--memory-pool arena|slab|system|cuda-stream|cuda-buddy] [--json]
+                  [--memory-pool arena|slab|system|cuda-stream|cuda-buddy] [--kv-cache-dtype auto|fp8]
+                  [-d DEPTH] [--json]
   nanoinfer bench --model DIR --num-requests N [--input-len 512] [--output-len 256] [--concurrency 0]
                   [--device ..] [session options] [--seed S] [--json]
                   (serving: output tok/s, TTFT/TPOT percentiles, host time per step)
@@ -47,7 +48,9 @@ const USAGE: &str = "usage:
   or where a GPU session's workspace and KV cache live (default cuda-stream: a
   stream-ordered pool of its own; cuda-buddy: one allocation sized for the session).
   --memory-utilization F sizes the KV cache as F of total memory minus weights
-  minus the planned workspace (vLLM rule; never more than is available now).";
+  minus the planned workspace (vLLM rule; never more than is available now).
+  --kv-cache-dtype fp8 (CUDA) stores keys and values as FP8 e4m3, unscaled: twice the
+  tokens per byte of KV memory and half the bytes decode attention reads.";
 
 fn main() {
     let argv: Vec<String> = std::env::args().skip(1).collect();

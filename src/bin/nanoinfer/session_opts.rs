@@ -2,7 +2,7 @@
 
 use crate::args::Args;
 use nanoinfer::engine::{Model, ModelParams, SessionParams};
-use nanoinfer::kv::KvBackendKind;
+use nanoinfer::kv::{KvBackendKind, KvCacheDType};
 use nanoinfer::memory::MemoryPoolKind;
 use nanoinfer::model::QuantMode;
 use nanoinfer::sampling::SamplingParams;
@@ -26,6 +26,7 @@ pub const SESSION_OPTS: &[&str] = &[
     "gpu-memory-utilization",
     "memory-utilization",
     "memory-pool",
+    "kv-cache-dtype",
     "max-batched-tokens",
     "max-seqs",
     "prefill-chunk",
@@ -148,8 +149,14 @@ pub fn session_params(a: &Args) -> Result<SessionParams, String> {
         prefix_caching: !a.flag("no-prefix-cache"),
         seed: a.parse_or("seed", d.seed)?,
         device_sampling: !a.flag("host-sampling"),
+        kv_cache_dtype: kv_cache_dtype(a)?,
         ..d
     })
+}
+
+/// `--kv-cache-dtype auto|fp8` (default auto: the activation dtype).
+pub fn kv_cache_dtype(a: &Args) -> Result<KvCacheDType, String> {
+    a.parse_or("kv-cache-dtype", KvCacheDType::Auto)
 }
 
 /// `--memory-pool arena|slab|system|cuda-stream|cuda-buddy` (default: the
