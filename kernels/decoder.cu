@@ -1402,8 +1402,8 @@ FLASH_KERNEL(attention_flash_fp8, fp8)
 #ifndef DA_MIN_BLOCKS
 #define DA_MIN_BLOCKS 2
 #endif
-#ifndef DA_FP8_MIN_BLOCKS
-#define DA_FP8_MIN_BLOCKS 2  // attention_decode_mma_fp8's (161 registers: 3 blocks fit)
+#ifndef DA_FP8_KEY_BLOCKS
+#define DA_FP8_KEY_BLOCKS 1  // 16-key blocks per warp step of attention_decode_mma_fp8 (1 or 2)
 #endif
 
 struct DecodeShared {
@@ -1429,19 +1429,25 @@ __device__ __forceinline__ void load_words(unsigned* w, const void* p, bool ok) 
 // Decode attention with the GQA group's query heads as the rows of m16n8k16
 // MMAs: one block serves every query head of one kv head for one row and one
 // split of its context (positions as in `attention`), so each key and value
-// is read once, by one warp; warp w takes keys 16w.., 16w + 64.., ... of the
+// is read once, by one warp; a warp step takes KEYS = 16 KB keys (KB = 1 for
+// raw16, 2 for fp8), warp w keys KEYS w.., KEYS (w + 4).., ... of the
 // split. No shared-memory staging: each lane loads its fragments straight
 // from the cache in 16-byte pieces, which fixes how it sees the head dims.
 // (A second register buffer, loading the next step while one computes, was
 // no faster: 255 registers, and occupancy already hides the latency.)
 // - S = Q Kᵀ sums over the head dims in any order, so lane (g, t) holds runs
-//   t, t + 4, ... of key g (a run: the 16 bytes of 8 dims of raw16, of 16
-//   dims of fp8), and the Q fragments take the same dims of their rows.
-// - O += P V: lane (g, t) loads the same dims of its four keys (2t, 2t + 1,
-//   2t + 8, 2t + 9) and pairs them with a byte permute. raw16: 16-byte runs
-//   8c + g, so n-tile j and fragment column c are dim 64 (j / 8) + 8c + j % 8;
-//   fp8: dims g HD / 8 .., so they are dim c HD / 8 + j.
+//   t, t + 4, ... of keys g, g + 8, ... (a run: the 16 bytes of 8 dims of
+//   raw16, of 16 dims of fp8), and the Q fragments take the same dims of
+//   their rows.
+// - O += P V, one k-step per 16 keys: lane (g, t) loads the same dims of its
+//   four keys of each (2t, 2t + 1, 2t + 8, 2t + 9) and pairs them with a
+//   byte permute. raw16: 16-byte runs 8c + g, so n-tile j and fragment
+//   column c are dim 64 (j / 8) + 8c + j % 8; fp8: dims g HD / 8 .., so they
+//   are dim c HD / 8 + j.
 // An FP8 cache (KV = fp8) is widened to the activation dtype in registers.
+// Its fragments take half the registers, so a step may take twice the keys
+// (DA_FP8_KEY_BLOCKS 2: the bytes in flight of raw16, 203 registers): the
+// kernel ran 12 % faster, but offline throughput did not rise (H100).
 // Warps merge through shared memory at the end; with one split the result
 // goes to `out`, otherwise (max, sum) and the unnormalized sums go to part_ml
 // and part_o for attn_merge (the max in natural-log units, as `attention`).
@@ -1453,6 +1459,8 @@ __device__ void decode_mma(const raw16* qkv, int stride, const KV* k_cache, cons
                            raw16* out, float* part_o, float* part_ml, const unsigned* row_list,
                            DecodeShared& sm) {
     constexpr bool FP8 = sizeof(KV) == 1;
+    constexpr int KB = FP8 ? DA_FP8_KEY_BLOCKS : 1;  // 16-key blocks per warp step
+    constexpr int KEYS = 16 * KB;
     constexpr int RUN = 16 / sizeof(KV);      // dims of a 16-byte run
     constexpr int KW = HD * sizeof(KV) / 16;  // words of a key per lane (HD / 4 lanes)
     constexpr int VW = HD * sizeof(KV) / 32;  // words of a value per lane
@@ -1474,12 +1482,13 @@ __device__ void decode_mma(const raw16* qkv, int stride, const KV* k_cache, cons
     const KV* k_head = k_cache + kv_head * HD;
     const KV* v_head = v_cache + kv_head * HD;
 
-    // Fragments of keys kb .. kb + 15: K rows g and g + 8, V rows of the
-    // lane's four keys; keys from `limit` on are zero.
-    auto load = [&](unsigned (&kw)[2][KW], unsigned (&vw)[4][VW], int kb, int limit) {
-        const unsigned sl = kb + (lane & 15) < limit ? slots[kb + (lane & 15)] : 0u;
+    // Fragments of keys kb .. kb + KEYS - 1: K rows g, g + 8, ..., V rows of
+    // the lane's four keys of each 16; keys from `limit` on are zero.
+    auto load = [&](unsigned (&kw)[2 * KB][KW], unsigned (&vw)[4 * KB][VW], int kb, int limit) {
+        const int mine = kb + (lane & (KEYS - 1));
+        const unsigned sl = mine < limit ? slots[mine] : 0u;
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
+        for (int j = 0; j < 2 * KB; j++) {
             const int key = 8 * j + g;
             const KV* src = k_head + (size_t)__shfl_sync(0xffffffffu, sl, key) * kv_width;
 #pragma unroll
@@ -1487,8 +1496,8 @@ __device__ void decode_mma(const raw16* qkv, int stride, const KV* k_cache, cons
                 load_words<4>(&kw[j][4 * i], src + (tq + 4 * i) * RUN, kb + key < limit);
         }
 #pragma unroll
-        for (int r = 0; r < 4; r++) {
-            const int key = 2 * tq + (r & 1) + 8 * (r >> 1);
+        for (int r = 0; r < 4 * KB; r++) {
+            const int key = 16 * (r / 4) + 2 * tq + (r & 1) + 8 * ((r >> 1) & 1);
             const KV* src = v_head + (size_t)__shfl_sync(0xffffffffu, sl, key) * kv_width;
             if constexpr (FP8) {
                 load_words<VW>(vw[r], src + g * (HD / 8), kb + key < limit);
@@ -1501,11 +1510,11 @@ __device__ void decode_mma(const raw16* qkv, int stride, const KV* k_cache, cons
     };
     // The warp's first keys are requested before the wait, all but the
     // newest (n - 1), which the previous kernel (the QKV projection) writes.
-    int kb = begin + 16 * warp;
-    unsigned kw[2][KW], vw[4][VW];
+    int kb = begin + KEYS * warp;
+    unsigned kw[2 * KB][KW], vw[4 * KB][VW];
     if (kb < end) load(kw, vw, kb, min(end, n - 1));
     grid_dep_wait();
-    if (kb <= n - 1 && n - 1 < min(end, kb + 16)) load(kw, vw, kb, end);
+    if (kb <= n - 1 && n - 1 < min(end, kb + KEYS)) load(kw, vw, kb, end);
 
     // Q: fragment row g is query head g of the group (rows 8..15 are zero),
     // in the lane's order of the dims.
@@ -1531,11 +1540,11 @@ __device__ void decode_mma(const raw16* qkv, int stride, const KV* k_cache, cons
     for (int j = 0; j < NT; j++) o[j][0] = o[j][1] = 0.f;
     float m = -NI_INF, l = 0.f;
 
-    // Scores, online softmax and O += P V for keys kb .. kb + 15 (kb < end).
-    auto attend = [&](const unsigned (&kw)[2][KW], const unsigned (&vw)[4][VW], int kb) {
-        float s[2][2];
+    // Scores, online softmax and O += P V for keys kb .. kb + KEYS - 1 (kb < end).
+    auto attend = [&](const unsigned (&kw)[2 * KB][KW], const unsigned (&vw)[4 * KB][VW], int kb) {
+        float s[2 * KB][2];
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
+        for (int j = 0; j < 2 * KB; j++) {
             s[j][0] = s[j][1] = 0.f;
 #pragma unroll
             for (int st = 0; st < KS; st++) {
@@ -1545,47 +1554,57 @@ __device__ void decode_mma(const raw16* qkv, int stride, const KV* k_cache, cons
                     mma16816_top(s[j], qa[st], kw[j][2 * st], kw[j][2 * st + 1]);
             }
         }
-        if (kb + 16 > end) {
+        if (kb + KEYS > end) {
 #pragma unroll
-            for (int j = 0; j < 2; j++)
+            for (int j = 0; j < 2 * KB; j++)
 #pragma unroll
                 for (int e = 0; e < 2; e++)
                     if (kb + 8 * j + 2 * tq + e >= end) s[j][e] = -NI_INF;
         }
         // Key kb is unmasked, so the maximum is finite from the first step on.
-        float mx = fmaxf(m, fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1])));
+        float mx = m;
+#pragma unroll
+        for (int j = 0; j < 2 * KB; j++) mx = fmaxf(mx, fmaxf(s[j][0], s[j][1]));
 #pragma unroll
         for (int o_ = 1; o_ < 4; o_ <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o_));
         const float corr = exp2f((m - mx) * scale_log2), sub = mx * scale_log2;
         m = mx;
+        l *= corr;
 #pragma unroll
-        for (int j = 0; j < 2; j++)
+        for (int j = 0; j < 2 * KB; j++)
 #pragma unroll
-            for (int e = 0; e < 2; e++) s[j][e] = exp2f(fmaf(s[j][e], scale_log2, -sub));
-        l = l * corr + s[0][0] + s[0][1] + s[1][0] + s[1][1];
+            for (int e = 0; e < 2; e++) {
+                s[j][e] = exp2f(fmaf(s[j][e], scale_log2, -sub));
+                l += s[j][e];
+            }
         if (__any_sync(0xffffffffu, corr != 1.f)) {
 #pragma unroll
             for (int j = 0; j < NT; j++) o[j][0] *= corr, o[j][1] *= corr;
         }
-        const unsigned a[4] = {pack2(s[0][0], s[0][1]), 0u, pack2(s[1][0], s[1][1]), 0u};
 #pragma unroll
-        for (int j = 0; j < NT; j++) {
-            unsigned b0, b1;
-            if constexpr (FP8) {
-                b0 = e4m3_cross(vw[0][j / 4], vw[1][j / 4], j % 4);
-                b1 = e4m3_cross(vw[2][j / 4], vw[3][j / 4], j % 4);
-            } else {
-                const int wi = 4 * (j / 8) + (j % 8) / 2;
-                const unsigned sel = (j & 1) ? 0x7632u : 0x5410u;
-                b0 = __byte_perm(vw[0][wi], vw[1][wi], sel);
-                b1 = __byte_perm(vw[2][wi], vw[3][wi], sel);
+        for (int ks = 0; ks < KB; ks++) {
+            const unsigned a[4] = {pack2(s[2 * ks][0], s[2 * ks][1]), 0u,
+                                   pack2(s[2 * ks + 1][0], s[2 * ks + 1][1]), 0u};
+            const unsigned(&v)[4][VW] = *(const unsigned(*)[4][VW]) & vw[4 * ks];
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                unsigned b0, b1;
+                if constexpr (FP8) {
+                    b0 = e4m3_cross(v[0][j / 4], v[1][j / 4], j % 4);
+                    b1 = e4m3_cross(v[2][j / 4], v[3][j / 4], j % 4);
+                } else {
+                    const int wi = 4 * (j / 8) + (j % 8) / 2;
+                    const unsigned sel = (j & 1) ? 0x7632u : 0x5410u;
+                    b0 = __byte_perm(v[0][wi], v[1][wi], sel);
+                    b1 = __byte_perm(v[2][wi], v[3][wi], sel);
+                }
+                mma16816_top(o[j], a, b0, b1);
             }
-            mma16816_top(o[j], a, b0, b1);
         }
     };
-    for (; kb < end; kb += 16 * DA_WARPS) {
+    for (; kb < end; kb += KEYS * DA_WARPS) {
         attend(kw, vw, kb);
-        if (kb + 16 * DA_WARPS < end) load(kw, vw, kb + 16 * DA_WARPS, end);
+        if (kb + KEYS * DA_WARPS < end) load(kw, vw, kb + KEYS * DA_WARPS, end);
     }
     // Each lane summed a quarter of its row's keys.
 #pragma unroll
@@ -1632,8 +1651,8 @@ __device__ void decode_mma_heads(const raw16* qkv, int stride, const KV* k_cache
         decode_mma<64>(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, heads,
                        kv_heads, scale, out, part_o, part_ml, row_list, sm);
 }
-#define DECODE_MMA_KERNEL(NAME, KV, MIN_BLOCKS)                                                    \
-    extern "C" __global__ void __launch_bounds__(32 * DA_WARPS, MIN_BLOCKS)                        \
+#define DECODE_MMA_KERNEL(NAME, KV)                                                                \
+    extern "C" __global__ void __launch_bounds__(32 * DA_WARPS, DA_MIN_BLOCKS)                     \
         NAME(const raw16* qkv, int stride, const KV* k_cache, const KV* v_cache,                  \
              const unsigned* slot_list, const unsigned* table_off, const int* positions,          \
              int heads, int kv_heads, int hd, float scale, raw16* out, float* part_o,             \
@@ -1641,8 +1660,8 @@ __device__ void decode_mma_heads(const raw16* qkv, int stride, const KV* k_cache
         decode_mma_heads(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, heads,   \
                          kv_heads, hd, scale, out, part_o, part_ml, row_list);                   \
     }
-DECODE_MMA_KERNEL(attention_decode_mma, raw16, DA_MIN_BLOCKS)
-DECODE_MMA_KERNEL(attention_decode_mma_fp8, fp8, DA_FP8_MIN_BLOCKS)
+DECODE_MMA_KERNEL(attention_decode_mma, raw16)
+DECODE_MMA_KERNEL(attention_decode_mma_fp8, fp8)
 #undef DECODE_MMA_KERNEL
 
 #define ARGMAX_SPLITS 32  // blocks per row in argmax_partial; one warp merges them
