@@ -156,6 +156,21 @@ fn bad_input_is_a_clear_error() {
         stderr.contains("999999") && stderr.contains("vocabulary"),
         "{stderr}"
     );
+
+    // An FP8 KV cache is CUDA only; an unknown cache dtype is named.
+    for (dtype, want) in [("fp8", "CUDA only"), ("int3", "int3")] {
+        let (code, _, stderr) = nanoinfer(&[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "hi",
+            "--kv-cache-dtype",
+            dtype,
+        ]);
+        assert_eq!(code, 1);
+        assert!(stderr.contains(want), "{stderr}");
+    }
 }
 
 #[test]
