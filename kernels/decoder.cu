@@ -608,18 +608,20 @@ __device__ void attention_heads(const raw16* qkv, int stride, const KV* k_cache,
     }
 #undef ATTN_CASE
 }
-#define ATTENTION_KERNEL(NAME, KV)                                                                \
-    extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, 2)                               \
+// The entry point NAME of a decode attention kernel for KV cache type KV:
+// IMPL(qkv, stride, ...) with the arguments below (`attention` and
+// `attention_decode_mma` take the same).
+#define DECODE_ATTENTION_KERNEL(NAME, KV, WARPS, MIN_BLOCKS, IMPL)                                \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)                           \
         NAME(const raw16* qkv, int stride, const KV* k_cache, const KV* v_cache,                  \
              const unsigned* slot_list, const unsigned* table_off, const int* positions,          \
              int heads, int kv_heads, int hd, float scale, raw16* out, float* part_o,             \
              float* part_ml, const unsigned* row_list) {                                          \
-        attention_heads(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, heads,    \
-                        kv_heads, hd, scale, out, part_o, part_ml, row_list);                    \
+        IMPL(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, heads, kv_heads, hd,  \
+             scale, out, part_o, part_ml, row_list);                                              \
     }
-ATTENTION_KERNEL(attention, raw16)
-ATTENTION_KERNEL(attention_fp8, fp8)
-#undef ATTENTION_KERNEL
+DECODE_ATTENTION_KERNEL(attention, raw16, ATTN_WARPS, 2, attention_heads)
+DECODE_ATTENTION_KERNEL(attention_fp8, fp8, ATTN_WARPS, 2, attention_heads)
 
 // Merges the splits of attention: grid = (heads, rows), block >= hd threads;
 // block row y is batch row row_list[y] (y when null), as in `attention`.
@@ -1651,18 +1653,9 @@ __device__ void decode_mma_heads(const raw16* qkv, int stride, const KV* k_cache
         decode_mma<64>(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, heads,
                        kv_heads, scale, out, part_o, part_ml, row_list, sm);
 }
-#define DECODE_MMA_KERNEL(NAME, KV)                                                                \
-    extern "C" __global__ void __launch_bounds__(32 * DA_WARPS, DA_MIN_BLOCKS)                     \
-        NAME(const raw16* qkv, int stride, const KV* k_cache, const KV* v_cache,                  \
-             const unsigned* slot_list, const unsigned* table_off, const int* positions,          \
-             int heads, int kv_heads, int hd, float scale, raw16* out, float* part_o,             \
-             float* part_ml, const unsigned* row_list) {                                          \
-        decode_mma_heads(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, heads,   \
-                         kv_heads, hd, scale, out, part_o, part_ml, row_list);                   \
-    }
-DECODE_MMA_KERNEL(attention_decode_mma, raw16)
-DECODE_MMA_KERNEL(attention_decode_mma_fp8, fp8)
-#undef DECODE_MMA_KERNEL
+DECODE_ATTENTION_KERNEL(attention_decode_mma, raw16, DA_WARPS, DA_MIN_BLOCKS, decode_mma_heads)
+DECODE_ATTENTION_KERNEL(attention_decode_mma_fp8, fp8, DA_WARPS, DA_MIN_BLOCKS, decode_mma_heads)
+#undef DECODE_ATTENTION_KERNEL
 
 #define ARGMAX_SPLITS 32  // blocks per row in argmax_partial; one warp merges them
 
