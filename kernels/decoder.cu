@@ -328,19 +328,34 @@ extern "C" __global__ void rope_table(const int* positions, const float* inv_fre
 }
 
 // Rotary embedding (rotate-half form) in place on the q and k heads of the
-// fused QKV rows, angles from rope_table. grid = rows.
+// fused QKV rows, angles from rope_table. A thread takes a run of eight
+// pairs (16-byte accesses) when half a head is a multiple of 8, else one
+// pair; the arithmetic per pair is the same. grid = rows.
 extern "C" __global__ void rope(raw16* qkv, const float2* cs, int stride, int heads, int hd) {
     GRID_DEP_ENTER();
     const int half = hd / 2;
     const float2* row_cs = cs + (size_t)blockIdx.x * half;
     raw16* row = qkv + (size_t)blockIdx.x * stride;
-    for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {
-        const int h = t / half, i = t % half;
-        raw16* p = row + h * hd;
-        float x1 = to_f(p[i]), x2 = to_f(p[i + half]);
-        rope_rotate(x1, x2, row_cs[i].x, row_cs[i].y);
-        p[i] = from_f(x1);
-        p[i + half] = from_f(x2);
+    const int run = half % 8 == 0 ? 8 : 1, runs = half / run;
+    for (int t = threadIdx.x; t < heads * runs; t += blockDim.x) {
+        const int i = (t % runs) * run;
+        raw16* p = row + (t / runs) * hd + i;
+        if (run == 1) {
+            float x1 = to_f(p[0]), x2 = to_f(p[half]);
+            rope_rotate(x1, x2, row_cs[i].x, row_cs[i].y);
+            p[0] = from_f(x1);
+            p[half] = from_f(x2);
+            continue;
+        }
+        float x1[8], x2[8];
+        unpack8(*(const uint4*)p, x1);
+        unpack8(*(const uint4*)(p + half), x2);
+#pragma unroll
+        for (int e = 0; e < 8; e++) rope_rotate(x1[e], x2[e], row_cs[i + e].x, row_cs[i + e].y);
+        *(uint4*)p = make_uint4(pack2(x1[0], x1[1]), pack2(x1[2], x1[3]), pack2(x1[4], x1[5]),
+                                pack2(x1[6], x1[7]));
+        *(uint4*)(p + half) = make_uint4(pack2(x2[0], x2[1]), pack2(x2[2], x2[3]),
+                                         pack2(x2[4], x2[5]), pack2(x2[6], x2[7]));
     }
 }
 
