@@ -4,6 +4,8 @@ import Foundation
 public enum KVBackend: UInt32 { case paged = 0, token }
 public enum SchedulePolicy: UInt32 { case fcfs = 0, priority }
 public enum Preemption: UInt32 { case recompute = 0, swap }
+/// What the KV cache stores: the activation dtype, or FP8 e4m3 (CUDA only).
+public enum KVCacheDType: UInt32 { case auto = 0, fp8 }
 
 /// Shape of a session; nil / zero fields keep the library defaults.
 public struct SessionOptions {
@@ -20,6 +22,7 @@ public struct SessionOptions {
     public var prefixCaching: Bool = true
     public var preemption: Preemption = .recompute
     public var seed: UInt64 = 0
+    public var kvCacheDType: KVCacheDType = .auto
 
     public init(kvCapacityTokens: Int = 0) { self.kvCapacityTokens = kvCapacityTokens }
 }
@@ -115,6 +118,7 @@ public final class Session {
         p.prefix_caching = options.prefixCaching
         p.preemption = ni_preemption_mode(options.preemption.rawValue)
         p.seed = options.seed
+        p.kv_cache_dtype = ni_kv_cache_dtype(options.kvCacheDType.rawValue)
         var s: OpaquePointer?
         try check("ni_session_create", ni_session_create(model.handle, &p, &s))
         var out: OpaquePointer?
