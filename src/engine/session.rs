@@ -656,6 +656,7 @@ fn budget_report(
         profiled_peak_bytes: mem.profiled_peak_bytes,
         kv_bytes: shape.kv_slots * per_token,
         kv_bytes_per_token: per_token,
+        kv_dtype: shape.kv_dtype,
         kv_block_size: block,
         kv_blocks,
         kv_tokens: kv.total_slots,

@@ -3,6 +3,7 @@
 
 use std::fmt;
 
+use crate::kv::KvCacheDType;
 use crate::{Error, ErrorKind, Result};
 
 /// Where a session's KV capacity came from.
@@ -68,6 +69,8 @@ pub struct MemoryBudget {
     /// Bytes the KV storage holds (slots × bytes per slot, null block included).
     pub kv_bytes: usize,
     pub kv_bytes_per_token: usize,
+    /// What the KV cache stores.
+    pub kv_dtype: KvCacheDType,
     /// Tokens per block (1 for the token pool).
     pub kv_block_size: usize,
     /// Usable blocks (tokens / block size).
@@ -113,13 +116,17 @@ impl fmt::Display for MemoryBudget {
         }
         write!(
             f,
-            "KV {:.1} MiB = {} blocks × {} = {} tokens ({} bytes each); {} sequence(s) at the \
+            "KV {:.1} MiB = {} blocks × {} = {} tokens ({} bytes each{}); {} sequence(s) at the \
              full {}-token context",
             mib(self.kv_bytes),
             self.kv_blocks,
             self.kv_block_size,
             self.kv_tokens,
             self.kv_bytes_per_token,
+            match self.kv_dtype {
+                KvCacheDType::Auto => "",
+                KvCacheDType::Fp8E4m3 => ", fp8 e4m3",
+            },
             self.max_full_context_seqs,
             self.context_tokens
         )?;
@@ -250,5 +257,10 @@ mod tests {
             text.contains("workspace 2.0 MiB, profiled peak temporaries 3.0 MiB, KV 4.0 MiB"),
             "{text}"
         );
+        assert!(!text.contains("fp8"), "{text}");
+        b.kv_bytes_per_token = 64;
+        b.kv_dtype = KvCacheDType::Fp8E4m3;
+        let text = b.to_string();
+        assert!(text.contains("(64 bytes each, fp8 e4m3)"), "{text}");
     }
 }
