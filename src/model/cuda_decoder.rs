@@ -644,6 +644,8 @@ const DA_THREADS: u32 = 128;
 const DA_GROUP_MAX: usize = 8;
 /// 32 * TILE_WARPS (= 32 * FA_WARPS) and TILE_HD_MAX of kernels/decoder.cu.
 const TILE_THREADS: u32 = 128;
+/// Bytes of an activation (bf16 or f16), and of a `KvCacheDType::Auto` cache element.
+const ACT_BYTES: usize = 2;
 /// ARGMAX_SPLITS of kernels/decoder.cu.
 const ARGMAX_SPLITS: usize = 32;
 /// 8 × NORM_VECS of kernels/decoder.cu: add_rms_norm keeps a row in
@@ -772,7 +774,7 @@ impl CudaDecoder {
     /// Bytes one KV slot holds across all layers in a cache of `dtype`.
     fn kv_slot_bytes(&self, dtype: KvCacheDType) -> usize {
         let c = &self.config;
-        2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype.element_bytes(2)
+        2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype.element_bytes(ACT_BYTES)
     }
 
     /// The device pool of a context of `shape`: a `CudaBuddy` is sized for
