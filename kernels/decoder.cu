@@ -1446,9 +1446,9 @@ __device__ __forceinline__ void load_words(unsigned* w, const void* p, bool ok) 
 // Decode attention with the GQA group's query heads as the rows of m16n8k16
 // MMAs: one block serves every query head of one kv head for one row and one
 // split of its context (positions as in `attention`), so each key and value
-// is read once, by one warp; a warp step takes KEYS = 16 KB keys (KB = 1 for
-// raw16, 2 for fp8), warp w keys KEYS w.., KEYS (w + 4).., ... of the
-// split. No shared-memory staging: each lane loads its fragments straight
+// is read once, by one warp; a warp step takes KEYS = 16 KB keys (KB = 1;
+// DA_FP8_KEY_BLOCKS for fp8), warp w keys KEYS w.., KEYS (w + 4).., ... of
+// the split. No shared-memory staging: each lane loads its fragments straight
 // from the cache in 16-byte pieces, which fixes how it sees the head dims.
 // (A second register buffer, loading the next step while one computes, was
 // no faster: 255 registers, and occupancy already hides the latency.)
