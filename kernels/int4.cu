@@ -462,7 +462,7 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
             w4_add_residual((raw16*)y + (size_t)r * n + row0[0] + f, v[0]);
         } else if (mode == W4_OUT_SWIGLU) {
             ((raw16*)y)[(size_t)r * inter + row0[0] + f] = from_f(silu_mul_f(rnd(v[0]), rnd(v[T - 1])));
-        } else {  // W4_OUT_QKV
+        } else {  // W4_OUT_QKV, W4_OUT_QKV_FP8
             qkv_pair_store(v[0], v[T - 1], r, row0[0] + f, row0[T - 1] + f, freq0 < 0 ? -1 : freq0 + f,
                            bias, (raw16*)y, cs, slots, k_cache, v_cache, nq, nkv, hd,
                            mode == W4_OUT_QKV_FP8);
