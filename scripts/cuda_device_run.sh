@@ -2,7 +2,7 @@
 # Runs the CUDA checks on a GPU machine that has no Rust: the release binaries
 # built elsewhere are in $BIN (nanoinfer, cuda test binary), torch +
 # transformers are installed. Prints a short table last.
-#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|int4test|make8b|tests8b|bench|bench4|ab4|profile|trace|sampling|serve|engine|offline]...
+#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|int4test|make8b|tests8b|bench|bench4|ab4|profile|trace|sampling|serve|engine|offline|kvfp8]...
 # Binaries: `bash scripts/cuda_carry.sh` (here, with Rust) fills gpu-carry/.
 # KV_CACHE_DTYPE=fp8 runs the offline steps with an FP8 KV cache (default auto).
 set -uo pipefail
@@ -124,6 +124,15 @@ for step in "$@"; do
         "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda --num-requests 512 --input-len 512 \
             --output-len 256 --concurrency 256 --max-seqs 256 --max-batched-tokens 8192 --prefill-chunk 8192 --json
         python3 scripts/cuda_bench_hf.py --model "$WORK/l8b" --offline 256 --batch 256 -p 512 -n 256 ;;
+    kvfp8)
+        # BENCHMARKS "Session 18": bf16 against fp8 KV, offline and at 32k of context.
+        for kv in auto fp8; do
+            echo "== kv cache $kv"
+            "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --offline 1000 --prompt-len 512 \
+                --decode-tokens 256 --max-seqs 256 --max-batched-tokens 8192 --kv-cache-dtype $kv 2>&1 | grep offline:
+            "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 0 -n 64 -d 32768 -r 3 --json \
+                --kv-cache-dtype $kv
+        done ;;
     offline_hf)
         # The peer: HF generate, 256 requests in one batch of 256 (its best case).
         "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --offline 256 --prompt-len 512 --decode-tokens 256 \
