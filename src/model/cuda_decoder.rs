@@ -809,7 +809,7 @@ impl CudaDecoder {
             max_rows: shape.max_rows,
             max_logits_rows: shape.max_logits_rows,
             kv,
-            kv_fp8: shape.kv_dtype == KvCacheDType::Fp8E4m3,
+            kv_dtype: shape.kv_dtype,
             ws,
             staging: None,
             host: Vec::with_capacity(inputs_len),
@@ -1004,9 +1004,9 @@ struct CudaForward {
     max_rows: usize,
     max_logits_rows: usize,
     /// `[layer][k | v][slot][kv_heads * head_dim]` of the activation dtype,
-    /// or of fp8 bytes with `kv_fp8`.
+    /// or of fp8 bytes (`kv_dtype`).
     kv: DeviceBuffer<u16>,
-    kv_fp8: bool,
+    kv_dtype: KvCacheDType,
     ws: Workspace,
     /// Swap staging, allocated on first use.
     staging: Option<DeviceBuffer<u16>>,
@@ -1081,11 +1081,12 @@ impl CudaForward {
 
     /// 16-bit words of one slot of one layer's keys (or values).
     fn kv_row_words(&self) -> usize {
-        if self.kv_fp8 {
-            self.kv_width() / 2
-        } else {
-            self.kv_width()
-        }
+        self.kv_width() * self.kv_dtype.element_bytes(ACT_BYTES) / 2
+    }
+
+    /// Whether the cache holds fp8 (the kernels' `_fp8` variants and flags).
+    fn kv_fp8(&self) -> bool {
+        self.kv_dtype == KvCacheDType::Fp8E4m3
     }
 
     /// Device addresses of layer `l`'s key and value caches.
@@ -1561,7 +1562,7 @@ impl CudaForward {
                 slots: ws.inputs.at(inputs.write_slots),
                 k_cache: kc,
                 v_cache: vc,
-                kv_fp8: self.kv_fp8,
+                kv_fp8: self.kv_fp8(),
                 nq,
                 nkv,
                 head_dim: hd,
@@ -1595,7 +1596,7 @@ impl CudaForward {
                     KArg::I32(rows as i32),
                     KArg::Ptr(nw),
                     KArg::F32(eps),
-                    KArg::I32(self.kv_fp8 as i32),
+                    KArg::I32(self.kv_fp8() as i32),
                 ],
             );
         }
@@ -1638,7 +1639,7 @@ impl CudaForward {
                 KArg::I32(hd as i32),
             ],
         )?;
-        let kv_write = if self.kv_fp8 {
+        let kv_write = if self.kv_fp8() {
             &k.kv_write_fp8
         } else {
             &k.kv_write
@@ -1672,7 +1673,7 @@ impl CudaForward {
         let scale = 1.0 / (hd as f32).sqrt();
         let inp = |o: usize| KArg::Ptr(ws.inputs.at(o));
         if inputs.n_tiles > 0 {
-            let kernel = match (m.prefill, self.kv_fp8) {
+            let kernel = match (m.prefill, self.kv_fp8()) {
                 (PrefillKernel::Flash, false) => &k.attention_flash,
                 (PrefillKernel::Flash, true) => &k.attention_flash_fp8,
                 (_, false) => &k.attention_tiles,
@@ -1705,7 +1706,7 @@ impl CudaForward {
         }
         let row_list = inputs.decode_rows.map_or(KArg::Ptr(0), inp);
         let n_decode = inputs.n_decode as u32;
-        let (kernel, threads) = match (m.decode_mma, self.kv_fp8) {
+        let (kernel, threads) = match (m.decode_mma, self.kv_fp8()) {
             (true, false) => (&k.attention_decode_mma, DA_THREADS),
             (true, true) => (&k.attention_decode_mma_fp8, DA_THREADS),
             (false, false) => (&k.attention, ATTN_THREADS),
@@ -1951,7 +1952,7 @@ impl CudaForward {
 
     /// Gathers (`to_host`) or scatters the KV of `slots`, layer by layer,
     /// through a device staging buffer; `host` is `[slot][layer][k | v]`
-    /// in the cache's 16-bit words (two fp8 values each with `kv_fp8`).
+    /// in the cache's 16-bit words (two values each in an fp8 cache).
     fn copy_slots(&mut self, slots: &[u32], host: &mut [u16], to_host: bool) -> Result<()> {
         let c = &self.model.config;
         let (n, w, layers) = (slots.len(), self.kv_row_words(), c.num_layers);
@@ -2004,7 +2005,7 @@ impl CudaForward {
 
     /// The values of the cache's words (`copy_slots`' layout).
     fn decode_kv_words(&self, words: &[u16], out: &mut Vec<f32>) {
-        if self.kv_fp8 {
+        if self.kv_fp8() {
             out.extend(words.iter().flat_map(|w| w.to_le_bytes()).map(e4m3_to_f32));
         } else {
             let act = self.model.dev.act;
@@ -2014,7 +2015,7 @@ impl CudaForward {
 
     /// The cache's words of `values` (exact for values read by `decode_kv_words`).
     fn encode_kv_words(&self, values: &[f32]) -> Vec<u16> {
-        if self.kv_fp8 {
+        if self.kv_fp8() {
             values
                 .chunks(2)
                 .map(|p| u16::from_le_bytes([e4m3_from_f32(p[0]), e4m3_from_f32(p[1])]))

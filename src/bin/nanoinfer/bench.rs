@@ -106,7 +106,7 @@ pub fn run(a: &Args) -> Result<(), String> {
     let pool = memory_pool(a)?.unwrap_or(MemoryPoolKind::default_for(gpu));
     let kv_dtype = kv_cache_dtype(a)?;
     let rows = s.n_prompt.max(FILL_CHUNK);
-    let mut bench = Bench::new(&model, longest, rows, s.seed, (pool, kv_dtype))?;
+    let mut bench = Bench::new(&model, longest, rows, s.seed, pool, kv_dtype)?;
     let pp = if s.n_prompt > 0 {
         Some(measure(s.repetitions, s.n_prompt, || {
             bench.prompt(s.n_prompt)
@@ -197,7 +197,8 @@ impl<'m> Bench<'m> {
         capacity: usize,
         max_rows: usize,
         seed: u64,
-        (pool, kv_dtype): (MemoryPoolKind, KvCacheDType),
+        pool: MemoryPoolKind,
+        kv_dtype: KvCacheDType,
     ) -> Result<Self, String> {
         let c = model.config();
         let mut rng = SplitMix64::new(seed);
