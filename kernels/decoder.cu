@@ -1415,11 +1415,42 @@ FLASH_KERNEL(attention_flash_fp8, fp8)
 #ifndef DA_FP8_KEY_BLOCKS
 #define DA_FP8_KEY_BLOCKS 1  // 16-key blocks per warp step of attention_decode_mma_fp8 (1 or 2)
 #endif
+#ifndef DA_FP8_STAGES
+#define DA_FP8_STAGES 3  // warp steps of attention_decode_mma_fp8 in flight (0: register loads)
+#endif
+#ifndef DA_FP8_MIN_BLOCKS
+#define DA_FP8_MIN_BLOCKS (DA_FP8_STAGES ? 3 : DA_MIN_BLOCKS)
+#endif
 
 struct DecodeShared {
     float m[DA_WARPS][DA_GROUP_MAX], l[DA_WARPS][DA_GROUP_MAX];
     float o[DA_WARPS][128];
 };
+
+// The staged decode kernel's ring: each warp's DA_FP8_STAGES steps of keys
+// and values (head_dim <= 128) in shared memory. A step holds its keys' rows
+// of HD values, then its values' rows. Unswizzled: the fragment reads below
+// meet 2- to 4-way bank conflicts, but shared memory has ~10x the bandwidth
+// this kernel draws from DRAM, and plain offsets keep the addresses in
+// immediates instead of registers.
+template <typename KV>
+struct DecodeRing {
+    static constexpr bool on = sizeof(KV) == 1 && DA_FP8_STAGES > 0;
+    static constexpr int keys = 16 * (sizeof(KV) == 1 ? DA_FP8_KEY_BLOCKS : 1);
+    static constexpr int step_bytes = 2 * keys * 128 * (int)sizeof(KV);
+    static constexpr int bytes = on ? DA_WARPS * DA_FP8_STAGES * step_bytes : 0;
+    // Byte offset of byte `b` of key `r`'s row (values: `value`) in a step.
+    template <int HD>
+    __device__ static __forceinline__ int at(int r, int b, bool value) {
+        return ((value ? keys : 0) + r) * HD * (int)sizeof(KV) + b;
+    }
+};
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
 
 // `n` 32-bit words from p (16-byte aligned, or 8-byte for n = 2).
 template <int N>
@@ -1441,10 +1472,14 @@ __device__ __forceinline__ void load_words(unsigned* w, const void* p, bool ok) 
 // split of its context (positions as in `attention`), so each key and value
 // is read once, by one warp; a warp step takes KEYS = 16 KB keys (KB = 1;
 // DA_FP8_KEY_BLOCKS for fp8), warp w keys KEYS w.., KEYS (w + 4).., ... of
-// the split. No shared-memory staging: each lane loads its fragments straight
-// from the cache in 16-byte pieces, which fixes how it sees the head dims.
-// (A second register buffer, loading the next step while one computes, was
-// no faster: 255 registers, and occupancy already hides the latency.)
+// the split. A 16-bit cache is not staged in shared memory: each lane loads
+// its fragments straight from the cache in 16-byte pieces, which fixes how it
+// sees the head dims. (A second register buffer, loading the next step while
+// one computes, was no faster: 255 registers, and occupancy already hides the
+// latency.) An FP8 cache, half the bytes for the same work, left that kernel
+// latency-bound (~1.6 TB/s on an H100), so it streams through a ring of
+// DA_FP8_STAGES steps per warp in shared memory (DecodeRing, cp.async), and
+// each lane reads the same fragments from there.
 // - S = Q Kᵀ sums over the head dims in any order, so lane (g, t) holds runs
 //   t, t + 4, ... of keys g, g + 8, ... (a run: the 16 bytes of 8 dims of
 //   raw16, of 16 dims of fp8), and the Q fragments take the same dims of
@@ -1467,7 +1502,8 @@ __device__ void decode_mma(const raw16* qkv, int stride, const KV* k_cache, cons
                            const unsigned* slot_list, const unsigned* table_off,
                            const int* positions, int heads, int kv_heads, float scale,
                            raw16* out, float* part_o, float* part_ml, const unsigned* row_list,
-                           DecodeShared& sm) {
+                           unsigned char* smem) {
+    DecodeShared& sm = *reinterpret_cast<DecodeShared*>(smem);
     constexpr bool FP8 = sizeof(KV) == 1;
     constexpr int KB = FP8 ? DA_FP8_KEY_BLOCKS : 1;  // 16-key blocks per warp step
     constexpr int KEYS = 16 * KB;
@@ -1518,13 +1554,95 @@ __device__ void decode_mma(const raw16* qkv, int stride, const KV* k_cache, cons
             }
         }
     };
+    // Staged (an FP8 cache): the warp's steps t = 0, 1, ... go through its
+    // ring of S steps in shared memory by asynchronous copies, S steps ahead
+    // of the one it attends; its step t starts at key kb + t KEYS DA_WARPS.
+    using Ring = DecodeRing<KV>;
+    constexpr int S = Ring::on ? DA_FP8_STAGES : 1;
+    constexpr int CH = HD * sizeof(KV) / 16;  // 16-byte chunks of a row
+    unsigned char* const ring = smem + warp * S * Ring::step_bytes;
+    // Copies step t's keys and values into its ring slot: lane l copies
+    // chunks l / KEYS, l / KEYS + 32 / KEYS, ... of key l % KEYS, whose cache
+    // slot is `slot` (slot_of, loaded a step early so that its latency does
+    // not hold up the copies). Keys past `end` are zeroed (P V must not meet
+    // stale bytes). Before the wait it leaves out the newest key (n - 1),
+    // which the previous kernel (the QKV projection) writes; `only` >= 0
+    // copies that one key alone.
+    auto slot_of = [&](int kb, int t) {
+        const int pos = kb + t * KEYS * DA_WARPS + lane % KEYS;
+        return pos < end ? slots[pos] : 0u;
+    };
+    auto issue = [&](int kb, int t, unsigned slot, bool before_wait, int only) {
+        const int key = lane % KEYS, pos = kb + t * KEYS * DA_WARPS + key;
+        const bool real = pos < end && (only < 0 ? !(before_wait && pos == n - 1) : pos == only);
+        if (!real && (pos < end || only >= 0)) return;
+        const size_t at = real ? (size_t)slot * kv_width : 0;
+        const int bytes = real ? 16 : 0;
+        unsigned char* const step = ring + (t % S) * Ring::step_bytes;
+#pragma unroll
+        for (int i = 0; i < CH * KEYS / 32; i++) {
+            const int c = lane / KEYS + (32 / KEYS) * i;
+            cp_async16(step + Ring::template at<HD>(key, 16 * c, false), k_head + at + c * RUN, bytes);
+            cp_async16(step + Ring::template at<HD>(key, 16 * c, true), v_head + at + c * RUN, bytes);
+        }
+    };
+    // Step t's fragments from the ring, laid out as `load` lays them out:
+    // the keys', then (fetch_values) the values'.
+    auto fetch_keys = [&](unsigned (&kw)[2 * KB][KW], int t) {
+        const unsigned char* const step = ring + (t % S) * Ring::step_bytes;
+#pragma unroll
+        for (int j = 0; j < 2 * KB; j++)
+#pragma unroll
+            for (int i = 0; i < KW / 4; i++)
+                load_words<4>(&kw[j][4 * i], step + Ring::template at<HD>(8 * j + g, 16 * (tq + 4 * i), false),
+                              true);
+    };
+    auto fetch_values = [&](unsigned (&vw)[4 * KB][VW], int t) {
+        const unsigned char* const step = ring + (t % S) * Ring::step_bytes;
+#pragma unroll
+        for (int r = 0; r < 4 * KB; r++) {
+            const int key = 16 * (r / 4) + 2 * tq + (r & 1) + 8 * ((r >> 1) & 1);
+            if constexpr (FP8) {
+                load_words<VW>(vw[r], step + Ring::template at<HD>(key, g * (HD / 8), true), true);
+            } else {
+#pragma unroll
+                for (int c = 0; c < VW / 4; c++)
+                    load_words<4>(&vw[r][4 * c], step + Ring::template at<HD>(key, 16 * (8 * c + g), true), true);
+            }
+        }
+    };
+
     // The warp's first keys are requested before the wait, all but the
     // newest (n - 1), which the previous kernel (the QKV projection) writes.
     int kb = begin + KEYS * warp;
+    const int steps = kb < end ? (end - kb + KEYS * DA_WARPS - 1) / (KEYS * DA_WARPS) : 0;
+    int fixed_step = -1;  // staged: the step whose newest key was copied after the wait
     unsigned kw[2 * KB][KW], vw[4 * KB][VW];
-    if (kb < end) load(kw, vw, kb, min(end, n - 1));
+    if constexpr (Ring::on) {
+        // Commit groups: one per step, the last prologue step's after the wait.
+        unsigned first[S];
+#pragma unroll
+        for (int t = 0; t < S; t++) first[t] = slot_of(kb, t);
+#pragma unroll
+        for (int t = 0; t < S; t++) {
+            if (t < steps) issue(kb, t, first[t], true, -1);
+            if (t < S - 1) cp_async_commit();
+        }
+    } else if (kb < end) {
+        load(kw, vw, kb, min(end, n - 1));
+    }
     grid_dep_wait();
-    if (kb <= n - 1 && n - 1 < min(end, kb + KEYS)) load(kw, vw, kb, end);
+    if constexpr (Ring::on) {
+        const int newest = n - 1 - begin;
+        if (n - 1 < end && newest >= 0 && (newest / KEYS) % DA_WARPS == warp &&
+            newest / (KEYS * DA_WARPS) < S) {
+            fixed_step = newest / (KEYS * DA_WARPS);
+            issue(kb, fixed_step, slots[n - 1], false, n - 1);
+        }
+        cp_async_commit();
+    } else if (kb <= n - 1 && n - 1 < min(end, kb + KEYS)) {
+        load(kw, vw, kb, end);
+    }
 
     // Q: fragment row g is query head g of the group (rows 8..15 are zero),
     // in the lane's order of the dims.
@@ -1550,9 +1668,9 @@ __device__ void decode_mma(const raw16* qkv, int stride, const KV* k_cache, cons
     for (int j = 0; j < NT; j++) o[j][0] = o[j][1] = 0.f;
     float m = -NI_INF, l = 0.f;
 
-    // Scores, online softmax and O += P V for keys kb .. kb + KEYS - 1 (kb < end).
-    auto attend = [&](const unsigned (&kw)[2 * KB][KW], const unsigned (&vw)[4 * KB][VW], int kb) {
-        float s[2 * KB][2];
+    // Keys kb .. kb + KEYS - 1 (kb < end): scores, the online softmax (P
+    // into s, O rescaled), then (accumulate) O += P V.
+    auto score = [&](const unsigned (&kw)[2 * KB][KW], float (&s)[2 * KB][2], int kb) {
 #pragma unroll
         for (int j = 0; j < 2 * KB; j++) {
             s[j][0] = s[j][1] = 0.f;
@@ -1591,6 +1709,8 @@ __device__ void decode_mma(const raw16* qkv, int stride, const KV* k_cache, cons
 #pragma unroll
             for (int j = 0; j < NT; j++) o[j][0] *= corr, o[j][1] *= corr;
         }
+    };
+    auto accumulate = [&](const unsigned (&vw)[4 * KB][VW], const float (&s)[2 * KB][2]) {
 #pragma unroll
         for (int ks = 0; ks < KB; ks++) {
             const unsigned a[4] = {pack2(s[2 * ks][0], s[2 * ks][1]), 0u,
@@ -1612,9 +1732,34 @@ __device__ void decode_mma(const raw16* qkv, int stride, const KV* k_cache, cons
             }
         }
     };
-    for (; kb < end; kb += KEYS * DA_WARPS) {
-        attend(kw, vw, kb);
-        if (kb + KEYS * DA_WARPS < end) load(kw, vw, kb + KEYS * DA_WARPS, end);
+    if constexpr (Ring::on) {
+        unsigned next = slot_of(kb, S);
+        for (int t = 0; t < steps; t++) {
+            // Groups committed: S + t; step t's is the (t + 1)-th, unless its
+            // newest key joined the last prologue group.
+            if (t == fixed_step)
+                cp_async_wait_all();
+            else
+                cp_async_wait<S - 1>();
+            __syncwarp();  // every lane's copies of step t have landed
+            float s[2 * KB][2];
+            fetch_keys(kw, t);
+            score(kw, s, kb + t * KEYS * DA_WARPS);
+            fetch_values(vw, t);
+            __syncwarp();  // and have been read before its slot is reused
+            if (t + S < steps) issue(kb, t + S, next, false, -1);
+            cp_async_commit();
+            next = slot_of(kb, t + S + 1);
+            accumulate(vw, s);
+        }
+        __syncthreads();  // the ring is free for the merge below (it aliases it)
+    } else {
+        for (; kb < end; kb += KEYS * DA_WARPS) {
+            float s[2 * KB][2];
+            score(kw, s, kb);
+            accumulate(vw, s);
+            if (kb + KEYS * DA_WARPS < end) load(kw, vw, kb + KEYS * DA_WARPS, end);
+        }
     }
     // Each lane summed a quarter of its row's keys.
 #pragma unroll
@@ -1652,17 +1797,23 @@ __device__ void decode_mma_heads(const raw16* qkv, int stride, const KV* k_cache
                                  const unsigned* table_off, const int* positions, int heads,
                                  int kv_heads, int hd, float scale, raw16* out, float* part_o,
                                  float* part_ml, const unsigned* row_list) {
-    __shared__ DecodeShared sm;
+    constexpr int ring_bytes = DecodeRing<KV>::bytes;
+    static_assert(ring_bytes <= 48 * 1024, "the decode ring must fit static shared memory");
+    __shared__ union {
+        DecodeShared merge;
+        uint4 ring[(ring_bytes > (int)sizeof(DecodeShared) ? ring_bytes : (int)sizeof(DecodeShared)) / 16];
+    } shared;
+    unsigned char* const smem = reinterpret_cast<unsigned char*>(&shared);
     grid_dep_launch();  // decode_mma waits once its first keys are requested
     if (hd == 128)
         decode_mma<128>(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, heads,
-                        kv_heads, scale, out, part_o, part_ml, row_list, sm);
+                        kv_heads, scale, out, part_o, part_ml, row_list, smem);
     else
         decode_mma<64>(qkv, stride, k_cache, v_cache, slot_list, table_off, positions, heads,
-                       kv_heads, scale, out, part_o, part_ml, row_list, sm);
+                       kv_heads, scale, out, part_o, part_ml, row_list, smem);
 }
 DECODE_ATTENTION_KERNEL(attention_decode_mma, raw16, DA_WARPS, DA_MIN_BLOCKS, decode_mma_heads)
-DECODE_ATTENTION_KERNEL(attention_decode_mma_fp8, fp8, DA_WARPS, DA_MIN_BLOCKS, decode_mma_heads)
+DECODE_ATTENTION_KERNEL(attention_decode_mma_fp8, fp8, DA_WARPS, DA_FP8_MIN_BLOCKS, decode_mma_heads)
 #undef DECODE_ATTENTION_KERNEL
 
 #define ARGMAX_SPLITS 32  // blocks per row in argmax_partial; one warp merges them

@@ -148,7 +148,7 @@ impl Kernel {
     /// are left out: launched early they lose (see `EarlyLaunch`).
     pub fn prefetches_before_wait(&self) -> bool {
         self.name.starts_with("w4_mm_")
-            || self.name == "attention_decode_mma"
+            || self.name.starts_with("attention_decode_mma")
             || self.name == "gemv_r1"
     }
 }
