@@ -1413,7 +1413,9 @@ FLASH_KERNEL(attention_flash_fp8, fp8)
 #define DA_MIN_BLOCKS 2
 #endif
 #ifndef DA_FP8_KEY_BLOCKS
-#define DA_FP8_KEY_BLOCKS 1  // 16-key blocks per warp step of attention_decode_mma_fp8 (1 or 2)
+// 16-key blocks per warp step of attention_decode_mma_fp8 (1 or 2; 2 doubles
+// the ring's step, so it needs DA_FP8_STAGES 1, or 0 for register loads)
+#define DA_FP8_KEY_BLOCKS 1
 #endif
 #ifndef DA_FP8_STAGES
 #define DA_FP8_STAGES 3  // warp steps of attention_decode_mma_fp8 in flight (0: register loads)
@@ -1491,8 +1493,9 @@ __device__ __forceinline__ void load_words(unsigned* w, const void* p, bool ok) 
 //   are dim c HD / 8 + j.
 // An FP8 cache (KV = fp8) is widened to the activation dtype in registers.
 // Its fragments take half the registers, so a step may take twice the keys
-// (DA_FP8_KEY_BLOCKS 2: the bytes in flight of raw16, 203 registers): the
-// kernel ran 12 % faster, but offline throughput did not rise (H100).
+// (DA_FP8_KEY_BLOCKS 2: the bytes in flight of raw16, 203 registers): with
+// register loads the kernel ran 12 % faster, but offline throughput did not
+// rise (H100); the ring (below) made it 20 % faster and raised throughput.
 // Warps merge through shared memory at the end; with one split the result
 // goes to `out`, otherwise (max, sum) and the unnormalized sums go to part_ml
 // and part_o for attn_merge (the max in natural-log units, as `attention`).
