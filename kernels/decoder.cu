@@ -1559,11 +1559,12 @@ __device__ void decode_mma(const raw16* qkv, int stride, const KV* k_cache, cons
     };
     // Staged (an FP8 cache): the warp's steps t = 0, 1, ... go through its
     // ring of S steps in shared memory by asynchronous copies, S steps ahead
-    // of the one it attends; its step t starts at key kb + t KEYS DA_WARPS.
+    // of the one it attends.
     using Ring = DecodeRing<KV>;
     constexpr int S = Ring::on ? DA_FP8_STAGES : 1;
     constexpr int CH = HD * sizeof(KV) / 16;  // 16-byte chunks of a row
     unsigned char* const ring = smem + warp * S * Ring::step_bytes;
+    const int first_key = begin + KEYS * warp;  // the warp's; its step t starts KEYS DA_WARPS t later
     // Copies step t's keys and values into its ring slot: lane l copies
     // chunks l / KEYS, l / KEYS + 32 / KEYS, ... of key l % KEYS, whose cache
     // slot is `slot` (slot_of, loaded a step early so that its latency does
@@ -1571,12 +1572,12 @@ __device__ void decode_mma(const raw16* qkv, int stride, const KV* k_cache, cons
     // stale bytes). Before the wait it leaves out the newest key (n - 1),
     // which the previous kernel (the QKV projection) writes; `only` >= 0
     // copies that one key alone.
-    auto slot_of = [&](int kb, int t) {
-        const int pos = kb + t * KEYS * DA_WARPS + lane % KEYS;
+    auto slot_of = [&](int t) {
+        const int pos = first_key + t * KEYS * DA_WARPS + lane % KEYS;
         return pos < end ? slots[pos] : 0u;
     };
-    auto issue = [&](int kb, int t, unsigned slot, bool before_wait, int only) {
-        const int key = lane % KEYS, pos = kb + t * KEYS * DA_WARPS + key;
+    auto issue = [&](int t, unsigned slot, bool before_wait, int only) {
+        const int key = lane % KEYS, pos = first_key + t * KEYS * DA_WARPS + key;
         const bool real = pos < end && (only < 0 ? !(before_wait && pos == n - 1) : pos == only);
         if (!real && (pos < end || only >= 0)) return;
         const size_t at = real ? (size_t)slot * kv_width : 0;
@@ -1617,7 +1618,7 @@ __device__ void decode_mma(const raw16* qkv, int stride, const KV* k_cache, cons
 
     // The warp's first keys are requested before the wait, all but the
     // newest (n - 1), which the previous kernel (the QKV projection) writes.
-    int kb = begin + KEYS * warp;
+    int kb = first_key;
     const int steps = kb < end ? (end - kb + KEYS * DA_WARPS - 1) / (KEYS * DA_WARPS) : 0;
     int fixed_step = -1;  // staged: the step whose newest key was copied after the wait
     unsigned kw[2 * KB][KW], vw[4 * KB][VW];
@@ -1625,10 +1626,10 @@ __device__ void decode_mma(const raw16* qkv, int stride, const KV* k_cache, cons
         // Commit groups: one per step, the last prologue step's after the wait.
         unsigned first[S];
 #pragma unroll
-        for (int t = 0; t < S; t++) first[t] = slot_of(kb, t);
+        for (int t = 0; t < S; t++) first[t] = slot_of(t);
 #pragma unroll
         for (int t = 0; t < S; t++) {
-            if (t < steps) issue(kb, t, first[t], true, -1);
+            if (t < steps) issue(t, first[t], true, -1);
             if (t < S - 1) cp_async_commit();
         }
     } else if (kb < end) {
@@ -1640,7 +1641,7 @@ __device__ void decode_mma(const raw16* qkv, int stride, const KV* k_cache, cons
         if (n - 1 < end && newest >= 0 && (newest / KEYS) % DA_WARPS == warp &&
             newest / (KEYS * DA_WARPS) < S) {
             fixed_step = newest / (KEYS * DA_WARPS);
-            issue(kb, fixed_step, slots[n - 1], false, n - 1);
+            issue(fixed_step, slots[n - 1], false, n - 1);
         }
         cp_async_commit();
     } else if (kb <= n - 1 && n - 1 < min(end, kb + KEYS)) {
@@ -1736,7 +1737,7 @@ __device__ void decode_mma(const raw16* qkv, int stride, const KV* k_cache, cons
         }
     };
     if constexpr (Ring::on) {
-        unsigned next = slot_of(kb, S);
+        unsigned next = slot_of(S);
         for (int t = 0; t < steps; t++) {
             // Groups committed: S + t; step t's is the (t + 1)-th, unless its
             // newest key joined the last prologue group.
@@ -1747,12 +1748,12 @@ __device__ void decode_mma(const raw16* qkv, int stride, const KV* k_cache, cons
             __syncwarp();  // every lane's copies of step t have landed
             float s[2 * KB][2];
             fetch_keys(kw, t);
-            score(kw, s, kb + t * KEYS * DA_WARPS);
+            score(kw, s, first_key + t * KEYS * DA_WARPS);
             fetch_values(vw, t);
             __syncwarp();  // and have been read before its slot is reused
-            if (t + S < steps) issue(kb, t + S, next, false, -1);
+            if (t + S < steps) issue(t + S, next, false, -1);
             cp_async_commit();
-            next = slot_of(kb, t + S + 1);
+            next = slot_of(t + S + 1);
             accumulate(vw, s);
         }
         __syncthreads();  // the ring is free for the merge below (it aliases it)
