@@ -480,18 +480,34 @@ fn seeded_sampling_is_reproducible_and_swap_preemption_is_lossless() {
     let greedy = requests(&gold, 20);
     let roomy = run(&model, SessionParams::default(), &greedy);
     let tight = SessionParams {
-        kv_capacity_tokens: 320,
         block_size: 16,
-        preemption: nanoinfer::engine::PreemptionMode::Swap,
         ..Default::default()
     };
-    let (swapped, st) = run_with_stats(&model, tight, &greedy);
+    check_swap_is_lossless(&model, tight, &greedy, &roomy, "swap preemption");
+}
+
+/// Runs `reqs` in a 320-token cache with swap preemption (the rest of the
+/// session as `params`): it must swap, and every output must match `roomy`,
+/// the same requests run with room to spare.
+fn check_swap_is_lossless(
+    model: &Arc<Model>,
+    params: SessionParams,
+    reqs: &[RequestParams],
+    roomy: &[Output],
+    what: &str,
+) {
+    let tight = SessionParams {
+        kv_capacity_tokens: 320,
+        preemption: nanoinfer::engine::PreemptionMode::Swap,
+        ..params
+    };
+    let (swapped, st) = run_with_stats(model, tight, reqs);
     assert!(
         st.preemptions > 0 && st.swapped_in_tokens > 0,
-        "the tight cache should have swapped: {st:?}"
+        "{what}: the tight cache should have swapped: {st:?}"
     );
     for (i, (x, y)) in roomy.iter().zip(&swapped).enumerate() {
-        check_near(&format!("prompt {i} swap preemption"), y, x);
+        check_near(&format!("prompt {i} {what}"), y, x);
     }
 }
 
@@ -1261,19 +1277,7 @@ fn fp8_kv_cache_matches_transformers_with_fp8_kv() {
     // Swap preemption moves fp8 bytes out and back losslessly.
     let model = load(&dir);
     let roomy = run(&model, fp8_kv(), &reqs);
-    let tight = SessionParams {
-        kv_capacity_tokens: 320,
-        preemption: nanoinfer::engine::PreemptionMode::Swap,
-        ..fp8_kv()
-    };
-    let (swapped, st) = run_with_stats(&model, tight, &reqs);
-    assert!(
-        st.preemptions > 0 && st.swapped_in_tokens > 0,
-        "no swap: {st:?}"
-    );
-    for (i, (x, y)) in roomy.iter().zip(&swapped).enumerate() {
-        check_near(&format!("prompt {i} fp8 swap preemption"), y, x);
-    }
+    check_swap_is_lossless(&model, fp8_kv(), &reqs, &roomy, "fp8 swap preemption");
     // The same bytes hold twice the tokens.
     let budget = |kv_cache_dtype| {
         let params = SessionParams {
