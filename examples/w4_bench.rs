@@ -18,9 +18,7 @@
 //! cycle through copies of the weights (over 200 MB of each kind), so the
 //! products read them from memory, not from the 50 MB L2, as in a model.
 
-use nanoinfer::backend::cuda::{
-    w4_gemm_scratch_elems, ActDType, CudaDevice, GemmDType, W4Host, W4Matrix, W4Norm, W4Out,
-};
+use nanoinfer::backend::cuda::{ActDType, CudaDevice, GemmDType, W4Host, W4Matrix, W4Norm, W4Out};
 use std::time::Instant;
 
 const GROUP: usize = 128;
@@ -149,7 +147,7 @@ fn main() -> nanoinfer::Result<()> {
         let mut x = dev.alloc::<u16>(max_rows * s.cols)?;
         dev.upload(&random_bf16(&mut seed, max_rows * s.cols), &mut x)?;
         let y = dev.alloc::<u16>(max_rows * s.rows)?;
-        let xp = dev.alloc::<u16>(w4_gemm_scratch_elems(max_rows, s.cols))?;
+        let xp = dev.alloc::<u16>(dev.w4_gemm_scratch_elems(max_rows, s.cols))?;
         for &rows in &row_counts {
             let out = if s.swiglu {
                 W4Out::SwiGlu { out: y.ptr() }

@@ -36,11 +36,24 @@
 // by cp.async), with a pair of mbarriers per stage. Each chunk's wgmmas are
 // one commit group; a warpgroup dequantizes chunk c + 1 into its second
 // register set while the tensor cores run chunk c.
-// grid = (ceil(rows / 128), ceil(n / (64·WGS))), block = 128·WGS,
-// dynamic shared memory = W4G_STAGES · stage bytes + 1 KB (alignment).
+//
+// Tiles (128 activation rows × one block's weight rows) are shared out
+// either one per block or by stream-K (w4g_range_start): one block per SM,
+// each taking an equal run of all tiles' chunks, so that a partial last
+// wave or fewer tiles than SMs leave no SM idle. A block's run is cut into
+// pieces at tile boundaries; the pieces of a tile split among blocks are
+// added up by the last to finish (w4g_split_end). The host picks stream-K
+// where it expects it to be faster (src/backend/cuda/w4_gemm.rs).
+//
+// grid = G blocks (one per tile, or one per SM for stream-K: see
+// w4g_range_start), block = 128·WGS, dynamic shared memory =
+// W4G_STAGES · stage bytes + 1 KB (alignment). `partials` (2·G slots of
+// 32 float2 per thread), `counters` (one per tile) and `ready` (one per
+// slot), both zero, serve tiles that stream-K splits among blocks.
 
 #define W4G_TOKENS 128                   // activation rows per block (the wgmma N)
 #define W4G_X_BYTES (W4G_TOKENS * 128)  // one chunk of them: 128 rows × 64 inputs × 2 bytes
+#define W4G_PIECES 5                     // most tiles a block's run touches (MAX_PIECES of w4_gemm.rs)
 #ifndef W4G_STAGES
 #define W4G_STAGES 8
 #endif
@@ -187,57 +200,170 @@ __device__ __forceinline__ void w4g_fragment(unsigned w, W4GGroup rg, W4GGroup r
     a[3] = w4g_fma2(w4g_fma2(w4g_nibbles(w8, 0x00f000f0u), SIXTEENTH, rg8.negz), rg8.s, NEG0);
 }
 
+// Stream-K: the grid's G blocks share out the I = tiles · chunks
+// iterations (a tile: one 128-row block of activations × one block of
+// weight rows; an iteration: one chunk of a tile). Block b takes
+// [⌊b·I/G⌋, ⌊(b + 1)·I/G⌋), tile after tile (tile t is activation block
+// t % row_blocks of weight block t / row_blocks, so a weight block's tiles
+// run one after the other and its weights come from L2 after the first).
+// With G = the number of tiles every block owns one tile (the plain grid);
+// with G = the SMs, a short last wave or fewer tiles than SMs no longer
+// leave SMs idle. (32-bit arithmetic: 64-bit divisions are calls. The host
+// keeps I · G below 2³¹ where G is not the number of tiles.)
+__device__ __forceinline__ int w4g_range_start(int b, int iters) { return b * iters / (int)gridDim.x; }
+// The block whose range holds iteration i: the largest b with
+// ⌊b·I/G⌋ ≤ i, i.e. ⌈(i + 1)·G / I⌉ − 1.
+__device__ __forceinline__ int w4g_block_of(int i, int iters) {
+    return ((i + 1) * (int)gridDim.x + iters - 1) / iters - 1;
+}
+
+// Where this thread's output pair p = 2i + hh of a tile goes: y[token
+// m0 + 8i + 2t + odd][features 16·rt + g − odd + 8hh, +1] (t = lane % 4,
+// g = lane / 4, odd = g % 2; see the epilogue of w4_gemm).
+__device__ __forceinline__ void w4g_store_pair(raw16* y, int n, int rows, int m0, int rt, int p, float lo, float hi) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, odd = g & 1;
+    const int token = m0 + 8 * (p >> 1) + 2 * (lane & 3) + odd, feature = rt * 16 + g - odd + 8 * (p & 1);
+    if (rt >= 0 && token < rows) *(unsigned*)(y + (size_t)token * n + feature) = w4g_pack2(lo, hi);
+}
+
+// A tile split among blocks b0..b1 (pieces: the block's range starts or
+// ends inside the tile). Each piece first leaves its f32 sums in shared
+// memory (`own`: 32 float2 per thread, over the stages, which the block no
+// longer reads) and counts itself in counters[tile]. Every piece but the
+// last to count copies them to its block's slot of `partials` (2b for the
+// piece its range starts with, 2b + 1 for the one it ends with) and sets
+// the slot's `ready` flag. The last waits for those flags (their pieces
+// have counted, so they are running and do not wait for anything), adds
+// all pieces up in block order, its own from shared memory (so the result
+// does not depend on which was last), stores the tile and resets the
+// counter and flags for the next launch. Out of line: the chunk loop keeps
+// its registers.
+template <int THREADS>
+__device__ __forceinline__ float2* w4g_slot(float* partials, int slot) {
+    return (float2*)partials + (size_t)slot * 32 * THREADS + threadIdx.x;
+}
+__device__ __forceinline__ int w4g_slot_of(int b, int tile_first, int iters) {
+    return 2 * b + (w4g_range_start(b, iters) < tile_first);
+}
+__device__ __forceinline__ float2 w4g_lds_f2(unsigned addr) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+    return v;
+}
+
+template <int THREADS>
+__device__ __noinline__ void w4g_split_end(raw16* y, int n, int rows, int m0, int rt, int tile, int chunks,
+                                           int iters, float* partials, unsigned* counters, unsigned* ready,
+                                           unsigned own) {
+    __shared__ int w4g_last_piece;
+    const int tile_first = tile * chunks, me = blockIdx.x;
+    const int b0 = w4g_block_of(tile_first, iters), b1 = w4g_block_of(tile_first + chunks - 1, iters);
+    own += threadIdx.x * 8;
+    __syncthreads();
+    if (threadIdx.x == 0) w4g_last_piece = atomicAdd(counters + tile, 1u) == (unsigned)(b1 - b0);
+    __syncthreads();
+    if (!w4g_last_piece) {
+        float2* mine = w4g_slot<THREADS>(partials, w4g_slot_of(me, tile_first, iters));
+#pragma unroll
+        for (int p = 0; p < 32; p++) mine[p * THREADS] = w4g_lds_f2(own + p * THREADS * 8);
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0)
+            asm volatile("st.release.gpu.global.u32 [%0], 1;" ::"l"(ready + w4g_slot_of(me, tile_first, iters)) : "memory");
+    } else {
+        if (threadIdx.x == 0) {
+            for (int b = b0; b <= b1; b++) {
+                if (b == me) continue;
+                const unsigned* flag = ready + w4g_slot_of(b, tile_first, iters);
+                unsigned set = 0;
+                while (!set) asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(set) : "l"(flag) : "memory");
+            }
+        }
+        __syncthreads();
+        __threadfence();
+        // Half a slot's loads at once (16 per thread): one after the other,
+        // each waiting for the last, they took longer than the products;
+        // all 32 at once spilled.
+#pragma unroll
+        for (int h = 0; h < 32; h += 16) {
+            float2 v[16];
+#pragma unroll
+            for (int p = 0; p < 16; p++) v[p] = make_float2(0.f, 0.f);
+            for (int b = b0; b <= b1; b++) {
+                float2 part[16];
+                if (b == me) {
+#pragma unroll
+                    for (int p = 0; p < 16; p++) part[p] = w4g_lds_f2(own + (h + p) * THREADS * 8);
+                } else {
+                    const float2* slot = w4g_slot<THREADS>(partials, w4g_slot_of(b, tile_first, iters));
+#pragma unroll
+                    for (int p = 0; p < 16; p++) part[p] = __ldcg(slot + (h + p) * THREADS);
+                }
+#pragma unroll
+                for (int p = 0; p < 16; p++) {
+                    v[p].x += part[p].x;
+                    v[p].y += part[p].y;
+                }
+            }
+#pragma unroll
+            for (int p = 0; p < 16; p++) w4g_store_pair(y, n, rows, m0, rt, h + p, v[p].x, v[p].y);
+        }
+        if (threadIdx.x == 0) {
+            counters[tile] = 0u;
+            for (int b = b0; b <= b1; b++)
+                if (b != me) ready[w4g_slot_of(b, tile_first, iters)] = 0u;
+        }
+    }
+    __syncthreads();  // before the next piece's loads overwrite `own`, and w4g_last_piece is written again
+}
+
+// Chunks [it − ⌊it / chunks⌋·chunks, …) of tile ⌊it / chunks⌋, up to the
+// tile's end or `last` (this block's piece of it), in stages from `seq` on;
+// returns the chunks multiplied.
 template <int WGS>
-__device__ __forceinline__ void w4_gemm(const raw16* __restrict__ xp, int rows, const uint4* __restrict__ wq,
-                                        const unsigned* __restrict__ sz, int k, int group, raw16* __restrict__ y,
-                                        int n) {
-    GRID_DEP_ENTER();
+__device__ __forceinline__ int w4g_piece(const raw16* __restrict__ xp, int rows, const uint4* __restrict__ wq,
+                                      const unsigned* __restrict__ sz, int k, int group, raw16* __restrict__ y, int n,
+                                      float* __restrict__ partials, unsigned* __restrict__ counters,
+                                      unsigned* __restrict__ ready, int it, int seq, int last) {
 #if W4G_WGMMA
     constexpr int S = W4G_STAGES;
     constexpr int TILES = 4 * WGS, THREADS = 128 * WGS;  // 16-row weight tiles per block
     constexpr int W_BYTES = TILES * 512;
     constexpr int SZ_BYTES = TILES * 2 * 64;  // 16 rows × two halves per tile
     constexpr int STAGE = W4G_X_BYTES + W_BYTES + SZ_BYTES;
-    static_assert(STAGE % 1024 == 0, "stages keep the activation tiles 1024-aligned");
     extern __shared__ unsigned char w4g_smem[];
-    // Per stage: `full` completes when its chunk has landed (thread 0's
-    // expected bytes of the bulk copy, and every thread's cp.async arrival),
-    // `empty` when every warp's wgmmas are done with it.
     const unsigned smem = (smem_u32(w4g_smem) + 1023u) & ~1023u, full = smem + S * STAGE, empty = full + 8 * S;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
-    const int tile0 = blockIdx.y * TILES;
-    const int chunks = k / W4_CHUNK, groups = (k + group - 1) / group, n_tiles = n / 16;
-    const int tiles = min(TILES, n_tiles - tile0);  // this block's real tiles
+    const int chunks = k / W4_CHUNK, n_tiles = n / 16, groups = (k + group - 1) / group;
+    const int row_blocks = (rows + W4G_TOKENS - 1) / W4G_TOKENS;
+    const int iters = row_blocks * ((n_tiles + TILES - 1) / TILES) * chunks;
     const bool g32 = group == 32;
     const unsigned group_magic = 0xffffffffu / (unsigned)group + 1u;  // see w4_group_of
-    if (tid == 0) {
-        for (int i = 0; i < S; i++) {
-            w4g_mbar_init(full + 8 * i, THREADS + 1);
-            w4g_mbar_init(empty + 8 * i, THREADS / 32);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    // This piece: chunks [c0, c0 + len) of `tile`.
+    const int tile = it / chunks, c0 = it - tile * chunks, len = min(chunks - c0, last - it);
+    const int row_block = tile % row_blocks, tile0 = tile / row_blocks * TILES;
+    const int tiles = min(TILES, n_tiles - tile0);  // this block's real weight tiles
 
-    // Chunk c into its stage, once the warps are done with chunk c − S
-    // there: the activations in one bulk copy (thread 0); each tile's
-    // weights and its scales/zeros of the chunk's two halves by every
-    // thread's cp.async (small pieces: as bulk copies they were many times
-    // slower).
-    const raw16* xblock = xp + (size_t)blockIdx.x * chunks * (W4G_X_BYTES / 2);
-    auto load = [&](int c) {
-        if (c >= chunks) return;
-        const unsigned st = smem + (c % S) * STAGE, bar = full + 8 * (c % S);
-        if (c >= S) w4g_mbar_wait(empty + 8 * (c % S), (c / S - 1) & 1);
+    // Chunk c0 + i into stage seq + i, once the warps are done with the
+    // stage's previous chunk: the activations in one bulk copy (thread 0);
+    // each tile's weights and its scales/zeros of the chunk's two halves
+    // by every thread's cp.async (small pieces: as bulk copies they were
+    // many times slower).
+    const raw16* xblock = xp + (size_t)row_block * chunks * (W4G_X_BYTES / 2);
+    auto load = [&](int i) {
+        if (i >= len) return;
+        const int c = c0 + i, j = seq + i;
+        const unsigned st = smem + (j % S) * STAGE, bar = full + 8 * (j % S);
+        if (j >= S) w4g_mbar_wait(empty + 8 * (j % S), (j / S - 1) & 1);
         if (tid == 0) {
             w4g_mbar_expect(bar, W4G_X_BYTES);
             w4g_bulk(st, xblock + (size_t)c * (W4G_X_BYTES / 2), W4G_X_BYTES, bar);
         }
 #pragma unroll
         for (int q = 0; q < TILES * 32 / THREADS; q++) {
-            const int i = tid + THREADS * q;  // 16-byte piece i of the weights: tile i / 32, lane i % 32
-            if (i < tiles * 32)
-                cp_async16_at(st + W4G_X_BYTES + i * 16, wq + ((size_t)(tile0 + (i >> 5)) * chunks + c) * 32 + (i & 31), 16);
+            const int p = tid + THREADS * q;  // 16-byte piece p of the weights: tile p / 32, lane p % 32
+            if (p < tiles * 32)
+                cp_async16_at(st + W4G_X_BYTES + p * 16, wq + ((size_t)(tile0 + (p >> 5)) * chunks + c) * 32 + (p & 31), 16);
         }
         if (tid < tiles * 8) {  // piece tid % 4 of half (tid / 4) % 2 of tile tid / 8
             const int gi = w4_group_of(c * W4_CHUNK + 32 * ((tid >> 2) & 1), group_magic);
@@ -253,15 +379,16 @@ __device__ __forceinline__ void w4_gemm(const raw16* __restrict__ xp, int rows, 
     const int tb = warp;  // this warp's tile: warp w of warpgroup j holds rows 64j + 16w..
 
 #pragma unroll
-    for (int c = 0; c < W4G_AHEAD; c++) load(c);
+    for (int i = 0; i < W4G_AHEAD; i++) load(i);
 
     // One chunk: wait for its stage, dequantize into `a`, issue its
-    // wgmmas, load chunk c + W4G_AHEAD, wait for chunk c − 1's wgmmas and
+    // wgmmas, load chunk i + W4G_AHEAD, wait for chunk i − 1's wgmmas and
     // release that one's stage. Warps only wait for each other through the
     // stages, so warpgroups drift apart and take turns on the tensor cores.
-    auto step = [&](int c, unsigned (&a)[4][4]) {
-        w4g_mbar_wait(full + 8 * (c % S), (c / S) & 1);
-        const unsigned st = smem + (c % S) * STAGE;
+    auto step = [&](int i, unsigned (&a)[4][4]) {
+        const int j = seq + i;
+        w4g_mbar_wait(full + 8 * (j % S), (j / S) & 1);
+        const unsigned st = smem + (j % S) * STAGE;
         const uint4 wv = w4g_lds16(st + W4G_X_BYTES + tb * 512 + lane * 16);
         const unsigned szb = st + W4G_X_BYTES + W_BYTES + tb * 128 + g * 4;
         const W4GGroup lo = w4g_group_low(w4g_lds4(szb)), lo8 = w4g_group_high(w4g_lds4(szb + 32));
@@ -278,37 +405,88 @@ __device__ __forceinline__ void w4_gemm(const raw16* __restrict__ xp, int rows, 
 #pragma unroll
         for (int s = 0; s < 4; s++) w4g_mma(acc, a[s], w4g_desc(st + 32 * s));  // k-step s: bytes 32s.. of each row
         w4g_wgmma_commit();
-        load(c + W4G_AHEAD);
+        load(i + W4G_AHEAD);
         w4g_wgmma_wait<1>();
-        if (c > 0 && lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty + 8 * ((c - 1) % S)) : "memory");
+        if (i > 0 && lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty + 8 * ((j - 1) % S)) : "memory");
     };
     unsigned a0[4][4], a1[4][4];
-    int c = 0;
-    for (; c + 1 < chunks; c += 2) {
-        step(c, a0);
-        step(c + 1, a1);
+    int i = 0;
+    for (; i + 1 < len; i += 2) {
+        step(i, a0);
+        step(i + 1, a1);
     }
-    if (c < chunks) step(c, a0);
+    if (i < len) step(i, a0);
     w4g_wgmma_wait<0>();
     w4g_fence_acc(acc);
+    if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty + 8 * ((seq + len - 1) % S)) : "memory");
 
-    // acc[4i + 2hh + e] is y[token 8i + 2t + e][feature 16·tile + g + 8hh].
-    // Lanes g and g ^ 1 swap one value each, so every lane stores two
-    // adjacent features of one token: even g token 2t, odd g token 2t + 1.
-    const bool odd = g & 1;
-    const int m0 = blockIdx.x * W4G_TOKENS, t = lane & 3;
-    const int rt = tile0 + tb;
-    if (rt >= n_tiles) return;
+    // acc[4i + 2hh + e] is y[token 8i + 2t + e][feature 16·rt + g + 8hh].
+    // Lanes g and g ^ 1 swap one value each, so every lane holds two
+    // adjacent features of one token (pair 2i + hh): even g token 2t,
+    // odd g token 2t + 1. Every thread reads acc on the same path
+    // (read on a branch ptxas cannot prove uniform, it makes ptxas
+    // serialize the wgmmas); only the stores differ.
+    const int m0 = row_block * W4G_TOKENS, rt = tile0 + tb < n_tiles ? tile0 + tb : -1;
+    const bool odd = g & 1, split = len != chunks;
+    if (split) __syncthreads();  // every warp's wgmmas are done with the stages `own` overwrites
 #pragma unroll
-    for (int i = 0; i < 16; i++) {
-        const int token = m0 + 8 * i + 2 * t + odd;
+    for (int p = 0; p < 32; p++) {
+        const float v0 = acc[2 * p], v1 = acc[2 * p + 1];
+        const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+        const float lo = odd ? other : v0, hi = odd ? v1 : other;
+        if (split)
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(smem + (p * THREADS + tid) * 8), "f"(lo), "f"(hi) : "memory");
+        else
+            w4g_store_pair(y, n, rows, m0, rt, p, lo, hi);
+    }
+    if (split) w4g_split_end<THREADS>(y, n, rows, m0, rt, tile, chunks, iters, partials, counters, ready, smem);
+    return len;
+#else
+    return 0;
+#endif
+}
+
+template <int WGS>
+__device__ __forceinline__ void w4_gemm(const raw16* __restrict__ xp, int rows, const uint4* __restrict__ wq,
+                                        const unsigned* __restrict__ sz, int k, int group, raw16* __restrict__ y,
+                                        int n, float* __restrict__ partials, unsigned* __restrict__ counters,
+                                        unsigned* __restrict__ ready) {
+    GRID_DEP_ENTER();
+#if W4G_WGMMA
+    constexpr int S = W4G_STAGES;
+    constexpr int TILES = 4 * WGS, THREADS = 128 * WGS;  // 16-row weight tiles per block
+    constexpr int STAGE = W4G_X_BYTES + TILES * (512 + 128);
+    static_assert(STAGE % 1024 == 0, "stages keep the activation tiles 1024-aligned");
+    extern __shared__ unsigned char w4g_smem[];
+    // Per stage: `full` completes when its chunk has landed (thread 0's
+    // expected bytes of the bulk copy, and every thread's cp.async arrival),
+    // `empty` when every warp's wgmmas are done with it. Stages are used in
+    // turn across the block's pieces.
+    const unsigned smem = (smem_u32(w4g_smem) + 1023u) & ~1023u, full = smem + S * STAGE, empty = full + 8 * S;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < S; i++) {
+            w4g_mbar_init(full + 8 * i, THREADS + 1);
+            w4g_mbar_init(empty + 8 * i, THREADS / 32);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    // The block's range: one tile (the plain grid), or stream-K's share.
+    const int chunks = k / W4_CHUNK, iters = (rows + W4G_TOKENS - 1) / W4G_TOKENS * ((n / 16 + TILES - 1) / TILES) * chunks;
+    const bool whole_tiles = gridDim.x * chunks == iters;
+    const int first = whole_tiles ? blockIdx.x * chunks : w4g_range_start(blockIdx.x, iters);
+    const int last = whole_tiles ? first + chunks : w4g_range_start(blockIdx.x + 1, iters);
+    // At most W4G_PIECES pieces (the host keeps ranges short enough),
+    // unrolled: inside a loop over pieces ptxas lacked the registers and
+    // serialized the wgmmas.
+    int it = first, seq = 0;
 #pragma unroll
-        for (int hh = 0; hh < 2; hh++) {
-            const float v0 = acc[4 * i + 2 * hh], v1 = acc[4 * i + 2 * hh + 1];
-            const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-            const int feature = rt * 16 + g + 8 * hh - odd;
-            if (token < rows)
-                *(unsigned*)(y + (size_t)token * n + feature) = odd ? w4g_pack2(other, v1) : w4g_pack2(v0, other);
+    for (int p = 0; p < W4G_PIECES; p++) {
+        if (it < last) {
+            const int len = w4g_piece<WGS>(xp, rows, wq, sz, k, group, y, n, partials, counters, ready, it, seq, last);
+            it += len;
+            seq += len;
         }
     }
 #else
@@ -319,8 +497,8 @@ __device__ __forceinline__ void w4_gemm(const raw16* __restrict__ xp, int rows, 
 #define W4G_KERNEL(WGS)                                                                                  \
     extern "C" __global__ void __launch_bounds__(128 * WGS, 1)                                          \
         w4_gemm_wg##WGS(const raw16* xp, int rows, const uint4* wq, const unsigned* sz, int k, int group, \
-                        raw16* y, int n) {                                                               \
-        w4_gemm<WGS>(xp, rows, wq, sz, k, group, y, n);                                                  \
+                        raw16* y, int n, float* partials, unsigned* counters, unsigned* ready) {         \
+        w4_gemm<WGS>(xp, rows, wq, sz, k, group, y, n, partials, counters, ready);                       \
     }
 W4G_KERNEL(2)
 W4G_KERNEL(4)

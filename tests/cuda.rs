@@ -10,8 +10,7 @@ mod common;
 
 use common::dequant::dequantized_copy;
 use nanoinfer::backend::cuda::{
-    sampling::sample_logits, w4_gemm_scratch_elems, ActDType, CudaDevice, GemmDType, W4Host,
-    W4Matrix,
+    sampling::sample_logits, ActDType, CudaDevice, GemmDType, W4Host, W4Matrix,
 };
 use nanoinfer::backend::Device;
 use nanoinfer::engine::{Event, Model, ModelParams, RequestParams, Session, SessionParams};
@@ -782,11 +781,14 @@ fn int4_gemm_matches_the_exact_product() {
         // (weight rows, inputs, group, activation rows): partial blocks of
         // both block widths (8208 rows: 2 × 128 rows a warpgroup; 208: 1 ×),
         // partial row tiles, one-chunk inputs, groups of 32, 64 and 128.
+        // 400 × 14336 at 129 rows runs stream-K on an H100: 4 tiles of 224
+        // chunks shared out by 132 blocks, ~33 pieces a tile.
         for (n, k, group, rows) in [
             (8208, 256, 64, 640),
             (208, 192, 32, 129),
             (384, 512, 128, 300),
             (128, 64, 32, 1000),
+            (400, 14336, 128, 129),
         ] {
             let host = random_w4(&mut rng, n, k, group);
             let w = W4Matrix::upload(&dev, std::slice::from_ref(&host), None).unwrap();
@@ -801,7 +803,8 @@ fn int4_gemm_matches_the_exact_product() {
                 dev.alloc::<u16>(rows * n).unwrap(),
                 dev.alloc::<u16>(rows * n).unwrap(),
                 dev.alloc::<u16>(n * k).unwrap(),
-                dev.alloc::<u16>(w4_gemm_scratch_elems(rows, k)).unwrap(),
+                dev.alloc::<u16>(dev.w4_gemm_scratch_elems(rows, k))
+                    .unwrap(),
             );
             dev.w4_gemm(x.ptr(), rows, &w, y.ptr(), xp.ptr()).unwrap();
             dev.w4_dequant(&w, dense.ptr()).unwrap();
@@ -821,6 +824,17 @@ fn int4_gemm_matches_the_exact_product() {
                 v.iter().map(|&bits| act.decode(bits)).collect::<Vec<f32>>()
             };
             let (got, cublas) = (download(&y), download(&y_cublas));
+            // Stream-K splits some of these products' tiles among blocks;
+            // the sums of a split tile are added in a fixed order, and the
+            // launch leaves its counters ready for the next.
+            dev.w4_gemm(x.ptr(), rows, &w, y.ptr(), xp.ptr()).unwrap();
+            let again = download(&y);
+            assert!(
+                got.iter()
+                    .zip(&again)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{n}x{k} g{group}, {rows} rows: a second run differs"
+            );
             // The exact product of the stored activations and (q − z)·s, and
             // Σ|x·w| (what rounding the weights can move it by).
             let xf: Vec<f64> = xs.iter().map(|&b| act.decode(b) as f64).collect();

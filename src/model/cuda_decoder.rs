@@ -14,9 +14,9 @@ use super::{ForwardBatch, ModelConfig, WeightDType, WeightSource};
 use crate::backend::cpu::attention::AttnSeq;
 use crate::backend::cpu::{Matrix, MatrixData, ThreadPool};
 use crate::backend::cuda::{
-    create_device_pool, w4_gemm_scratch_elems, ActDType, CudaDevice, DeviceBuffer, GemmDType,
-    GemvFamily, GemvOut, Graph, KArg, QkvEpilogue, Staging, W4Handoff, W4Host, W4Matrix, W4Norm,
-    W4Out, BUDDY_MIN_BLOCK, DEVICE_ALIGN, HANDOFF_ROWS,
+    create_device_pool, ActDType, CudaDevice, DeviceBuffer, GemmDType, GemvFamily, GemvOut, Graph,
+    KArg, QkvEpilogue, Staging, W4Handoff, W4Host, W4Matrix, W4Norm, W4Out, BUDDY_MIN_BLOCK,
+    DEVICE_ALIGN, HANDOFF_ROWS,
 };
 use crate::backend::{cuda, Device};
 use crate::kv::cache_dtype::{e4m3_from_f32, e4m3_to_f32};
@@ -714,7 +714,7 @@ impl CudaDecoder {
         // Batches of up to `gemm_rows` rows take the GEMM, larger ones dequantize.
         let gemm_rows = r.min(self.w4_gemm_rows);
         let gemm = if self.w4_gemm_takes(gemm_rows) {
-            w4_gemm_scratch_elems(gemm_rows, self.w4_max_cols)
+            self.dev.w4_gemm_scratch_elems(gemm_rows, self.w4_max_cols)
         } else {
             0
         };

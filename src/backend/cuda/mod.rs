@@ -21,7 +21,6 @@ pub use kernels::{Kernel, KernelCache, Kernels};
 pub use pool::{create_device_pool, CudaBuddy, CudaStreamPool, BUDDY_MIN_BLOCK, DEVICE_ALIGN};
 pub use staging::Staging;
 pub use w4::W4Host;
-pub use w4_gemm::w4_gemm_scratch_elems;
 pub use w4_ops::{QkvEpilogue, W4Handoff, W4Matrix, W4Norm, W4Out, HANDOFF_ROWS};
 
 use crate::memory::{DeviceAllocation, DevicePool};
@@ -136,6 +135,9 @@ pub struct CudaDevice {
     use_gemv: bool,
     /// Large int4 batches through the tensor-core GEMM (sm_90).
     w4_gemm: w4_gemm::W4Gemm,
+    /// The GEMM's counters of tiles split by stream-K and flags of their
+    /// partial sums (zero between launches).
+    split_counters: DeviceBuffer<u32>,
     /// Which kernels are launched programmatically (sm_90+), i.e. may start
     /// while the previous one drains.
     pdl: EarlyLaunch,
@@ -201,9 +203,18 @@ impl CudaDevice {
             w4_ops::allow_norm_staging(&kernels)?;
         }
         let w4_gemm = w4_gemm::W4Gemm::for_device(arch);
-        if w4_gemm != w4_gemm::W4Gemm::Off {
+        let split_counters = if w4_gemm != w4_gemm::W4Gemm::Off {
             w4_gemm::allow_gemm_smem(&kernels)?;
-        }
+            w4_gemm::SPLIT_COUNTERS + w4_gemm::ready_flags(sm_count)
+        } else {
+            1
+        };
+        let split_counters = DeviceBuffer::new(
+            stream
+                .alloc_zeros::<u32>(split_counters)
+                .map_err(|e| cuda_error("allocating the int4 GEMM's counters", e))?,
+            &stream,
+        );
         let profiler = Profiler::from_env(&ctx);
         let pdl = if arch.0 < 9 || profiler.is_some() {
             EarlyLaunch::None
@@ -222,6 +233,7 @@ impl CudaDevice {
             sm_count,
             use_gemv: switch_on("NANOINFER_CUDA_GEMV"),
             w4_gemm,
+            split_counters,
             pdl,
             profiler: profiler.map(Mutex::new),
             step_lock: Mutex::new(()),
