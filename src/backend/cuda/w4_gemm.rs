@@ -152,12 +152,13 @@ impl BlockShape {
 
 /// Stream-K's grid for `tiles` tiles of `chunks` chunks on `sm_count` SMs,
 /// if the kernel can take it: every range within MAX_PIECES tiles, the
-/// kernel's 32-bit range arithmetic in range, and a counter per tile.
+/// kernel's 32-bit range arithmetic (up to I·(G + 1), w4g_block_of) in
+/// range, and a counter per tile.
 fn stream_k_blocks(tiles: usize, chunks: usize, sm_count: usize) -> Option<usize> {
     let iters = tiles * chunks;
     let blocks = sm_count.min(iters);
     let fits = iters.div_ceil(blocks) <= (MAX_PIECES - 1) * chunks
-        && (iters + 1) * blocks < i32::MAX as usize
+        && iters * (blocks + 1) < i32::MAX as usize
         && tiles <= SPLIT_COUNTERS;
     fits.then_some(blocks)
 }
