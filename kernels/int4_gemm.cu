@@ -263,13 +263,13 @@ __device__ __noinline__ void w4g_split_end(raw16* y, int n, int rows, int m0, in
     if (threadIdx.x == 0) w4g_last_piece = atomicAdd(counters + tile, 1u) == (unsigned)(b1 - b0);
     __syncthreads();
     if (!w4g_last_piece) {
-        float2* mine = w4g_slot<THREADS>(partials, w4g_slot_of(me, tile_first, iters));
+        const int slot = w4g_slot_of(me, tile_first, iters);
+        float2* mine = w4g_slot<THREADS>(partials, slot);
 #pragma unroll
         for (int p = 0; p < 32; p++) mine[p * THREADS] = w4g_lds_f2(own + p * THREADS * 8);
         __threadfence();
         __syncthreads();
-        if (threadIdx.x == 0)
-            asm volatile("st.release.gpu.global.u32 [%0], 1;" ::"l"(ready + w4g_slot_of(me, tile_first, iters)) : "memory");
+        if (threadIdx.x == 0) asm volatile("st.release.gpu.global.u32 [%0], 1;" ::"l"(ready + slot) : "memory");
     } else {
         if (threadIdx.x == 0) {
             for (int b = b0; b <= b1; b++) {
@@ -317,6 +317,26 @@ __device__ __noinline__ void w4g_split_end(raw16* y, int n, int rows, int m0, in
     __syncthreads();  // before the next piece's loads overwrite `own`, and w4g_last_piece is written again
 }
 
+// The block's dynamic shared memory: W4G_STAGES stages (activations, the
+// weight tiles' packed words, their scales/zeros), then a `full` and an
+// `empty` mbarrier per stage.
+template <int WGS>
+struct W4GStages {
+    static constexpr int TILES = 4 * WGS;  // 16-row weight tiles per block
+    static constexpr int W_BYTES = TILES * 512;
+    static constexpr int SZ_BYTES = TILES * 2 * 64;  // 16 rows × two halves per tile
+    static constexpr int STAGE = W4G_X_BYTES + W_BYTES + SZ_BYTES;
+    static_assert(STAGE % 1024 == 0, "stages keep the activation tiles 1024-aligned");
+    unsigned smem, full, empty;
+
+    __device__ __forceinline__ W4GStages() {
+        extern __shared__ unsigned char w4g_smem[];
+        smem = (smem_u32(w4g_smem) + 1023u) & ~1023u;
+        full = smem + W4G_STAGES * STAGE;
+        empty = full + 8 * W4G_STAGES;
+    }
+};
+
 // Chunks [it − ⌊it / chunks⌋·chunks, …) of tile ⌊it / chunks⌋, up to the
 // tile's end or `last` (this block's piece of it), in stages from `seq` on;
 // returns the chunks multiplied.
@@ -324,19 +344,16 @@ template <int WGS>
 __device__ __forceinline__ int w4g_piece(const raw16* __restrict__ xp, int rows, const uint4* __restrict__ wq,
                                       const unsigned* __restrict__ sz, int k, int group, raw16* __restrict__ y, int n,
                                       float* __restrict__ partials, unsigned* __restrict__ counters,
-                                      unsigned* __restrict__ ready, int it, int seq, int last) {
+                                      unsigned* __restrict__ ready, int iters, int it, int seq, int last) {
 #if W4G_WGMMA
-    constexpr int S = W4G_STAGES;
-    constexpr int TILES = 4 * WGS, THREADS = 128 * WGS;  // 16-row weight tiles per block
-    constexpr int W_BYTES = TILES * 512;
-    constexpr int SZ_BYTES = TILES * 2 * 64;  // 16 rows × two halves per tile
-    constexpr int STAGE = W4G_X_BYTES + W_BYTES + SZ_BYTES;
-    extern __shared__ unsigned char w4g_smem[];
-    const unsigned smem = (smem_u32(w4g_smem) + 1023u) & ~1023u, full = smem + S * STAGE, empty = full + 8 * S;
+    using L = W4GStages<WGS>;
+    constexpr int S = W4G_STAGES, TILES = L::TILES, THREADS = 128 * WGS;
+    constexpr int W_BYTES = L::W_BYTES, STAGE = L::STAGE;
+    const L stages;
+    const unsigned smem = stages.smem, full = stages.full, empty = stages.empty;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
     const int chunks = k / W4_CHUNK, n_tiles = n / 16, groups = (k + group - 1) / group;
     const int row_blocks = (rows + W4G_TOKENS - 1) / W4G_TOKENS;
-    const int iters = row_blocks * ((n_tiles + TILES - 1) / TILES) * chunks;
     const bool g32 = group == 32;
     const unsigned group_magic = 0xffffffffu / (unsigned)group + 1u;  // see w4_group_of
     // This piece: chunks [c0, c0 + len) of `tile`.
@@ -453,20 +470,16 @@ __device__ __forceinline__ void w4_gemm(const raw16* __restrict__ xp, int rows, 
                                         unsigned* __restrict__ ready) {
     GRID_DEP_ENTER();
 #if W4G_WGMMA
-    constexpr int S = W4G_STAGES;
-    constexpr int TILES = 4 * WGS, THREADS = 128 * WGS;  // 16-row weight tiles per block
-    constexpr int STAGE = W4G_X_BYTES + TILES * (512 + 128);
-    static_assert(STAGE % 1024 == 0, "stages keep the activation tiles 1024-aligned");
-    extern __shared__ unsigned char w4g_smem[];
+    constexpr int TILES = W4GStages<WGS>::TILES, THREADS = 128 * WGS;
     // Per stage: `full` completes when its chunk has landed (thread 0's
     // expected bytes of the bulk copy, and every thread's cp.async arrival),
     // `empty` when every warp's wgmmas are done with it. Stages are used in
     // turn across the block's pieces.
-    const unsigned smem = (smem_u32(w4g_smem) + 1023u) & ~1023u, full = smem + S * STAGE, empty = full + 8 * S;
+    const W4GStages<WGS> stages;
     if (threadIdx.x == 0) {
-        for (int i = 0; i < S; i++) {
-            w4g_mbar_init(full + 8 * i, THREADS + 1);
-            w4g_mbar_init(empty + 8 * i, THREADS / 32);
+        for (int i = 0; i < W4G_STAGES; i++) {
+            w4g_mbar_init(stages.full + 8 * i, THREADS + 1);
+            w4g_mbar_init(stages.empty + 8 * i, THREADS / 32);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -484,7 +497,7 @@ __device__ __forceinline__ void w4_gemm(const raw16* __restrict__ xp, int rows, 
 #pragma unroll
     for (int p = 0; p < W4G_PIECES; p++) {
         if (it < last) {
-            const int len = w4g_piece<WGS>(xp, rows, wq, sz, k, group, y, n, partials, counters, ready, it, seq, last);
+            const int len = w4g_piece<WGS>(xp, rows, wq, sz, k, group, y, n, partials, counters, ready, iters, it, seq, last);
             it += len;
             seq += len;
         }
