@@ -51,11 +51,14 @@
 // 32 float2 per thread), `counters` (one per tile) and `ready` (one per
 // slot), both zero, serve tiles that stream-K splits among blocks.
 
-#define W4G_TOKENS 128                   // activation rows per block (the wgmma N)
+#define W4G_TOKENS 128                   // activation rows per wgmma (its N) and per packed block
 #define W4G_X_BYTES (W4G_TOKENS * 128)  // one chunk of them: 128 rows × 64 inputs × 2 bytes
 #define W4G_PIECES 5                     // most tiles a block's run touches (MAX_PIECES of w4_gemm.rs)
 #ifndef W4G_STAGES
 #define W4G_STAGES 8
+#endif
+#ifndef W4G_STAGES_TALL  // blocks of 256 activation rows: 37 KB a stage
+#define W4G_STAGES_TALL 6
 #endif
 // Chunks loaded ahead of the one being multiplied: a stage is refilled once
 // every warp is done with the chunk W4G_STAGES − W4G_AHEAD before, so warps
@@ -167,9 +170,10 @@ __device__ __forceinline__ void w4g_mma(float (&d)[64], const unsigned (&a)[4], 
 
 // Keeps the compiler from moving accumulator accesses across the
 // asynchronous wgmmas that own them.
-__device__ __forceinline__ void w4g_fence_acc(float (&d)[64]) {
+template <int N>
+__device__ __forceinline__ void w4g_fence_acc(float (&d)[N]) {
 #pragma unroll
-    for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 #endif  // W4G_WGMMA
 
@@ -238,9 +242,9 @@ __device__ __forceinline__ void w4g_store_pair(raw16* y, int n, int rows, int m0
 // does not depend on which was last), stores the tile and resets the
 // counter and flags for the next launch. Out of line: the chunk loop keeps
 // its registers.
-template <int THREADS>
+template <int THREADS, int PAIRS>
 __device__ __forceinline__ float2* w4g_slot(float* partials, int slot) {
-    return (float2*)partials + (size_t)slot * 32 * THREADS + threadIdx.x;
+    return (float2*)partials + (size_t)slot * PAIRS * THREADS + threadIdx.x;
 }
 __device__ __forceinline__ int w4g_slot_of(int b, int tile_first, int iters) {
     return 2 * b + (w4g_range_start(b, iters) < tile_first);
@@ -251,7 +255,7 @@ __device__ __forceinline__ float2 w4g_lds_f2(unsigned addr) {
     return v;
 }
 
-template <int THREADS>
+template <int THREADS, int PAIRS>
 __device__ __noinline__ void w4g_split_end(raw16* y, int n, int rows, int m0, int rt, int tile, int chunks,
                                            int iters, float* partials, unsigned* counters, unsigned* ready,
                                            unsigned own) {
@@ -264,9 +268,9 @@ __device__ __noinline__ void w4g_split_end(raw16* y, int n, int rows, int m0, in
     __syncthreads();
     if (!w4g_last_piece) {
         const int slot = w4g_slot_of(me, tile_first, iters);
-        float2* mine = w4g_slot<THREADS>(partials, slot);
+        float2* mine = w4g_slot<THREADS, PAIRS>(partials, slot);
 #pragma unroll
-        for (int p = 0; p < 32; p++) mine[p * THREADS] = w4g_lds_f2(own + p * THREADS * 8);
+        for (int p = 0; p < PAIRS; p++) mine[p * THREADS] = w4g_lds_f2(own + p * THREADS * 8);
         __threadfence();
         __syncthreads();
         if (threadIdx.x == 0) asm volatile("st.release.gpu.global.u32 [%0], 1;" ::"l"(ready + slot) : "memory");
@@ -285,7 +289,7 @@ __device__ __noinline__ void w4g_split_end(raw16* y, int n, int rows, int m0, in
         // each waiting for the last, they took longer than the products;
         // all 32 at once spilled.
 #pragma unroll
-        for (int h = 0; h < 32; h += 16) {
+        for (int h = 0; h < PAIRS; h += 16) {
             float2 v[16];
 #pragma unroll
             for (int p = 0; p < 16; p++) v[p] = make_float2(0.f, 0.f);
@@ -295,7 +299,7 @@ __device__ __noinline__ void w4g_split_end(raw16* y, int n, int rows, int m0, in
 #pragma unroll
                     for (int p = 0; p < 16; p++) part[p] = w4g_lds_f2(own + (h + p) * THREADS * 8);
                 } else {
-                    const float2* slot = w4g_slot<THREADS>(partials, w4g_slot_of(b, tile_first, iters));
+                    const float2* slot = w4g_slot<THREADS, PAIRS>(partials, w4g_slot_of(b, tile_first, iters));
 #pragma unroll
                     for (int p = 0; p < 16; p++) part[p] = __ldcg(slot + (h + p) * THREADS);
                 }
@@ -317,97 +321,112 @@ __device__ __noinline__ void w4g_split_end(raw16* y, int n, int rows, int m0, in
     __syncthreads();  // before the next piece's loads overwrite `own`, and w4g_last_piece is written again
 }
 
-// The block's dynamic shared memory: W4G_STAGES stages (activations, the
-// weight tiles' packed words, their scales/zeros), then a `full` and an
-// `empty` mbarrier per stage.
-template <int WGS>
+// The block's dynamic shared memory: S stages (activations, the weight
+// tiles' packed words, their scales/zeros), then a `full` and an `empty`
+// mbarrier per stage. A block takes WGS · 64 weight rows and NT (128 or
+// 256) activation rows; with 256, each warpgroup's dequantized weights
+// feed two wgmmas, which halves the dequantization per product.
+template <int WGS, int NT>
 struct W4GStages {
+    static_assert(NT == W4G_TOKENS || NT == 2 * W4G_TOKENS, "blocks of 128 or 256 activation rows");
+    static constexpr int HALVES = NT / W4G_TOKENS;  // 128-row activation blocks (wgmmas per k-step)
+    static constexpr int PAIRS = 32 * HALVES;       // output pairs per thread
+    static constexpr int S = HALVES == 1 ? W4G_STAGES : W4G_STAGES_TALL;
+    static constexpr int AHEAD = S - (W4G_STAGES - W4G_AHEAD);
     static constexpr int TILES = 4 * WGS;  // 16-row weight tiles per block
+    static constexpr int X_BYTES = HALVES * W4G_X_BYTES;
     static constexpr int W_BYTES = TILES * 512;
     static constexpr int SZ_BYTES = TILES * 2 * 64;  // 16 rows × two halves per tile
-    static constexpr int STAGE = W4G_X_BYTES + W_BYTES + SZ_BYTES;
+    static constexpr int STAGE = X_BYTES + W_BYTES + SZ_BYTES;
     static_assert(STAGE % 1024 == 0, "stages keep the activation tiles 1024-aligned");
     unsigned smem, full, empty;
 
     __device__ __forceinline__ W4GStages() {
         extern __shared__ unsigned char w4g_smem[];
         smem = (smem_u32(w4g_smem) + 1023u) & ~1023u;
-        full = smem + W4G_STAGES * STAGE;
-        empty = full + 8 * W4G_STAGES;
+        full = smem + S * STAGE;
+        empty = full + 8 * S;
     }
 };
 
 // Chunks [it − ⌊it / chunks⌋·chunks, …) of tile ⌊it / chunks⌋, up to the
 // tile's end or `last` (this block's piece of it), in stages from `seq` on;
 // returns the chunks multiplied.
-template <int WGS>
+template <int WGS, int NT>
 __device__ __forceinline__ int w4g_piece(const raw16* __restrict__ xp, int rows, const uint4* __restrict__ wq,
                                       const unsigned* __restrict__ sz, int k, int group, raw16* __restrict__ y, int n,
                                       float* __restrict__ partials, unsigned* __restrict__ counters,
                                       unsigned* __restrict__ ready, int iters, int it, int seq, int last) {
 #if W4G_WGMMA
-    using L = W4GStages<WGS>;
-    constexpr int S = W4G_STAGES, TILES = L::TILES, THREADS = 128 * WGS;
-    constexpr int W_BYTES = L::W_BYTES, STAGE = L::STAGE;
+    using L = W4GStages<WGS, NT>;
+    constexpr int S = L::S, HALVES = L::HALVES, PAIRS = L::PAIRS, TILES = L::TILES, THREADS = 128 * WGS;
+    constexpr int X_BYTES = L::X_BYTES, W_BYTES = L::W_BYTES, STAGE = L::STAGE;
     const L stages;
     const unsigned smem = stages.smem, full = stages.full, empty = stages.empty;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
     const int chunks = k / W4_CHUNK, n_tiles = n / 16, groups = (k + group - 1) / group;
-    const int row_blocks = (rows + W4G_TOKENS - 1) / W4G_TOKENS;
+    const int row_blocks = (rows + NT - 1) / NT;
     const bool g32 = group == 32;
     const unsigned group_magic = 0xffffffffu / (unsigned)group + 1u;  // see w4_group_of
     // This piece: chunks [c0, c0 + len) of `tile`.
     const int tile = it / chunks, c0 = it - tile * chunks, len = min(chunks - c0, last - it);
     const int row_block = tile % row_blocks, tile0 = tile / row_blocks * TILES;
     const int tiles = min(TILES, n_tiles - tile0);  // this block's real weight tiles
+    // Packed 128-row activation blocks of this tile (the second half of a
+    // 256-row block past the batch is not copied: its stale products only
+    // reach outputs that are never stored).
+    const int x_blocks = min(HALVES, (rows + W4G_TOKENS - 1) / W4G_TOKENS - row_block * HALVES);
 
     // Chunk c0 + i into stage seq + i, once the warps are done with the
-    // stage's previous chunk: the activations in one bulk copy (thread 0);
-    // each tile's weights and its scales/zeros of the chunk's two halves
-    // by every thread's cp.async (small pieces: as bulk copies they were
-    // many times slower).
-    const raw16* xblock = xp + (size_t)row_block * chunks * (W4G_X_BYTES / 2);
+    // stage's previous chunk: the activations in one bulk copy per 128
+    // rows (thread 0); each tile's weights and its scales/zeros of the
+    // chunk's two halves by every thread's cp.async (small pieces: as bulk
+    // copies they were many times slower).
+    const raw16* xblock = xp + (size_t)row_block * HALVES * chunks * (W4G_X_BYTES / 2);
     auto load = [&](int i) {
         if (i >= len) return;
         const int c = c0 + i, j = seq + i;
         const unsigned st = smem + (j % S) * STAGE, bar = full + 8 * (j % S);
         if (j >= S) w4g_mbar_wait(empty + 8 * (j % S), (j / S - 1) & 1);
         if (tid == 0) {
-            w4g_mbar_expect(bar, W4G_X_BYTES);
-            w4g_bulk(st, xblock + (size_t)c * (W4G_X_BYTES / 2), W4G_X_BYTES, bar);
+            w4g_mbar_expect(bar, x_blocks * W4G_X_BYTES);
+            for (int h = 0; h < x_blocks; h++)
+                w4g_bulk(st + h * W4G_X_BYTES, xblock + ((size_t)h * chunks + c) * (W4G_X_BYTES / 2), W4G_X_BYTES, bar);
         }
 #pragma unroll
         for (int q = 0; q < TILES * 32 / THREADS; q++) {
             const int p = tid + THREADS * q;  // 16-byte piece p of the weights: tile p / 32, lane p % 32
             if (p < tiles * 32)
-                cp_async16_at(st + W4G_X_BYTES + p * 16, wq + ((size_t)(tile0 + (p >> 5)) * chunks + c) * 32 + (p & 31), 16);
+                cp_async16_at(st + X_BYTES + p * 16, wq + ((size_t)(tile0 + (p >> 5)) * chunks + c) * 32 + (p & 31), 16);
         }
         if (tid < tiles * 8) {  // piece tid % 4 of half (tid / 4) % 2 of tile tid / 8
             const int gi = w4_group_of(c * W4_CHUNK + 32 * ((tid >> 2) & 1), group_magic);
-            cp_async16_at(st + W4G_X_BYTES + W_BYTES + tid * 16,
+            cp_async16_at(st + X_BYTES + W_BYTES + tid * 16,
                           sz + ((size_t)(tile0 + (tid >> 3)) * groups + gi) * 16 + 4 * (tid & 3), 16);
         }
         asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
     };
 
-    float acc[64];
+    float acc[HALVES][64];
 #pragma unroll
-    for (int i = 0; i < 64; i++) acc[i] = 0.f;
+    for (int h = 0; h < HALVES; h++)
+#pragma unroll
+        for (int i = 0; i < 64; i++) acc[h][i] = 0.f;
     const int tb = warp;  // this warp's tile: warp w of warpgroup j holds rows 64j + 16w..
 
 #pragma unroll
-    for (int i = 0; i < W4G_AHEAD; i++) load(i);
+    for (int i = 0; i < L::AHEAD; i++) load(i);
 
     // One chunk: wait for its stage, dequantize into `a`, issue its
-    // wgmmas, load chunk i + W4G_AHEAD, wait for chunk i − 1's wgmmas and
+    // wgmmas, load chunk i + AHEAD, wait for chunk i − 1's wgmmas and
     // release that one's stage. Warps only wait for each other through the
     // stages, so warpgroups drift apart and take turns on the tensor cores.
     auto step = [&](int i, unsigned (&a)[4][4]) {
         const int j = seq + i;
         w4g_mbar_wait(full + 8 * (j % S), (j / S) & 1);
         const unsigned st = smem + (j % S) * STAGE;
-        const uint4 wv = w4g_lds16(st + W4G_X_BYTES + tb * 512 + lane * 16);
-        const unsigned szb = st + W4G_X_BYTES + W_BYTES + tb * 128 + g * 4;
+        const uint4 wv = w4g_lds16(st + X_BYTES + tb * 512 + lane * 16);
+        const unsigned szb = st + X_BYTES + W_BYTES + tb * 128 + g * 4;
         const W4GGroup lo = w4g_group_low(w4g_lds4(szb)), lo8 = w4g_group_high(w4g_lds4(szb + 32));
         W4GGroup hi = lo, hi8 = lo8;  // the second half's group: the same unless groups are 32 wide
         if (g32) {
@@ -419,10 +438,13 @@ __device__ __forceinline__ int w4g_piece(const raw16* __restrict__ xp, int rows,
         w4g_fragment(wv.z, hi, hi8, a[2]);
         w4g_fragment(wv.w, hi, hi8, a[3]);
         w4g_wgmma_fence();
+        // k-step s: bytes 32s.. of each activation row, 128 rows per wgmma
 #pragma unroll
-        for (int s = 0; s < 4; s++) w4g_mma(acc, a[s], w4g_desc(st + 32 * s));  // k-step s: bytes 32s.. of each row
+        for (int s = 0; s < 4; s++)
+#pragma unroll
+            for (int h = 0; h < HALVES; h++) w4g_mma(acc[h], a[s], w4g_desc(st + h * W4G_X_BYTES + 32 * s));
         w4g_wgmma_commit();
-        load(i + W4G_AHEAD);
+        load(i + L::AHEAD);
         w4g_wgmma_wait<1>();
         if (i > 0 && lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty + 8 * ((j - 1) % S)) : "memory");
     };
@@ -434,21 +456,22 @@ __device__ __forceinline__ int w4g_piece(const raw16* __restrict__ xp, int rows,
     }
     if (i < len) step(i, a0);
     w4g_wgmma_wait<0>();
-    w4g_fence_acc(acc);
+#pragma unroll
+    for (int h = 0; h < HALVES; h++) w4g_fence_acc(acc[h]);
     if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty + 8 * ((seq + len - 1) % S)) : "memory");
 
-    // acc[4i + 2hh + e] is y[token 8i + 2t + e][feature 16·rt + g + 8hh].
-    // Lanes g and g ^ 1 swap one value each, so every lane holds two
-    // adjacent features of one token (pair 2i + hh): even g token 2t,
-    // odd g token 2t + 1. Every thread reads acc on the same path
-    // (read on a branch ptxas cannot prove uniform, it makes ptxas
+    // acc[h][4i + 2hh + e] is y[token 128h + 8i + 2t + e][feature 16·rt +
+    // g + 8hh]. Lanes g and g ^ 1 swap one value each, so every lane holds
+    // two adjacent features of one token (pair p = 32h + 2i + hh): even g
+    // token 2t, odd g token 2t + 1. Every thread reads acc on the same
+    // path (read on a branch ptxas cannot prove uniform, it makes ptxas
     // serialize the wgmmas); only the stores differ.
-    const int m0 = row_block * W4G_TOKENS, rt = tile0 + tb < n_tiles ? tile0 + tb : -1;
+    const int m0 = row_block * NT, rt = tile0 + tb < n_tiles ? tile0 + tb : -1;
     const bool odd = g & 1, split = len != chunks;
     if (split) __syncthreads();  // every warp's wgmmas are done with the stages `own` overwrites
 #pragma unroll
-    for (int p = 0; p < 32; p++) {
-        const float v0 = acc[2 * p], v1 = acc[2 * p + 1];
+    for (int p = 0; p < PAIRS; p++) {
+        const float v0 = acc[p / 32][2 * (p % 32)], v1 = acc[p / 32][2 * (p % 32) + 1];
         const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
         const float lo = odd ? other : v0, hi = odd ? v1 : other;
         if (split)
@@ -456,28 +479,29 @@ __device__ __forceinline__ int w4g_piece(const raw16* __restrict__ xp, int rows,
         else
             w4g_store_pair(y, n, rows, m0, rt, p, lo, hi);
     }
-    if (split) w4g_split_end<THREADS>(y, n, rows, m0, rt, tile, chunks, iters, partials, counters, ready, smem);
+    if (split) w4g_split_end<THREADS, PAIRS>(y, n, rows, m0, rt, tile, chunks, iters, partials, counters, ready, smem);
     return len;
 #else
     return 0;
 #endif
 }
 
-template <int WGS>
+template <int WGS, int NT>
 __device__ __forceinline__ void w4_gemm(const raw16* __restrict__ xp, int rows, const uint4* __restrict__ wq,
                                         const unsigned* __restrict__ sz, int k, int group, raw16* __restrict__ y,
                                         int n, float* __restrict__ partials, unsigned* __restrict__ counters,
                                         unsigned* __restrict__ ready) {
     GRID_DEP_ENTER();
 #if W4G_WGMMA
-    constexpr int TILES = W4GStages<WGS>::TILES, THREADS = 128 * WGS;
+    using L = W4GStages<WGS, NT>;
+    constexpr int TILES = L::TILES, THREADS = 128 * WGS;
     // Per stage: `full` completes when its chunk has landed (thread 0's
-    // expected bytes of the bulk copy, and every thread's cp.async arrival),
-    // `empty` when every warp's wgmmas are done with it. Stages are used in
-    // turn across the block's pieces.
-    const W4GStages<WGS> stages;
+    // expected bytes of the bulk copies, and every thread's cp.async
+    // arrival), `empty` when every warp's wgmmas are done with it. Stages
+    // are used in turn across the block's pieces.
+    const L stages;
     if (threadIdx.x == 0) {
-        for (int i = 0; i < W4G_STAGES; i++) {
+        for (int i = 0; i < L::S; i++) {
             w4g_mbar_init(stages.full + 8 * i, THREADS + 1);
             w4g_mbar_init(stages.empty + 8 * i, THREADS / 32);
         }
@@ -486,7 +510,7 @@ __device__ __forceinline__ void w4_gemm(const raw16* __restrict__ xp, int rows, 
     __syncthreads();
 
     // The block's range: one tile (the plain grid), or stream-K's share.
-    const int chunks = k / W4_CHUNK, iters = (rows + W4G_TOKENS - 1) / W4G_TOKENS * ((n / 16 + TILES - 1) / TILES) * chunks;
+    const int chunks = k / W4_CHUNK, iters = (rows + NT - 1) / NT * ((n / 16 + TILES - 1) / TILES) * chunks;
     const bool whole_tiles = gridDim.x * chunks == iters;
     const int first = whole_tiles ? blockIdx.x * chunks : w4g_range_start(blockIdx.x, iters);
     const int last = whole_tiles ? first + chunks : w4g_range_start(blockIdx.x + 1, iters);
@@ -497,7 +521,7 @@ __device__ __forceinline__ void w4_gemm(const raw16* __restrict__ xp, int rows, 
 #pragma unroll
     for (int p = 0; p < W4G_PIECES; p++) {
         if (it < last) {
-            const int len = w4g_piece<WGS>(xp, rows, wq, sz, k, group, y, n, partials, counters, ready, iters, it, seq, last);
+            const int len = w4g_piece<WGS, NT>(xp, rows, wq, sz, k, group, y, n, partials, counters, ready, iters, it, seq, last);
             it += len;
             seq += len;
         }
@@ -507,14 +531,15 @@ __device__ __forceinline__ void w4_gemm(const raw16* __restrict__ xp, int rows, 
 #endif
 }
 
-#define W4G_KERNEL(WGS)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(128 * WGS, 1)                                          \
-        w4_gemm_wg##WGS(const raw16* xp, int rows, const uint4* wq, const unsigned* sz, int k, int group, \
-                        raw16* y, int n, float* partials, unsigned* counters, unsigned* ready) {         \
-        w4_gemm<WGS>(xp, rows, wq, sz, k, group, y, n, partials, counters, ready);                       \
+#define W4G_KERNEL(NAME, WGS, NT)                                                                             \
+    extern "C" __global__ void __launch_bounds__(128 * WGS, 1)                                               \
+        NAME(const raw16* xp, int rows, const uint4* wq, const unsigned* sz, int k, int group, raw16* y, int n, \
+             float* partials, unsigned* counters, unsigned* ready) {                                         \
+        w4_gemm<WGS, NT>(xp, rows, wq, sz, k, group, y, n, partials, counters, ready);                        \
     }
-W4G_KERNEL(2)
-W4G_KERNEL(4)
+W4G_KERNEL(w4_gemm_wg2, 2, 128)
+W4G_KERNEL(w4_gemm_wg4, 4, 128)
+W4G_KERNEL(w4_gemm_wg2_t256, 2, 256)
 #undef W4G_KERNEL
 
 // Two values as f16 (low half first), clamped to its finite range: bf16

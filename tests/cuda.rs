@@ -10,7 +10,7 @@ mod common;
 
 use common::dequant::dequantized_copy;
 use nanoinfer::backend::cuda::{
-    sampling::sample_logits, ActDType, CudaDevice, GemmDType, W4Host, W4Matrix,
+    sampling::sample_logits, ActDType, CudaDevice, GemmDType, W4GemmBlocks, W4Host, W4Matrix,
 };
 use nanoinfer::backend::Device;
 use nanoinfer::engine::{Event, Model, ModelParams, RequestParams, Session, SessionParams};
@@ -769,7 +769,7 @@ fn int4_gemm_matches_the_exact_product() {
         return;
     }
     for act in [ActDType::BF16, ActDType::F16] {
-        let dev = CudaDevice::open(0, act).expect("CUDA device");
+        let mut dev = CudaDevice::open(0, act).expect("CUDA device");
         if !dev.w4_gemm_available() {
             eprintln!(
                 "{}: no int4 tensor-core GEMM on this GPU: skipped",
@@ -778,11 +778,13 @@ fn int4_gemm_matches_the_exact_product() {
             return;
         }
         let mut rng = SplitMix64::new(11);
-        // (weight rows, inputs, group, activation rows): partial blocks of
-        // both block widths (8208 rows: 2 × 128 rows a warpgroup; 208: 1 ×),
-        // partial row tiles, one-chunk inputs, groups of 32, 64 and 128.
-        // 400 × 14336 at 129 rows runs stream-K on an H100: 4 tiles of 224
-        // chunks shared out by 132 blocks, ~33 pieces a tile.
+        // (weight rows, inputs, group, activation rows), each with the
+        // blocks chosen per product and with every block shape: partial
+        // blocks of weight rows (8208 rows: 2 × 128 rows a warpgroup; 208:
+        // 1 ×) and of activation rows (tall blocks of 256 with one or both
+        // 128-row halves partial), one-chunk inputs, groups of 32, 64 and
+        // 128. 400 × 14336 at 129 rows runs stream-K on an H100: 4 tiles of
+        // 224 chunks shared out by 132 blocks, ~33 pieces a tile.
         for (n, k, group, rows) in [
             (8208, 256, 64, 640),
             (208, 192, 32, 129),
@@ -806,7 +808,6 @@ fn int4_gemm_matches_the_exact_product() {
                 dev.alloc::<u16>(dev.w4_gemm_scratch_elems(rows, k))
                     .unwrap(),
             );
-            dev.w4_gemm(x.ptr(), rows, &w, y.ptr(), xp.ptr()).unwrap();
             dev.w4_dequant(&w, dense.ptr()).unwrap();
             dev.gemm(
                 x.ptr(),
@@ -818,23 +819,37 @@ fn int4_gemm_matches_the_exact_product() {
                 GemmDType::Act,
             )
             .unwrap();
-            let download = |b: &nanoinfer::backend::cuda::DeviceBuffer<u16>| {
+            let download = |dev: &CudaDevice, b: &nanoinfer::backend::cuda::DeviceBuffer<u16>| {
                 let mut v = vec![0u16; rows * n];
                 dev.download(b, &mut v).unwrap();
                 v.iter().map(|&bits| act.decode(bits)).collect::<Vec<f32>>()
             };
-            let (got, cublas) = (download(&y), download(&y_cublas));
-            // Stream-K splits some of these products' tiles among blocks;
-            // the sums of a split tile are added in a fixed order, and the
-            // launch leaves its counters ready for the next.
-            dev.w4_gemm(x.ptr(), rows, &w, y.ptr(), xp.ptr()).unwrap();
-            let again = download(&y);
-            assert!(
-                got.iter()
-                    .zip(&again)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{n}x{k} g{group}, {rows} rows: a second run differs"
-            );
+            let cublas = download(&dev, &y_cublas);
+            let mut runs = Vec::new();
+            for blocks in [
+                W4GemmBlocks::Auto,
+                W4GemmBlocks::Narrow,
+                W4GemmBlocks::Wide,
+                W4GemmBlocks::Tall,
+            ] {
+                Arc::get_mut(&mut dev)
+                    .expect("the test holds the device's only reference")
+                    .set_w4_gemm_blocks(blocks);
+                dev.w4_gemm(x.ptr(), rows, &w, y.ptr(), xp.ptr()).unwrap();
+                let got = download(&dev, &y);
+                // Stream-K splits some of these products' tiles among
+                // blocks; the sums of a split tile are added in a fixed
+                // order, and the launch leaves its counters ready for the next.
+                dev.w4_gemm(x.ptr(), rows, &w, y.ptr(), xp.ptr()).unwrap();
+                let again = download(&dev, &y);
+                assert!(
+                    got.iter()
+                        .zip(&again)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{n}x{k} g{group}, {rows} rows, {blocks:?}: a second run differs"
+                );
+                runs.push((blocks, got));
+            }
             // The exact product of the stored activations and (q − z)·s, and
             // Σ|x·w| (what rounding the weights can move it by).
             let xf: Vec<f64> = xs.iter().map(|&b| act.decode(b) as f64).collect();
@@ -862,30 +877,34 @@ fn int4_gemm_matches_the_exact_product() {
             } else {
                 1.0 / 2048.0
             };
-            let bad: Vec<usize> = (0..got.len())
-                .filter(|&i| {
-                    let bound = half_ulp * exact[i].abs() + (1.0 / 2048.0 + 1e-5) * magnitude[i];
-                    (got[i] as f64 - exact[i]).abs() > bound * 1.01 + 1e-9
-                })
-                .collect();
-            eprintln!(
-                "{} {n}x{k} g{group}, {rows} rows: max error / rms {:.2e} (dequantize + cuBLAS {:.2e})",
-                act.name(),
-                max_err(&got),
-                max_err(&cublas)
-            );
-            assert!(
-                bad.is_empty(),
-                "{} {n}x{k} g{group}, {rows} rows: {} of {} outputs off the exact product (first: \
-                 row {}, column {}: {} against {})",
-                act.name(),
-                bad.len(),
-                got.len(),
-                bad[0] / n,
-                bad[0] % n,
-                got[bad[0]],
-                exact[bad[0]]
-            );
+            for (blocks, got) in &runs {
+                let bad: Vec<usize> = (0..got.len())
+                    .filter(|&i| {
+                        let bound =
+                            half_ulp * exact[i].abs() + (1.0 / 2048.0 + 1e-5) * magnitude[i];
+                        (got[i] as f64 - exact[i]).abs() > bound * 1.01 + 1e-9
+                    })
+                    .collect();
+                eprintln!(
+                    "{} {n}x{k} g{group}, {rows} rows, {blocks:?}: max error / rms {:.2e} \
+                     (dequantize + cuBLAS {:.2e})",
+                    act.name(),
+                    max_err(got),
+                    max_err(&cublas)
+                );
+                assert!(
+                    bad.is_empty(),
+                    "{} {n}x{k} g{group}, {rows} rows, {blocks:?}: {} of {} outputs off the exact \
+                     product (first: row {}, column {}: {} against {})",
+                    act.name(),
+                    bad.len(),
+                    got.len(),
+                    bad[0] / n,
+                    bad[0] % n,
+                    got[bad[0]],
+                    exact[bad[0]]
+                );
+            }
         }
     }
 }

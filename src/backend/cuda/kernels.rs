@@ -227,6 +227,7 @@ kernel_set!(
     w4_gemm_pack_x,
     w4_gemm_wg2,
     w4_gemm_wg4,
+    w4_gemm_wg2_t256,
     sample_rows,
 );
 

@@ -8,16 +8,15 @@ use super::{cuda_error, CudaDevice, KArg};
 use crate::Result;
 use cudarc::driver::sys::CUfunction_attribute;
 
-/// W4G_TOKENS of kernels/int4_gemm.cu: activation rows per tile.
-const BLOCK_ROWS: usize = 128;
-/// W4G_STAGES of kernels/int4_gemm.cu.
-const STAGES: usize = 8;
+/// W4G_TOKENS of kernels/int4_gemm.cu: activation rows per packed block.
+const PACKED_ROWS: usize = 128;
 
-/// A block shape of the GEMM: `warpgroups` of 64 weight rows each (kernel
-/// `w4_gemm_wg{warpgroups}`).
+/// A block shape of the GEMM: `warpgroups` of 64 weight rows each, times
+/// `tokens` activation rows (128 or 256).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct BlockShape {
     warpgroups: usize,
+    tokens: usize,
 }
 
 /// 128 weight rows a block, and 256 (more warps to hide the
@@ -25,27 +24,65 @@ pub(super) struct BlockShape {
 /// shapes, TFLOP/s at 512 / 2048 rows: gate/up 541 / 558 and 540 / 644,
 /// down 496 / 521 and 330 / 618 (down has only 64 wide blocks at 512 rows).
 /// Blocks of two warpgroups of 128 rows each were slower than both.
-const NARROW: BlockShape = BlockShape { warpgroups: 2 };
-const WIDE: BlockShape = BlockShape { warpgroups: 4 };
-const SHAPES: [BlockShape; 2] = [NARROW, WIDE];
+const NARROW: BlockShape = BlockShape {
+    warpgroups: 2,
+    tokens: 128,
+};
+const WIDE: BlockShape = BlockShape {
+    warpgroups: 4,
+    tokens: 128,
+};
+/// Two warpgroups of 64 weight rows × 256 activation rows: each
+/// dequantized weight feeds two wgmmas. H100, one block per tile, 8B
+/// shapes: gate/up at 1 024 / 2 048 rows 365 / 787 µs against wide blocks'
+/// 388 / 833, down 188 / 393 against 199 / 406 (the same tile count).
+const TALL: BlockShape = BlockShape {
+    warpgroups: 2,
+    tokens: 256,
+};
+const SHAPES: [BlockShape; 3] = [NARROW, WIDE, TALL];
 
 impl BlockShape {
     fn weight_rows(self) -> usize {
         64 * self.warpgroups
     }
 
+    fn threads(self) -> usize {
+        128 * self.warpgroups
+    }
+
+    /// W4G_STAGES (W4G_STAGES_TALL for 256 activation rows) of
+    /// kernels/int4_gemm.cu.
+    fn stages(self) -> usize {
+        if self.tokens == 256 {
+            6
+        } else {
+            8
+        }
+    }
+
     /// Dynamic shared memory: the stages (activations, packed weights,
     /// scales/zeros), 1 KB to align them and their two mbarriers each.
     fn smem_bytes(self) -> usize {
         let tiles = self.weight_rows() / 16;
-        STAGES * (BLOCK_ROWS * 128 + tiles * (512 + 128) + 16) + 1024
+        self.stages() * (self.tokens * 128 + tiles * (512 + 128) + 16) + 1024
+    }
+
+    /// Bytes of one block's partial sums (a stream-K slot): two f32 per
+    /// thread and output pair, `tokens / 4` pairs.
+    fn slot_bytes(self) -> usize {
+        self.threads() * self.tokens / 4 * 8
+    }
+
+    fn tiles(self, rows: usize, n: usize) -> usize {
+        rows.div_ceil(self.tokens) * n.div_ceil(self.weight_rows())
     }
 
     fn kernel(self, kernels: &Kernels) -> &Kernel {
-        if self == WIDE {
-            &kernels.w4_gemm_wg4
-        } else {
-            &kernels.w4_gemm_wg2
+        match self {
+            WIDE => &kernels.w4_gemm_wg4,
+            TALL => &kernels.w4_gemm_wg2_t256,
+            _ => &kernels.w4_gemm_wg2,
         }
     }
 }
@@ -55,15 +92,12 @@ impl BlockShape {
 pub(super) enum W4Gemm {
     /// `0`, or not sm_90: int4 batches dequantize for cuBLAS.
     Off,
-    /// Default: one block per tile, wide blocks once they fill 70 % of
-    /// the SMs (H100, 512 rows: QKV's 96 wide blocks beat its 192 narrow
-    /// ones, 413 against 333 TFLOP/s; o's 64 do not), unless stream-K (one
-    /// wide block per SM, the chunks of all tiles shared out evenly) is
-    /// expected to be faster. `stream_k: false`
+    /// Default: the launch a cost model expects to be fastest (see
+    /// [`W4Gemm::launch`]). `stream_k: false`
     /// (`NANOINFER_CUDA_W4_STREAM_K=0`): never stream-K.
     Auto { stream_k: bool },
-    /// `1` (narrow) or `2` (wide): always that shape, one block per tile,
-    /// for measurements.
+    /// `1` (narrow), `2` (wide) or `3` (tall): always that shape, one block
+    /// per tile, for measurements.
     Fixed(BlockShape),
 }
 
@@ -79,53 +113,87 @@ pub(super) struct Launch {
     blocks: usize,
 }
 
+/// The int4 GEMM's blocks, for tests and measurements: chosen per product
+/// (the default), or always one shape, one block per tile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum W4GemmBlocks {
+    Auto,
+    /// 128 weight rows × 128 activation rows.
+    Narrow,
+    /// 256 weight rows × 128 activation rows.
+    Wide,
+    /// 128 weight rows × 256 activation rows.
+    Tall,
+}
+
 impl W4Gemm {
     pub(super) fn for_device(arch: (i32, i32)) -> W4Gemm {
         if arch != (9, 0) {
             return W4Gemm::Off;
         }
-        match std::env::var("NANOINFER_CUDA_W4_GEMM").as_deref() {
-            Ok("0") => W4Gemm::Off,
-            Ok("1") => W4Gemm::Fixed(NARROW),
-            Ok("2") => W4Gemm::Fixed(WIDE),
-            _ => W4Gemm::Auto {
+        let blocks = match std::env::var("NANOINFER_CUDA_W4_GEMM").as_deref() {
+            Ok("0") => return W4Gemm::Off,
+            Ok("1") => W4GemmBlocks::Narrow,
+            Ok("2") => W4GemmBlocks::Wide,
+            Ok("3") => W4GemmBlocks::Tall,
+            _ => W4GemmBlocks::Auto,
+        };
+        W4Gemm::with_blocks(blocks)
+    }
+
+    fn with_blocks(blocks: W4GemmBlocks) -> W4Gemm {
+        match blocks {
+            W4GemmBlocks::Auto => W4Gemm::Auto {
                 stream_k: super::switch_on("NANOINFER_CUDA_W4_STREAM_K"),
             },
+            W4GemmBlocks::Narrow => W4Gemm::Fixed(NARROW),
+            W4GemmBlocks::Wide => W4Gemm::Fixed(WIDE),
+            W4GemmBlocks::Tall => W4Gemm::Fixed(TALL),
         }
     }
 
     /// The launch of `y[rows, n] = x[rows, k] · wᵀ` on `sm_count` SMs.
+    /// Auto takes the cheapest of: one block per tile, wide blocks once
+    /// they fill 70 % of the SMs, else narrow ones (H100, 512 rows: QKV's
+    /// 96 wide blocks beat its 192 narrow ones, 413 against 333 TFLOP/s;
+    /// o's 64 do not); one tall block per tile; stream-K, one wide block
+    /// per SM taking an equal share of all tiles' chunks.
     fn launch(self, rows: usize, n: usize, k: usize, sm_count: usize) -> Launch {
-        let tiles = |shape: BlockShape| rows.div_ceil(BLOCK_ROWS) * n.div_ceil(shape.weight_rows());
-        let per_tile = |shape| Launch {
+        let per_tile = |shape: BlockShape| Launch {
             shape,
-            blocks: tiles(shape),
+            blocks: shape.tiles(rows, n),
         };
         match self {
             W4Gemm::Fixed(shape) => per_tile(shape),
             W4Gemm::Auto { stream_k } => {
-                let wide = tiles(WIDE);
-                let shape = if 10 * wide >= 7 * sm_count {
+                let chunks = k / 64;
+                let wide = WIDE.tiles(rows, n);
+                let square = if 10 * wide >= 7 * sm_count {
                     WIDE
                 } else {
                     NARROW
                 };
-                let chunks = k / 64;
                 let stream_k = stream_k
                     .then(|| stream_k_blocks(wide, chunks, sm_count))
                     .flatten()
-                    .filter(|&blocks| {
-                        let range = (wide * chunks).div_ceil(blocks) as f64;
-                        let waves = tiles(shape).div_ceil(sm_count) as f64;
-                        range + STREAM_K_COST < shape.per_tile_cost(waves, chunks as f64)
-                    });
-                match stream_k {
-                    Some(blocks) => Launch {
+                    .map(|blocks| Launch {
                         shape: WIDE,
                         blocks,
-                    },
-                    None => per_tile(shape),
-                }
+                    });
+                let cost = |launch: Launch| {
+                    let tiles = launch.shape.tiles(rows, n);
+                    if launch.blocks == tiles {
+                        let waves = tiles.div_ceil(sm_count) as f64;
+                        launch.shape.per_tile_cost(waves, chunks as f64)
+                    } else {
+                        (tiles * chunks).div_ceil(launch.blocks) as f64 + STREAM_K_COST
+                    }
+                };
+                [Some(per_tile(square)), Some(per_tile(TALL)), stream_k]
+                    .into_iter()
+                    .flatten()
+                    .min_by(|a, b| cost(*a).total_cmp(&cost(*b)))
+                    .expect("one block per tile is always a candidate")
             }
             W4Gemm::Off => unreachable!("no launch without the GEMM"),
         }
@@ -134,18 +202,20 @@ impl W4Gemm {
 
 // Times of the launches, in the time a wide block takes for one chunk
 // (H100, the 8B layer's products at 200–1 024 rows, w4_bench; BENCHMARKS,
-// session 20). Stream-K pays for its pieces: restarting the stage pipeline,
-// writing partial sums and adding them up cost ~30 chunks' time per block.
+// sessions 20 and 21). Stream-K pays for its pieces: restarting the stage
+// pipeline, writing partial sums and adding them up cost ~30 chunks' time
+// per block.
 const STREAM_K_COST: f64 = 30.0;
 
 impl BlockShape {
     /// One block per tile, `waves` of them: a narrow block takes 0.65 of a
-    /// wide one's time per chunk.
+    /// wide one's time per chunk, a tall one (as many products, half the
+    /// dequantization) 0.94.
     fn per_tile_cost(self, waves: f64, chunks: f64) -> f64 {
-        if self == WIDE {
-            waves * chunks + 6.0
-        } else {
-            waves * chunks * 0.65 + 4.0
+        match self {
+            NARROW => waves * chunks * 0.65 + 4.0,
+            TALL => waves * chunks * 0.94 + 8.0,
+            _ => waves * chunks + 6.0,
         }
     }
 }
@@ -176,13 +246,14 @@ pub(super) fn ready_flags(sm_count: usize) -> usize {
 /// Elements (u16) of the packed activations of `rows` rows of `cols`
 /// inputs: rows padded to whole blocks.
 fn packed_elems(rows: usize, cols: usize) -> usize {
-    rows.div_ceil(BLOCK_ROWS) * BLOCK_ROWS * cols
+    rows.div_ceil(PACKED_ROWS) * PACKED_ROWS * cols
 }
 
-/// Elements (u16) of stream-K's partial sums: two slots per block of f32
-/// sums, 64 per thread of the widest block.
+/// Elements (u16) of stream-K's partial sums: two slots per block, one
+/// block per SM, of the largest slot.
 fn partials_elems(sm_count: usize) -> usize {
-    2 * sm_count * 64 * 128 * WIDE.warpgroups * 2
+    let slot = SHAPES.iter().map(|s| s.slot_bytes()).max().unwrap_or(0);
+    2 * sm_count * slot / 2
 }
 
 /// Lets the GEMM kernels take their shared memory (above the default 48 KB).
@@ -204,6 +275,13 @@ impl CudaDevice {
     /// Whether [`CudaDevice::w4_gemm`] runs here.
     pub fn w4_gemm_available(&self) -> bool {
         self.w4_gemm != W4Gemm::Off
+    }
+
+    /// Holds [`CudaDevice::w4_gemm`] to `blocks` (where the GEMM runs).
+    pub fn set_w4_gemm_blocks(&mut self, blocks: W4GemmBlocks) {
+        if self.w4_gemm_available() {
+            self.w4_gemm = W4Gemm::with_blocks(blocks);
+        }
     }
 
     /// Elements (u16) of the scratch [`CudaDevice::w4_gemm`] takes for
@@ -253,7 +331,7 @@ impl CudaDevice {
             (rows, w),
             (
                 (launch.blocks as u32, 1, 1),
-                128 * launch.shape.warpgroups as u32,
+                launch.shape.threads() as u32,
                 launch.shape.smem_bytes() as u32,
             ),
             &[
@@ -287,23 +365,27 @@ mod tests {
             blocks: 132,
         };
         for (rows, n, k) in [
-            (512, 28672, 4096), // gate/up: 221.6 against 211.4
+            (512, 28672, 4096), // gate/up: 221.6 against 211.4 (tall: 213.6)
             (512, 4096, 14336), // down: 123.1 against 118.7
             (200, 4096, 14336), // down: 118.1 against 73.0
             (1024, 6144, 4096), // QKV: 117.5 against 103.7
         ] {
             assert_eq!(auto.launch(rows, n, k, 132), sk, "{rows}x{n}x{k}");
         }
+        // Session 21: one block per tile against stream-K, and wide or
+        // narrow blocks against tall ones.
         for (rows, n, k, shape) in [
-            (512, 6144, 4096, WIDE),   // QKV: 60.2 against 62.2
-            (512, 4096, 4096, NARROW), // o: 39.4 against 49.1
+            (512, 6144, 4096, TALL),   // QKV: 57.9 against 61.2 and 62.2
+            (512, 4096, 4096, NARROW), // o: 39.4 against 49.1 and 56.7
             (200, 6144, 4096, NARROW), // QKV: 38.8 against 43.4
-            (1024, 28672, 4096, WIDE), // gate/up: 380.2 against 391.3
-            (1024, 4096, 14336, WIDE), // down: 197.2 against 198.6
+            (256, 28672, 4096, TALL),  // gate/up: 110.7 against 117.5
+            (1024, 28672, 4096, TALL), // gate/up: 365.2 against 388.4 and 391.3
+            (1024, 4096, 14336, TALL), // down: 187.6 against 199.2 and 198.6
+            (1024, 4096, 4096, TALL),  // o: 60.8 against 64.4
         ] {
             let launch = auto.launch(rows, n, k, 132);
             assert_eq!(launch.shape, shape, "{rows}x{n}x{k}");
-            assert_eq!(launch.blocks, rows.div_ceil(128) * n / shape.weight_rows());
+            assert_eq!(launch.blocks, shape.tiles(rows, n));
         }
     }
 
@@ -317,13 +399,12 @@ mod tests {
     }
 
     #[test]
-    fn without_stream_k_wide_blocks_once_they_fill_most_sms() {
+    fn without_stream_k_tall_or_wide_blocks_once_they_fill_most_sms() {
         let auto = W4Gemm::Auto { stream_k: false };
         let shape = |rows, n| auto.launch(rows, n, 4096, 132).shape;
-        assert_eq!(shape(512, 28672), WIDE);
-        assert_eq!(shape(512, 6144), WIDE);
+        assert_eq!(shape(384, 28672), WIDE); // tall blocks would be 448 for 336 wide ones
         assert_eq!(shape(512, 4096), NARROW);
-        assert_eq!(shape(2048, 4096), WIDE);
+        assert_eq!(shape(2048, 4096), TALL);
         assert_eq!(
             W4Gemm::Fixed(NARROW).launch(2048, 28672, 4096, 132).shape,
             NARROW
