@@ -390,8 +390,10 @@ __device__ __forceinline__ int w4g_piece(const raw16* __restrict__ xp, int rows,
         if (j >= S) w4g_mbar_wait(empty + 8 * (j % S), (j / S - 1) & 1);
         if (tid == 0) {
             w4g_mbar_expect(bar, x_blocks * W4G_X_BYTES);
-            for (int h = 0; h < x_blocks; h++)
-                w4g_bulk(st + h * W4G_X_BYTES, xblock + ((size_t)h * chunks + c) * (W4G_X_BYTES / 2), W4G_X_BYTES, bar);
+#pragma unroll
+            for (int h = 0; h < HALVES; h++)
+                if (h < x_blocks)
+                    w4g_bulk(st + h * W4G_X_BYTES, xblock + ((size_t)h * chunks + c) * (W4G_X_BYTES / 2), W4G_X_BYTES, bar);
         }
 #pragma unroll
         for (int q = 0; q < TILES * 32 / THREADS; q++) {
