@@ -779,7 +779,8 @@ fn int4_gemm_matches_the_exact_product() {
         }
         let mut rng = SplitMix64::new(11);
         // (weight rows, inputs, group, activation rows), each with the
-        // blocks chosen per product and with every block shape: partial
+        // blocks chosen per product and with every block shape, one block per
+        // tile and by stream-K (which splits tiles among blocks): partial
         // blocks of weight rows (8208 rows: 2 × 128 rows a warpgroup; 208:
         // 1 ×) and of activation rows (tall blocks of 256 with one or both
         // 128-row halves partial), one-chunk inputs, groups of 32, 64 and
@@ -831,6 +832,8 @@ fn int4_gemm_matches_the_exact_product() {
                 W4GemmBlocks::Narrow,
                 W4GemmBlocks::Wide,
                 W4GemmBlocks::Tall,
+                W4GemmBlocks::WideStreamK,
+                W4GemmBlocks::TallStreamK,
             ] {
                 Arc::get_mut(&mut dev)
                     .expect("the test holds the device's only reference")

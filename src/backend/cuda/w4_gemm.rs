@@ -100,6 +100,9 @@ pub(super) enum W4Gemm {
     /// `1` (narrow), `2` (wide) or `3` (tall): always that shape, one block
     /// per tile, for measurements.
     Fixed(BlockShape),
+    /// `4` (wide) or `5` (tall): stream-K with that shape wherever the
+    /// kernel takes it, for measurements.
+    StreamK(BlockShape),
 }
 
 /// Most tiles one block's range may touch (W4G_PIECES of kernels/int4_gemm.cu).
@@ -115,7 +118,7 @@ pub(super) struct Launch {
 }
 
 /// The int4 GEMM's blocks, for tests and measurements: chosen per product
-/// (the default), or always one shape, one block per tile.
+/// (the default), or always one shape, one block per tile or by stream-K.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum W4GemmBlocks {
     Auto,
@@ -125,6 +128,10 @@ pub enum W4GemmBlocks {
     Wide,
     /// 128 weight rows × 256 activation rows.
     Tall,
+    /// Wide blocks, one per SM, by stream-K (where the kernel takes it).
+    WideStreamK,
+    /// Tall blocks, one per SM, by stream-K (where the kernel takes it).
+    TallStreamK,
 }
 
 impl W4Gemm {
@@ -137,6 +144,8 @@ impl W4Gemm {
             Ok("1") => W4GemmBlocks::Narrow,
             Ok("2") => W4GemmBlocks::Wide,
             Ok("3") => W4GemmBlocks::Tall,
+            Ok("4") => W4GemmBlocks::WideStreamK,
+            Ok("5") => W4GemmBlocks::TallStreamK,
             _ => W4GemmBlocks::Auto,
         };
         W4Gemm::with_blocks(blocks)
@@ -150,6 +159,8 @@ impl W4Gemm {
             W4GemmBlocks::Narrow => W4Gemm::Fixed(NARROW),
             W4GemmBlocks::Wide => W4Gemm::Fixed(WIDE),
             W4GemmBlocks::Tall => W4Gemm::Fixed(TALL),
+            W4GemmBlocks::WideStreamK => W4Gemm::StreamK(WIDE),
+            W4GemmBlocks::TallStreamK => W4Gemm::StreamK(TALL),
         }
     }
 
@@ -157,41 +168,47 @@ impl W4Gemm {
     /// Auto takes the cheapest of: one block per tile, wide blocks once
     /// they fill 70 % of the SMs, else narrow ones (H100, 512 rows: QKV's
     /// 96 wide blocks beat its 192 narrow ones, 413 against 333 TFLOP/s;
-    /// o's 64 do not); one tall block per tile; stream-K, one wide block
-    /// per SM taking an equal share of all tiles' chunks.
+    /// o's 64 do not); one tall block per tile; stream-K, one wide or tall
+    /// block per SM taking an equal share of all tiles' chunks.
     fn launch(self, rows: usize, n: usize, k: usize, sm_count: usize) -> Launch {
+        let chunks = k / 64;
         let per_tile = |shape: BlockShape| Launch {
             shape,
             blocks: shape.tiles(rows, n),
         };
+        let stream_k = |shape: BlockShape| {
+            stream_k_blocks(shape.tiles(rows, n), chunks, sm_count)
+                .map(|blocks| Launch { shape, blocks })
+        };
         match self {
             W4Gemm::Fixed(shape) => per_tile(shape),
-            W4Gemm::Auto { stream_k } => {
-                let chunks = k / 64;
-                let wide = WIDE.tiles(rows, n);
-                let square = if 10 * wide >= 7 * sm_count {
+            W4Gemm::StreamK(shape) => stream_k(shape).unwrap_or(per_tile(shape)),
+            W4Gemm::Auto { stream_k: allowed } => {
+                let square = if 10 * WIDE.tiles(rows, n) >= 7 * sm_count {
                     WIDE
                 } else {
                     NARROW
                 };
-                let stream_k = stream_k
-                    .then(|| stream_k_blocks(wide, chunks, sm_count))
-                    .flatten()
-                    .map(|blocks| Launch {
-                        shape: WIDE,
-                        blocks,
-                    });
                 let cost = |launch: Launch| {
-                    let tiles = launch.shape.tiles(rows, n);
+                    let (shape, tiles) = (launch.shape, launch.shape.tiles(rows, n));
                     if launch.blocks == tiles {
                         let waves = tiles.div_ceil(sm_count) as f64;
-                        launch.shape.per_tile_cost(waves, chunks as f64)
+                        shape.per_tile_cost(waves, chunks as f64)
                     } else {
-                        (tiles * chunks).div_ceil(launch.blocks) as f64 + STREAM_K_COST
+                        let range = (tiles * chunks).div_ceil(launch.blocks) as f64;
+                        range * shape.chunk_cost() + STREAM_K_COST
                     }
                 };
-                [Some(per_tile(square)), Some(per_tile(TALL)), stream_k]
+                // Tall blocks only where every tile is split among blocks:
+                // with several tiles a block they lost to one tall block
+                // per tile (gate/up at 512 rows: 213 against 199 µs).
+                let streamed = [WIDE, TALL].map(|shape| {
+                    let fits = shape == WIDE || shape.tiles(rows, n) < sm_count;
+                    (allowed && fits).then(|| stream_k(shape)).flatten()
+                });
+                [Some(per_tile(square)), Some(per_tile(TALL))]
                     .into_iter()
+                    .chain(streamed)
                     .flatten()
                     .min_by(|a, b| cost(*a).total_cmp(&cost(*b)))
                     .expect("one block per tile is always a candidate")
@@ -209,15 +226,24 @@ impl W4Gemm {
 const STREAM_K_COST: f64 = 30.0;
 
 impl BlockShape {
-    /// One block per tile, `waves` of them: a narrow block takes 0.65 of a
-    /// wide one's time per chunk, a tall one (as many products, half the
-    /// dequantization) 0.9.
-    fn per_tile_cost(self, waves: f64, chunks: f64) -> f64 {
+    /// A chunk's time against a wide block's: a narrow block takes 0.65, a
+    /// tall one (as many products, half the dequantization) 0.9.
+    fn chunk_cost(self) -> f64 {
         match self {
-            NARROW => waves * chunks * 0.65 + 4.0,
-            TALL => waves * chunks * 0.9 + 9.0,
-            _ => waves * chunks + 6.0,
+            NARROW => 0.65,
+            TALL => 0.9,
+            _ => 1.0,
         }
+    }
+
+    /// One block per tile, `waves` of them, and the launch's start and end.
+    fn per_tile_cost(self, waves: f64, chunks: f64) -> f64 {
+        let fixed = match self {
+            NARROW => 4.0,
+            TALL => 9.0,
+            _ => 6.0,
+        };
+        waves * chunks * self.chunk_cost() + fixed
     }
 }
 
@@ -366,14 +392,25 @@ mod tests {
             blocks: 132,
         };
         for (rows, n, k) in [
-            (512, 4096, 14336), // down: 123.1 against 118.7
-            (200, 4096, 14336), // down: 118.1 against 73.0
             (1024, 6144, 4096), // QKV: 117.5 against 103.7
         ] {
             assert_eq!(auto.launch(rows, n, k, 132), sk, "{rows}x{n}x{k}");
         }
-        // Session 21: one block per tile against stream-K, and wide or
-        // narrow blocks against tall ones.
+        // Session 21: stream-K in tall blocks where tiles are fewer than
+        // SMs (down at 160 / 256 / 512 rows: 71.4 / 73.3 / 113.5 against
+        // wide blocks' 72.7 / 74.3 / 118.5), one block per tile against
+        // stream-K, and wide or narrow blocks against tall ones.
+        for rows in [160, 256, 512] {
+            let tall_sk = Launch {
+                shape: TALL,
+                blocks: 132,
+            };
+            assert_eq!(
+                auto.launch(rows, 4096, 14336, 132),
+                tall_sk,
+                "down, {rows} rows"
+            );
+        }
         for (rows, n, k, shape) in [
             (512, 6144, 4096, TALL),   // QKV: 57.9 against 61.2 and 62.2
             (512, 28672, 4096, TALL),  // gate/up: 200.0 against 212.0 (stream-K)
