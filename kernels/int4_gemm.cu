@@ -27,28 +27,31 @@
 // closer to the exact product than w4_dequant's bf16 weights
 // (tests/cuda.rs, int4_gemm_matches_the_exact_product).
 //
-// Block: WGS warpgroups of 64 weight rows × 128 activation rows each
-// (two 64-row wgmmas per warpgroup, 128 accumulator registers, were slower).
-// Shared memory holds W4G_STAGES stages of one chunk each:
-// activations (16 KB), packed weights (512 bytes per 16-row tile) and the
-// scales/zeros of the chunk's two 32-input halves (128 bytes per tile),
-// brought W4G_AHEAD chunks ahead (the activations by a bulk copy, the rest
-// by cp.async), with a pair of mbarriers per stage. Each chunk's wgmmas are
-// one commit group; a warpgroup dequantizes chunk c + 1 into its second
-// register set while the tensor cores run chunk c.
+// Block: WGS warpgroups of 64 weight rows, times NT = 128 or 256
+// activation rows (two 64-row wgmmas per warpgroup, 128 accumulator
+// registers, were slower). With 256 (the "tall" block, WGS = 2), each
+// warpgroup's dequantized weights feed one wgmma per 128-row half, which
+// halves the dequantization per product. Shared memory holds S stages
+// (W4G_STAGES, or W4G_STAGES_TALL for 256 rows) of one chunk each:
+// activations (16 KB per 128 rows), packed weights (512 bytes per 16-row
+// tile) and the scales/zeros of the chunk's two 32-input halves (128 bytes
+// per tile), brought S − 3 chunks ahead (the activations by a bulk copy per
+// 128 rows, the rest by cp.async), with a pair of mbarriers per stage. Each
+// chunk's wgmmas are one commit group; a warpgroup dequantizes chunk c + 1
+// into its second register set while the tensor cores run chunk c.
 //
-// Tiles (128 activation rows × one block's weight rows) are shared out
+// Tiles (NT activation rows × one block's weight rows) are shared out
 // either one per block or by stream-K (w4g_range_start): one block per SM,
 // each taking an equal run of all tiles' chunks, so that a partial last
 // wave or fewer tiles than SMs leave no SM idle. A block's run is cut into
 // pieces at tile boundaries; the pieces of a tile split among blocks are
-// added up by the last to finish (w4g_split_end). The host picks stream-K
-// where it expects it to be faster (src/backend/cuda/w4_gemm.rs).
+// added up by the last to finish (w4g_split_end). The host picks the block
+// shape and stream-K per product (src/backend/cuda/w4_gemm.rs).
 //
 // grid = G blocks (one per tile, or one per SM for stream-K: see
 // w4g_range_start), block = 128·WGS, dynamic shared memory =
-// W4G_STAGES · stage bytes + 1 KB (alignment). `partials` (2·G slots of
-// 32 float2 per thread), `counters` (one per tile) and `ready` (one per
+// S · stage bytes + 1 KB (alignment). `partials` (2·G slots of NT / 4
+// float2 per thread), `counters` (one per tile) and `ready` (one per
 // slot), both zero, serve tiles that stream-K splits among blocks.
 
 #define W4G_TOKENS 128                   // activation rows per wgmma (its N) and per packed block
@@ -333,6 +336,9 @@ struct W4GStages {
     static constexpr int PAIRS = 32 * HALVES;       // output pairs per thread
     static constexpr int S = HALVES == 1 ? W4G_STAGES : W4G_STAGES_TALL;
     static constexpr int AHEAD = S - (W4G_STAGES - W4G_AHEAD);
+    // A warp loads chunk i + AHEAD before it releases chunk i − 1's stage:
+    // one stage less between them and it would wait for itself.
+    static_assert(S - AHEAD >= 2, "stages refilled at least two chunks behind");
     static constexpr int TILES = 4 * WGS;  // 16-row weight tiles per block
     static constexpr int X_BYTES = HALVES * W4G_X_BYTES;
     static constexpr int W_BYTES = TILES * 512;
