@@ -384,27 +384,24 @@ mod tests {
 
     #[test]
     fn stream_k_where_it_was_measured_faster() {
-        // H100 (132 SMs), Llama-3-8B's products (w4_bench, session 20; µs
-        // with one block per tile against stream-K).
+        // H100 (132 SMs), Llama-3-8B's products (w4_bench, sessions 20 and
+        // 21; µs). QKV at 1 024 rows: stream-K in wide blocks 103.7 against
+        // 117.5 one wide block per tile.
         let auto = W4Gemm::Auto { stream_k: true };
-        let sk = Launch {
+        let wide_sk = Launch {
             shape: WIDE,
             blocks: 132,
         };
-        for (rows, n, k) in [
-            (1024, 6144, 4096), // QKV: 117.5 against 103.7
-        ] {
-            assert_eq!(auto.launch(rows, n, k, 132), sk, "{rows}x{n}x{k}");
-        }
-        // Session 21: stream-K in tall blocks where tiles are fewer than
-        // SMs (down at 160 / 256 / 512 rows: 71.4 / 73.3 / 113.5 against
-        // wide blocks' 72.7 / 74.3 / 118.5), one block per tile against
-        // stream-K, and wide or narrow blocks against tall ones.
+        assert_eq!(auto.launch(1024, 6144, 4096, 132), wide_sk);
+        // Stream-K in tall blocks where tiles are fewer than SMs (down at
+        // 160 / 256 / 512 rows: 71.4 / 73.3 / 113.5 against wide blocks'
+        // 72.7 / 74.3 / 118.5); one block per tile against stream-K, and
+        // wide or narrow blocks against tall ones.
+        let tall_sk = Launch {
+            shape: TALL,
+            blocks: 132,
+        };
         for rows in [160, 256, 512] {
-            let tall_sk = Launch {
-                shape: TALL,
-                blocks: 132,
-            };
             assert_eq!(
                 auto.launch(rows, 4096, 14336, 132),
                 tall_sk,
