@@ -277,10 +277,11 @@ fn packed_elems(rows: usize, cols: usize) -> usize {
 }
 
 /// Elements (u16) of stream-K's partial sums: two slots per block, one
-/// block per SM, of the largest slot.
+/// block per SM, each of the largest shape's slot bytes (two bytes an
+/// element, so as many elements per block as a slot has bytes).
 fn partials_elems(sm_count: usize) -> usize {
-    let slot = SHAPES.iter().map(|s| s.slot_bytes()).max().unwrap_or(0);
-    2 * sm_count * slot / 2
+    let slot_bytes = SHAPES.map(BlockShape::slot_bytes).into_iter().max();
+    sm_count * slot_bytes.expect("SHAPES is not empty")
 }
 
 /// Lets the GEMM kernels take their shared memory (above the default 48 KB).
