@@ -48,11 +48,21 @@
 // added up by the last to finish (w4g_split_end). The host picks the block
 // shape and stream-K per product (src/backend/cuda/w4_gemm.rs).
 //
+// Blocks of two warpgroups are warp-specialized: a third warpgroup, the
+// producer, issues every load and `setmaxnreg`s down to 40 registers; the
+// two consumers (232 registers) only wait for chunks, dequantize and run
+// the wgmmas, as cuBLAS's Hopper kernels split the work (H100: 4–20 %
+// faster than consumers loading their own stages). Four consumers would
+// get too few registers, so wide blocks load their own.
+//
+// y[token, feature] is at y[token · ldy + feature] (ldy ≥ n: the host may
+// run a product's weight rows as two launches, into columns of one y).
 // grid = G blocks (one per tile, or one per SM for stream-K: see
-// w4g_range_start), block = 128·WGS, dynamic shared memory =
-// S · stage bytes + 1 KB (alignment). `partials` (2·G slots of NT / 4
-// float2 per thread), `counters` (one per tile) and `ready` (one per
-// slot), both zero, serve tiles that stream-K splits among blocks.
+// w4g_range_start), block = 128·WGS (+ 128: the producer), dynamic
+// shared memory = S · stage bytes + 1 KB (alignment). `partials` (2·G
+// slots of NT / 4 float2 per consumer thread), `counters` (one per tile)
+// and `ready` (one per slot), both zero, serve tiles that stream-K splits
+// among blocks.
 
 #define W4G_TOKENS 128                   // activation rows per wgmma (its N) and per packed block
 #define W4G_X_BYTES (W4G_TOKENS * 128)  // one chunk of them: 128 rows × 64 inputs × 2 bytes
@@ -227,10 +237,10 @@ __device__ __forceinline__ int w4g_block_of(int i, int iters) {
 // Where this thread's output pair p = 2i + hh of a tile goes: y[token
 // m0 + 8i + 2t + odd][features 16·rt + g − odd + 8hh, +1] (t = lane % 4,
 // g = lane / 4, odd = g % 2; see the epilogue of w4_gemm).
-__device__ __forceinline__ void w4g_store_pair(raw16* y, int n, int rows, int m0, int rt, int p, float lo, float hi) {
+__device__ __forceinline__ void w4g_store_pair(raw16* y, int ldy, int rows, int m0, int rt, int p, float lo, float hi) {
     const int lane = threadIdx.x & 31, g = lane >> 2, odd = g & 1;
     const int token = m0 + 8 * (p >> 1) + 2 * (lane & 3) + odd, feature = rt * 16 + g - odd + 8 * (p & 1);
-    if (rt >= 0 && token < rows) *(unsigned*)(y + (size_t)token * n + feature) = w4g_pack2(lo, hi);
+    if (rt >= 0 && token < rows) *(unsigned*)(y + (size_t)token * ldy + feature) = w4g_pack2(lo, hi);
 }
 
 // A tile split among blocks b0..b1 (pieces: the block's range starts or
@@ -258,24 +268,32 @@ __device__ __forceinline__ float2 w4g_lds_f2(unsigned addr) {
     return v;
 }
 
+// Barrier 1 among a block's THREADS consumer threads (every thread unless
+// a producer warpgroup loads the stages, which __syncthreads would also
+// wait for).
+template <int THREADS>
+__device__ __forceinline__ void w4g_sync() {
+    asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
+}
+
 template <int THREADS, int PAIRS>
-__device__ __noinline__ void w4g_split_end(raw16* y, int n, int rows, int m0, int rt, int tile, int chunks,
+__device__ __noinline__ void w4g_split_end(raw16* y, int ldy, int rows, int m0, int rt, int tile, int chunks,
                                            int iters, float* partials, unsigned* counters, unsigned* ready,
                                            unsigned own) {
     __shared__ int w4g_last_piece;
     const int tile_first = tile * chunks, me = blockIdx.x;
     const int b0 = w4g_block_of(tile_first, iters), b1 = w4g_block_of(tile_first + chunks - 1, iters);
     own += threadIdx.x * 8;
-    __syncthreads();
+    w4g_sync<THREADS>();
     if (threadIdx.x == 0) w4g_last_piece = atomicAdd(counters + tile, 1u) == (unsigned)(b1 - b0);
-    __syncthreads();
+    w4g_sync<THREADS>();
     if (!w4g_last_piece) {
         const int slot = w4g_slot_of(me, tile_first, iters);
         float2* mine = w4g_slot<THREADS, PAIRS>(partials, slot);
 #pragma unroll
         for (int p = 0; p < PAIRS; p++) mine[p * THREADS] = w4g_lds_f2(own + p * THREADS * 8);
         __threadfence();
-        __syncthreads();
+        w4g_sync<THREADS>();
         if (threadIdx.x == 0) asm volatile("st.release.gpu.global.u32 [%0], 1;" ::"l"(ready + slot) : "memory");
     } else {
         if (threadIdx.x == 0) {
@@ -286,7 +304,7 @@ __device__ __noinline__ void w4g_split_end(raw16* y, int n, int rows, int m0, in
                 while (!set) asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(set) : "l"(flag) : "memory");
             }
         }
-        __syncthreads();
+        w4g_sync<THREADS>();
         __threadfence();
         // Half a slot's loads at once (16 per thread): one after the other,
         // each waiting for the last, they took longer than the products;
@@ -313,7 +331,7 @@ __device__ __noinline__ void w4g_split_end(raw16* y, int n, int rows, int m0, in
                 }
             }
 #pragma unroll
-            for (int p = 0; p < 16; p++) w4g_store_pair(y, n, rows, m0, rt, h + p, v[p].x, v[p].y);
+            for (int p = 0; p < 16; p++) w4g_store_pair(y, ldy, rows, m0, rt, h + p, v[p].x, v[p].y);
         }
         if (threadIdx.x == 0) {
             counters[tile] = 0u;
@@ -321,7 +339,7 @@ __device__ __noinline__ void w4g_split_end(raw16* y, int n, int rows, int m0, in
                 if (b != me) ready[w4g_slot_of(b, tile_first, iters)] = 0u;
         }
     }
-    __syncthreads();  // before the next piece's loads overwrite `own`, and w4g_last_piece is written again
+    w4g_sync<THREADS>();  // before the next piece's loads overwrite `own`, and w4g_last_piece is written again
 }
 
 // The block's dynamic shared memory: S stages (activations, the weight
@@ -355,64 +373,97 @@ struct W4GStages {
     }
 };
 
-// Chunks [it − ⌊it / chunks⌋·chunks, …) of tile ⌊it / chunks⌋, up to the
-// tile's end or `last` (this block's piece of it), in stages from `seq` on;
-// returns the chunks multiplied.
+// A block's piece of a tile: chunks [c0, c0 + len) of tile ⌊it / chunks⌋
+// from iteration `it` on, up to the tile's end or `last`.
 template <int WGS, int NT>
-__device__ __forceinline__ int w4g_piece(const raw16* __restrict__ xp, int rows, const uint4* __restrict__ wq,
-                                      const unsigned* __restrict__ sz, int k, int group, raw16* __restrict__ y, int n,
-                                      float* __restrict__ partials, unsigned* __restrict__ counters,
-                                      unsigned* __restrict__ ready, int iters, int it, int seq, int last) {
+struct W4GPiece {
+    int tile, c0, len, row_block, tile0, tiles, x_blocks;
+    __device__ __forceinline__ W4GPiece(int it, int last, int chunks, int rows, int n) {
+        using L = W4GStages<WGS, NT>;
+        const int row_blocks = (rows + NT - 1) / NT;
+        tile = it / chunks;
+        c0 = it - tile * chunks;
+        len = min(chunks - c0, last - it);
+        row_block = tile % row_blocks;
+        tile0 = tile / row_blocks * L::TILES;
+        tiles = min(L::TILES, n / 16 - tile0);  // this block's real weight tiles
+        // Packed 128-row activation blocks of this tile (the second half of
+        // a 256-row block past the batch is not copied: its stale products
+        // only reach outputs that are never stored).
+        x_blocks = min(L::HALVES, (rows + W4G_TOKENS - 1) / W4G_TOKENS - row_block * L::HALVES);
+    }
+};
+
+// Chunk c of piece `pc` into stage j, once the warps are done with the
+// stage's previous chunk, by LOADERS threads (`lt`: this one's index): the
+// activations in one bulk copy per 128 rows (loader 0); each tile's
+// weights and its scales/zeros of the chunk's two halves by every loader's
+// cp.async (small pieces: as bulk copies they were many times slower).
+template <int WGS, int NT, int LOADERS>
+__device__ __forceinline__ void w4g_load(const W4GStages<WGS, NT>& stages, const W4GPiece<WGS, NT>& pc,
+                                         const raw16* __restrict__ xp, const uint4* __restrict__ wq,
+                                         const unsigned* __restrict__ sz, int chunks, int groups,
+                                         unsigned group_magic, int c, int j, int lt) {
+    using L = W4GStages<WGS, NT>;
+    constexpr int S = L::S, X_BYTES = L::X_BYTES, W_BYTES = L::W_BYTES, TILES = L::TILES;
+    const unsigned st = stages.smem + (j % S) * L::STAGE, bar = stages.full + 8 * (j % S);
+    if (j >= S) w4g_mbar_wait(stages.empty + 8 * (j % S), (j / S - 1) & 1);
+    if (lt == 0) {
+        const raw16* xblock = xp + (size_t)pc.row_block * L::HALVES * chunks * (W4G_X_BYTES / 2);
+        w4g_mbar_expect(bar, pc.x_blocks * W4G_X_BYTES);
+#pragma unroll
+        for (int h = 0; h < L::HALVES; h++)
+            if (h < pc.x_blocks)
+                w4g_bulk(st + h * W4G_X_BYTES, xblock + ((size_t)h * chunks + c) * (W4G_X_BYTES / 2), W4G_X_BYTES, bar);
+    }
+#pragma unroll
+    for (int q = 0; q < TILES * 32 / LOADERS; q++) {
+        const int p = lt + LOADERS * q;  // 16-byte piece p of the weights: tile p / 32, lane p % 32
+        if (p < pc.tiles * 32)
+            cp_async16_at(st + X_BYTES + p * 16, wq + ((size_t)(pc.tile0 + (p >> 5)) * chunks + c) * 32 + (p & 31), 16);
+    }
+    if (lt < pc.tiles * 8) {  // piece lt % 4 of half (lt / 4) % 2 of tile lt / 8
+        const int gi = w4_group_of(c * W4_CHUNK + 32 * ((lt >> 2) & 1), group_magic);
+        const unsigned* src = sz + ((size_t)(pc.tile0 + (lt >> 3)) * groups + gi) * 16 + 4 * (lt & 3);
+        cp_async16_at(st + X_BYTES + W_BYTES + lt * 16, src, 16);
+    }
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+// Barrier 2: a warp-specialized block's producer waits there until the
+// consumers are done with a split piece's sums (`own`, over the stages).
+template <int THREADS>
+__device__ __forceinline__ void w4g_own_free_arrive() {
+    asm volatile("bar.arrive 2, %0;" ::"n"(THREADS + 128) : "memory");
+}
+template <int THREADS>
+__device__ __forceinline__ void w4g_own_free_wait() {
+    asm volatile("bar.sync 2, %0;" ::"n"(THREADS + 128) : "memory");
+}
+
+// Multiplies piece `pc` from stage `seq` on (and with WS = false loads
+// it, S − 3 chunks ahead); returns its length.
+template <int WGS, int NT, bool WS>
+__device__ __forceinline__ int w4g_piece(const W4GPiece<WGS, NT>& pc, const raw16* __restrict__ xp, int rows,
+                                         const uint4* __restrict__ wq, const unsigned* __restrict__ sz, int k,
+                                         int group, raw16* __restrict__ y, int n, int ldy, float* __restrict__ partials,
+                                         unsigned* __restrict__ counters, unsigned* __restrict__ ready, int iters,
+                                         int seq) {
 #if W4G_WGMMA
     using L = W4GStages<WGS, NT>;
-    constexpr int S = L::S, HALVES = L::HALVES, PAIRS = L::PAIRS, TILES = L::TILES, THREADS = 128 * WGS;
+    constexpr int S = L::S, HALVES = L::HALVES, PAIRS = L::PAIRS, THREADS = 128 * WGS;
     constexpr int X_BYTES = L::X_BYTES, W_BYTES = L::W_BYTES, STAGE = L::STAGE;
     const L stages;
     const unsigned smem = stages.smem, full = stages.full, empty = stages.empty;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
-    const int chunks = k / W4_CHUNK, n_tiles = n / 16, groups = (k + group - 1) / group;
-    const int row_blocks = (rows + NT - 1) / NT;
+    const int chunks = k / W4_CHUNK, n_tiles = n / 16, groups = (k + group - 1) / group, len = pc.len;
     const bool g32 = group == 32;
     const unsigned group_magic = 0xffffffffu / (unsigned)group + 1u;  // see w4_group_of
-    // This piece: chunks [c0, c0 + len) of `tile`.
-    const int tile = it / chunks, c0 = it - tile * chunks, len = min(chunks - c0, last - it);
-    const int row_block = tile % row_blocks, tile0 = tile / row_blocks * TILES;
-    const int tiles = min(TILES, n_tiles - tile0);  // this block's real weight tiles
-    // Packed 128-row activation blocks of this tile (the second half of a
-    // 256-row block past the batch is not copied: its stale products only
-    // reach outputs that are never stored).
-    const int x_blocks = min(HALVES, (rows + W4G_TOKENS - 1) / W4G_TOKENS - row_block * HALVES);
-
-    // Chunk c0 + i into stage seq + i, once the warps are done with the
-    // stage's previous chunk: the activations in one bulk copy per 128
-    // rows (thread 0); each tile's weights and its scales/zeros of the
-    // chunk's two halves by every thread's cp.async (small pieces: as bulk
-    // copies they were many times slower).
-    const raw16* xblock = xp + (size_t)row_block * HALVES * chunks * (W4G_X_BYTES / 2);
     auto load = [&](int i) {
-        if (i >= len) return;
-        const int c = c0 + i, j = seq + i;
-        const unsigned st = smem + (j % S) * STAGE, bar = full + 8 * (j % S);
-        if (j >= S) w4g_mbar_wait(empty + 8 * (j % S), (j / S - 1) & 1);
-        if (tid == 0) {
-            w4g_mbar_expect(bar, x_blocks * W4G_X_BYTES);
-#pragma unroll
-            for (int h = 0; h < HALVES; h++)
-                if (h < x_blocks)
-                    w4g_bulk(st + h * W4G_X_BYTES, xblock + ((size_t)h * chunks + c) * (W4G_X_BYTES / 2), W4G_X_BYTES, bar);
-        }
-#pragma unroll
-        for (int q = 0; q < TILES * 32 / THREADS; q++) {
-            const int p = tid + THREADS * q;  // 16-byte piece p of the weights: tile p / 32, lane p % 32
-            if (p < tiles * 32)
-                cp_async16_at(st + X_BYTES + p * 16, wq + ((size_t)(tile0 + (p >> 5)) * chunks + c) * 32 + (p & 31), 16);
-        }
-        if (tid < tiles * 8) {  // piece tid % 4 of half (tid / 4) % 2 of tile tid / 8
-            const int gi = w4_group_of(c * W4_CHUNK + 32 * ((tid >> 2) & 1), group_magic);
-            cp_async16_at(st + X_BYTES + W_BYTES + tid * 16,
-                          sz + ((size_t)(tile0 + (tid >> 3)) * groups + gi) * 16 + 4 * (tid & 3), 16);
-        }
-        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+        if constexpr (!WS)
+            if (i < len)
+                w4g_load<WGS, NT, THREADS>(stages, pc, xp, wq, sz, chunks, groups, group_magic, pc.c0 + i, seq + i,
+                                           tid);
     };
 
     float acc[HALVES][64];
@@ -426,7 +477,7 @@ __device__ __forceinline__ int w4g_piece(const raw16* __restrict__ xp, int rows,
     for (int i = 0; i < L::AHEAD; i++) load(i);
 
     // One chunk: wait for its stage, dequantize into `a`, issue its
-    // wgmmas, load chunk i + AHEAD, wait for chunk i − 1's wgmmas and
+    // wgmmas, (load chunk i + AHEAD,) wait for chunk i − 1's wgmmas and
     // release that one's stage. Warps only wait for each other through the
     // stages, so warpgroups drift apart and take turns on the tensor cores.
     auto step = [&](int i, unsigned (&a)[4][4]) {
@@ -474,9 +525,9 @@ __device__ __forceinline__ int w4g_piece(const raw16* __restrict__ xp, int rows,
     // token 2t, odd g token 2t + 1. Every thread reads acc on the same
     // path (read on a branch ptxas cannot prove uniform, it makes ptxas
     // serialize the wgmmas); only the stores differ.
-    const int m0 = row_block * NT, rt = tile0 + tb < n_tiles ? tile0 + tb : -1;
+    const int m0 = pc.row_block * NT, rt = pc.tile0 + tb < n_tiles ? pc.tile0 + tb : -1;
     const bool odd = g & 1, split = len != chunks;
-    if (split) __syncthreads();  // every warp's wgmmas are done with the stages `own` overwrites
+    if (split) w4g_sync<THREADS>();  // every warp's wgmmas are done with the stages `own` overwrites
 #pragma unroll
     for (int p = 0; p < PAIRS; p++) {
         const float v0 = acc[p / 32][2 * (p % 32)], v1 = acc[p / 32][2 * (p % 32) + 1];
@@ -485,32 +536,59 @@ __device__ __forceinline__ int w4g_piece(const raw16* __restrict__ xp, int rows,
         if (split)
             asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(smem + (p * THREADS + tid) * 8), "f"(lo), "f"(hi) : "memory");
         else
-            w4g_store_pair(y, n, rows, m0, rt, p, lo, hi);
+            w4g_store_pair(y, ldy, rows, m0, rt, p, lo, hi);
     }
-    if (split) w4g_split_end<THREADS, PAIRS>(y, n, rows, m0, rt, tile, chunks, iters, partials, counters, ready, smem);
+    if (split) w4g_split_end<THREADS, PAIRS>(y, ldy, rows, m0, rt, pc.tile, chunks, iters, partials, counters, ready, smem);
     return len;
 #else
     return 0;
 #endif
 }
 
+// A warp-specialized block's producer warpgroup: loads every chunk of the
+// block's range [first, last) in turn, pausing after a split piece until
+// the consumers have taken its sums out of the stages.
 template <int WGS, int NT>
+__device__ __forceinline__ void w4g_produce(const raw16* __restrict__ xp, int rows, const uint4* __restrict__ wq,
+                                            const unsigned* __restrict__ sz, int k, int group, int n, int first,
+                                            int last) {
+#if W4G_WGMMA
+    const W4GStages<WGS, NT> stages;
+    const int chunks = k / W4_CHUNK, groups = (k + group - 1) / group, lt = threadIdx.x - 128 * WGS;
+    const unsigned group_magic = 0xffffffffu / (unsigned)group + 1u;  // see w4_group_of
+    for (int it = first, seq = 0; it < last;) {
+        const W4GPiece<WGS, NT> pc(it, last, chunks, rows, n);
+        for (int i = 0; i < pc.len; i++)
+            w4g_load<WGS, NT, 128>(stages, pc, xp, wq, sz, chunks, groups, group_magic, pc.c0 + i, seq + i, lt);
+        it += pc.len;
+        seq += pc.len;
+        if (pc.len != chunks && it < last) w4g_own_free_wait<128 * WGS>();
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+// WS: a third (or fifth) warpgroup, the producer, `setmaxnreg`s down and
+// issues every load, while the WGS consumer warpgroups (raised) only wait
+// for their chunks, dequantize and run the wgmmas, as cuBLAS's Hopper
+// kernels split the work. block = 128·WGS (+ 128 with WS).
+template <int WGS, int NT, bool WS>
 __device__ __forceinline__ void w4_gemm(const raw16* __restrict__ xp, int rows, const uint4* __restrict__ wq,
                                         const unsigned* __restrict__ sz, int k, int group, raw16* __restrict__ y,
-                                        int n, float* __restrict__ partials, unsigned* __restrict__ counters,
+                                        int n, int ldy, float* __restrict__ partials, unsigned* __restrict__ counters,
                                         unsigned* __restrict__ ready) {
     GRID_DEP_ENTER();
 #if W4G_WGMMA
     using L = W4GStages<WGS, NT>;
-    constexpr int TILES = L::TILES, THREADS = 128 * WGS;
-    // Per stage: `full` completes when its chunk has landed (thread 0's
-    // expected bytes of the bulk copies, and every thread's cp.async
-    // arrival), `empty` when every warp's wgmmas are done with it. Stages
-    // are used in turn across the block's pieces.
+    constexpr int TILES = L::TILES, THREADS = 128 * WGS, LOADERS = WS ? 128 : THREADS;
+    // Per stage: `full` completes when its chunk has landed (loader 0's
+    // expected bytes of the bulk copies, and every loader's cp.async
+    // arrival), `empty` when every consumer warp's wgmmas are done with it.
+    // Stages are used in turn across the block's pieces.
     const L stages;
     if (threadIdx.x == 0) {
         for (int i = 0; i < L::S; i++) {
-            w4g_mbar_init(stages.full + 8 * i, THREADS + 1);
+            w4g_mbar_init(stages.full + 8 * i, LOADERS + 1);
             w4g_mbar_init(stages.empty + 8 * i, THREADS / 32);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -522,6 +600,19 @@ __device__ __forceinline__ void w4_gemm(const raw16* __restrict__ xp, int rows, 
     const bool whole_tiles = gridDim.x * chunks == iters;
     const int first = whole_tiles ? blockIdx.x * chunks : w4g_range_start(blockIdx.x, iters);
     const int last = whole_tiles ? first + chunks : w4g_range_start(blockIdx.x + 1, iters);
+    if constexpr (WS) {
+        // Registers: all 64 K of the SM, the producer keeping the fewest it
+        // can use. (Four consumers would get 120 each: too few, ptxas
+        // serializes their wgmmas.)
+        static_assert(WGS == 2, "a producer for two consumer warpgroups");
+        constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = (65536 / 128 - PRODUCER_REGS) / WGS / 8 * 8;
+        if (threadIdx.x >= THREADS) {
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS) : "memory");
+            w4g_produce<WGS, NT>(xp, rows, wq, sz, k, group, n, first, last);
+            return;
+        }
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS) : "memory");
+    }
     // At most W4G_PIECES pieces (the host keeps ranges short enough),
     // unrolled: inside a loop over pieces ptxas lacked the registers and
     // serialized the wgmmas.
@@ -529,9 +620,12 @@ __device__ __forceinline__ void w4_gemm(const raw16* __restrict__ xp, int rows, 
 #pragma unroll
     for (int p = 0; p < W4G_PIECES; p++) {
         if (it < last) {
-            const int len = w4g_piece<WGS, NT>(xp, rows, wq, sz, k, group, y, n, partials, counters, ready, iters, it, seq, last);
+            const W4GPiece<WGS, NT> pc(it, last, chunks, rows, n);
+            const int len =
+                w4g_piece<WGS, NT, WS>(pc, xp, rows, wq, sz, k, group, y, n, ldy, partials, counters, ready, iters, seq);
             it += len;
             seq += len;
+            if (WS && len != chunks && it < last) w4g_own_free_arrive<THREADS>();
         }
     }
 #else
@@ -539,15 +633,15 @@ __device__ __forceinline__ void w4_gemm(const raw16* __restrict__ xp, int rows, 
 #endif
 }
 
-#define W4G_KERNEL(NAME, WGS, NT)                                                                             \
-    extern "C" __global__ void __launch_bounds__(128 * WGS, 1)                                               \
+#define W4G_KERNEL(NAME, WGS, NT, WS)                                                                           \
+    extern "C" __global__ void __launch_bounds__(128 * (WGS + WS), 1)                                           \
         NAME(const raw16* xp, int rows, const uint4* wq, const unsigned* sz, int k, int group, raw16* y, int n, \
-             float* partials, unsigned* counters, unsigned* ready) {                                         \
-        w4_gemm<WGS, NT>(xp, rows, wq, sz, k, group, y, n, partials, counters, ready);                        \
+             int ldy, float* partials, unsigned* counters, unsigned* ready) {                                   \
+        w4_gemm<WGS, NT, WS>(xp, rows, wq, sz, k, group, y, n, ldy, partials, counters, ready);                 \
     }
-W4G_KERNEL(w4_gemm_wg2, 2, 128)
-W4G_KERNEL(w4_gemm_wg4, 4, 128)
-W4G_KERNEL(w4_gemm_wg2_t256, 2, 256)
+W4G_KERNEL(w4_gemm_wg2, 2, 128, true)
+W4G_KERNEL(w4_gemm_wg4, 4, 128, false)
+W4G_KERNEL(w4_gemm_wg2_t256, 2, 256, true)
 #undef W4G_KERNEL
 
 // Two values as f16 (low half first), clamped to its finite range: bf16

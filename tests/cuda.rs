@@ -785,7 +785,12 @@ fn int4_gemm_matches_the_exact_product() {
         // 1 ×) and of activation rows (tall blocks of 256 with one or both
         // 128-row halves partial), one-chunk inputs, groups of 32, 64 and
         // 128. 400 × 14336 at 129 rows runs stream-K on an H100: 4 tiles of
-        // 224 chunks shared out by 132 blocks, ~33 pieces a tile.
+        // 224 chunks shared out by 132 blocks, ~33 pieces a tile. 8208 × 256
+        // at 640 rows runs tall blocks then narrow ones: a wave of 132 tall
+        // tiles (44 blocks of weight rows × 3), then the other 21 blocks of
+        // weight rows (the last partial) as 105 narrow tiles. Split-K: 300
+        // rows of 384 × 512 in 24 blocks (6 tiles, 8 chunks: 2 a block),
+        // 400 × 14336 at 129 rows in 16.
         for (n, k, group, rows) in [
             (8208, 256, 64, 640),
             (208, 192, 32, 129),
@@ -802,7 +807,7 @@ fn int4_gemm_matches_the_exact_product() {
             );
             let mut x = dev.alloc::<u16>(rows * k).unwrap();
             dev.upload(&xs, &mut x).unwrap();
-            let (y, y_cublas, dense, xp) = (
+            let (mut y, y_cublas, dense, xp) = (
                 dev.alloc::<u16>(rows * n).unwrap(),
                 dev.alloc::<u16>(rows * n).unwrap(),
                 dev.alloc::<u16>(n * k).unwrap(),
@@ -834,10 +839,14 @@ fn int4_gemm_matches_the_exact_product() {
                 W4GemmBlocks::Tall,
                 W4GemmBlocks::WideStreamK,
                 W4GemmBlocks::TallStreamK,
+                W4GemmBlocks::TallThenNarrow,
+                W4GemmBlocks::TallSplitK,
             ] {
                 Arc::get_mut(&mut dev)
                     .expect("the test holds the device's only reference")
                     .set_w4_gemm_blocks(blocks);
+                // NaN everywhere first: an output no block writes fails.
+                dev.upload(&vec![0xffffu16; rows * n], &mut y).unwrap();
                 dev.w4_gemm(x.ptr(), rows, &w, y.ptr(), xp.ptr()).unwrap();
                 let got = download(&dev, &y);
                 // Stream-K splits some of these products' tiles among
@@ -885,7 +894,8 @@ fn int4_gemm_matches_the_exact_product() {
                     .filter(|&i| {
                         let bound =
                             half_ulp * exact[i].abs() + (1.0 / 2048.0 + 1e-5) * magnitude[i];
-                        (got[i] as f64 - exact[i]).abs() > bound * 1.01 + 1e-9
+                        let err = (got[i] as f64 - exact[i]).abs();
+                        err.is_nan() || err > bound * 1.01 + 1e-9
                     })
                     .collect();
                 eprintln!(

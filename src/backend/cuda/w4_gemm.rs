@@ -79,6 +79,12 @@ impl BlockShape {
         rows.div_ceil(self.tokens) * n.div_ceil(self.weight_rows())
     }
 
+    /// The consumer warpgroups, and for two of them a producer warpgroup
+    /// (kernels/int4_gemm.cu: warp-specialized blocks).
+    fn block_threads(self) -> usize {
+        self.threads() + if self.warpgroups == 2 { 128 } else { 0 }
+    }
+
     fn kernel(self, kernels: &Kernels) -> &Kernel {
         match self {
             WIDE => &kernels.w4_gemm_wg4,
@@ -93,9 +99,10 @@ impl BlockShape {
 pub(super) enum W4Gemm {
     /// `0`, or not sm_90: int4 batches dequantize for cuBLAS.
     Off,
-    /// Default: the launch a cost model expects to be fastest (see
-    /// [`W4Gemm::launch`]). `stream_k: false`
-    /// (`NANOINFER_CUDA_W4_STREAM_K=0`): never stream-K.
+    /// Default: the plan a cost model expects to be fastest (see
+    /// [`W4Gemm::plan`]). `stream_k: false`
+    /// (`NANOINFER_CUDA_W4_STREAM_K=0`): never a tile split among blocks
+    /// (stream-K or split-K).
     Auto { stream_k: bool },
     /// `1` (narrow), `2` (wide) or `3` (tall): always that shape, one block
     /// per tile, for measurements.
@@ -103,6 +110,12 @@ pub(super) enum W4Gemm {
     /// `4` (wide) or `5` (tall): stream-K with that shape wherever the
     /// kernel takes it, for measurements.
     StreamK(BlockShape),
+    /// `6`: tall blocks in whole waves, then narrow ones (see
+    /// [`Plan::TallThenNarrow`]) wherever both have tiles, for measurements.
+    TallThenNarrow,
+    /// `7`: tall blocks splitting each tile's chunks evenly (see
+    /// [`split_k`]) wherever they fit in a wave, for measurements.
+    SplitK,
 }
 
 /// Most tiles one block's range may touch (W4G_PIECES of kernels/int4_gemm.cu).
@@ -115,6 +128,29 @@ const MAX_PIECES: usize = 5;
 pub(super) struct Launch {
     shape: BlockShape,
     blocks: usize,
+}
+
+impl Launch {
+    /// One block per tile of `rows` activation rows × `n` weight rows.
+    fn per_tile(shape: BlockShape, rows: usize, n: usize) -> Launch {
+        Launch {
+            shape,
+            blocks: shape.tiles(rows, n),
+        }
+    }
+}
+
+/// A product's launches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Plan {
+    /// One launch over every weight row.
+    One(Launch),
+    /// Tall blocks, one per tile, over the first `tall_rows` weight rows
+    /// (whole waves of them), then narrow blocks, one per tile, over the
+    /// rest: a last wave of tall tiles that would leave most SMs idle runs
+    /// as narrow tiles, which take 0.6 of a tall tile's time (H100, gate/up
+    /// at 512 rows: 3 waves + 104 narrow tiles instead of 3.4 waves).
+    TallThenNarrow { tall_rows: usize },
 }
 
 /// The int4 GEMM's blocks, for tests and measurements: chosen per product
@@ -132,6 +168,12 @@ pub enum W4GemmBlocks {
     WideStreamK,
     /// Tall blocks, one per SM, by stream-K (where the kernel takes it).
     TallStreamK,
+    /// Tall blocks in whole waves, then narrow blocks over the remaining
+    /// weight rows (where there are both).
+    TallThenNarrow,
+    /// Tall blocks, 2–4 a tile, each taking an equal share of its chunks
+    /// (where they fit in one wave).
+    TallSplitK,
 }
 
 impl W4Gemm {
@@ -146,6 +188,8 @@ impl W4Gemm {
             Ok("3") => W4GemmBlocks::Tall,
             Ok("4") => W4GemmBlocks::WideStreamK,
             Ok("5") => W4GemmBlocks::TallStreamK,
+            Ok("6") => W4GemmBlocks::TallThenNarrow,
+            Ok("7") => W4GemmBlocks::TallSplitK,
             _ => W4GemmBlocks::Auto,
         };
         W4Gemm::with_blocks(blocks)
@@ -161,56 +205,50 @@ impl W4Gemm {
             W4GemmBlocks::Tall => W4Gemm::Fixed(TALL),
             W4GemmBlocks::WideStreamK => W4Gemm::StreamK(WIDE),
             W4GemmBlocks::TallStreamK => W4Gemm::StreamK(TALL),
+            W4GemmBlocks::TallThenNarrow => W4Gemm::TallThenNarrow,
+            W4GemmBlocks::TallSplitK => W4Gemm::SplitK,
         }
     }
 
-    /// The launch of `y[rows, n] = x[rows, k] · wᵀ` on `sm_count` SMs.
-    /// Auto takes the cheapest of: one block per tile, wide blocks once
-    /// they fill 70 % of the SMs, else narrow ones (H100, 512 rows: QKV's
-    /// 96 wide blocks beat its 192 narrow ones, 413 against 333 TFLOP/s;
-    /// o's 64 do not); one tall block per tile; stream-K, one wide or tall
-    /// block per SM taking an equal share of all tiles' chunks.
-    fn launch(self, rows: usize, n: usize, k: usize, sm_count: usize) -> Launch {
+    /// The launches of `y[rows, n] = x[rows, k] · wᵀ` on `sm_count` SMs.
+    /// Auto takes the cheapest of: one narrow, wide or tall block per tile;
+    /// tall blocks in whole waves, then narrow ones; stream-K, one wide
+    /// block per SM taking an equal share of all tiles' chunks; tall blocks
+    /// splitting each tile's chunks evenly.
+    fn plan(self, rows: usize, n: usize, k: usize, sm_count: usize) -> Plan {
         let chunks = k / 64;
-        let per_tile = |shape: BlockShape| Launch {
-            shape,
-            blocks: shape.tiles(rows, n),
-        };
+        let per_tile = |shape| Launch::per_tile(shape, rows, n);
         let stream_k = |shape: BlockShape| {
             stream_k_blocks(shape.tiles(rows, n), chunks, sm_count)
                 .map(|blocks| Launch { shape, blocks })
         };
+        let tall_then_narrow = || {
+            tall_rows_in_whole_waves(rows, n, sm_count)
+                .map(|tall_rows| Plan::TallThenNarrow { tall_rows })
+        };
         match self {
-            W4Gemm::Fixed(shape) => per_tile(shape),
-            W4Gemm::StreamK(shape) => stream_k(shape).unwrap_or(per_tile(shape)),
+            W4Gemm::Fixed(shape) => Plan::One(per_tile(shape)),
+            W4Gemm::StreamK(shape) => Plan::One(stream_k(shape).unwrap_or(per_tile(shape))),
+            W4Gemm::SplitK => {
+                Plan::One(split_k(rows, n, chunks, sm_count).unwrap_or(per_tile(TALL)))
+            }
+            W4Gemm::TallThenNarrow => tall_then_narrow().unwrap_or(Plan::One(per_tile(TALL))),
             W4Gemm::Auto { stream_k: allowed } => {
-                let square = if 10 * WIDE.tiles(rows, n) >= 7 * sm_count {
-                    WIDE
-                } else {
-                    NARROW
-                };
-                let cost = |launch: Launch| {
-                    let (shape, tiles) = (launch.shape, launch.shape.tiles(rows, n));
-                    if launch.blocks == tiles {
-                        let waves = tiles.div_ceil(sm_count) as f64;
-                        shape.per_tile_cost(waves, chunks as f64)
-                    } else {
-                        let range = (tiles * chunks).div_ceil(launch.blocks) as f64;
-                        range * shape.chunk_cost() + STREAM_K_COST
-                    }
-                };
-                // Tall blocks only where every tile is split among blocks:
-                // with several tiles a block they lost to one tall block
-                // per tile (gate/up at 512 rows: 213 against 199 µs).
-                let streamed = [WIDE, TALL].map(|shape| {
-                    let fits = shape == WIDE || shape.tiles(rows, n) < sm_count;
-                    (allowed && fits).then(|| stream_k(shape)).flatten()
-                });
-                [Some(per_tile(square)), Some(per_tile(TALL))]
+                // Tall blocks split tiles evenly: stream-K's uneven pieces
+                // were slower (down at 512 rows: 100 µs in 128 blocks, two
+                // a tile, against 115 in 132).
+                let split = [stream_k(WIDE), split_k(rows, n, chunks, sm_count)]
+                    .map(|launch| launch.filter(|_| allowed).map(Plan::One));
+                SHAPES
+                    .map(|shape| Some(Plan::One(per_tile(shape))))
                     .into_iter()
-                    .chain(streamed)
+                    .chain(split)
+                    .chain([tall_then_narrow()])
                     .flatten()
-                    .min_by(|a, b| cost(*a).total_cmp(&cost(*b)))
+                    .min_by(|a, b| {
+                        let cost = |plan| plan_cost(plan, rows, n, chunks, sm_count);
+                        cost(*a).total_cmp(&cost(*b))
+                    })
                     .expect("one block per tile is always a candidate")
             }
             W4Gemm::Off => unreachable!("no launch without the GEMM"),
@@ -218,20 +256,71 @@ impl W4Gemm {
     }
 }
 
+/// Most tall blocks a tile's chunks are split among (split-K).
+const MAX_SPLIT: usize = 4;
+
+/// Tall blocks, the most of them (up to MAX_SPLIT) a tile that one wave
+/// holds and its `chunks` allow, each taking an equal share of a tile's
+/// chunks: stream-K's arithmetic with the ranges on tile boundaries. None
+/// where there would not be two a tile.
+fn split_k(rows: usize, n: usize, chunks: usize, sm_count: usize) -> Option<Launch> {
+    let tiles = TALL.tiles(rows, n);
+    let split = (sm_count / tiles).min(MAX_SPLIT).min(chunks);
+    (split >= 2).then_some(Launch {
+        shape: TALL,
+        blocks: split * tiles,
+    })
+}
+
+/// The weight rows tall blocks take in whole waves (a multiple of their
+/// weight rows), where they are followed by narrow blocks over the rest:
+/// None where tall tiles fill no whole wave or exactly fill theirs.
+fn tall_rows_in_whole_waves(rows: usize, n: usize, sm_count: usize) -> Option<usize> {
+    let row_blocks = rows.div_ceil(TALL.tokens);
+    let whole_waves = TALL.tiles(rows, n) / sm_count;
+    let tall_rows = whole_waves * sm_count / row_blocks * TALL.weight_rows();
+    (tall_rows > 0 && tall_rows < n).then_some(tall_rows)
+}
+
 // Times of the launches, in the time a wide block takes for one chunk
-// (H100, the 8B layer's products at 200–1 024 rows, w4_bench; BENCHMARKS,
-// sessions 20 and 21). Stream-K pays for its pieces: restarting the stage
+// (H100, the 8B layer's products at 256–1 024 rows, w4_bench; BENCHMARKS,
+// sessions 20–22). Stream-K pays for its pieces: restarting the stage
 // pipeline, writing partial sums and adding them up cost ~30 chunks' time
-// per block.
+// per block; split-K, its pieces on tile boundaries, ~24 (18–27 measured).
 const STREAM_K_COST: f64 = 30.0;
+const SPLIT_K_COST: f64 = 24.0;
+
+fn plan_cost(plan: Plan, rows: usize, n: usize, chunks: usize, sm_count: usize) -> f64 {
+    let launch_cost = |launch: Launch, n: usize| {
+        let (shape, tiles) = (launch.shape, launch.shape.tiles(rows, n));
+        if launch.blocks == tiles {
+            let waves = tiles.div_ceil(sm_count) as f64;
+            shape.per_tile_cost(waves, chunks as f64)
+        } else if launch.blocks.is_multiple_of(tiles) {
+            let share = chunks.div_ceil(launch.blocks / tiles) as f64;
+            share * shape.chunk_cost() + SPLIT_K_COST
+        } else {
+            let range = (tiles * chunks).div_ceil(launch.blocks) as f64;
+            range * shape.chunk_cost() + STREAM_K_COST
+        }
+    };
+    match plan {
+        Plan::One(launch) => launch_cost(launch, n),
+        Plan::TallThenNarrow { tall_rows } => {
+            let narrow_rows = n - tall_rows;
+            launch_cost(Launch::per_tile(TALL, rows, tall_rows), tall_rows)
+                + launch_cost(Launch::per_tile(NARROW, rows, narrow_rows), narrow_rows)
+        }
+    }
+}
 
 impl BlockShape {
-    /// A chunk's time against a wide block's: a narrow block takes 0.65, a
-    /// tall one (as many products, half the dequantization) 0.9.
+    /// A chunk's time against a wide block's: a narrow block takes 0.52, a
+    /// tall one (twice the products, the same dequantization) 0.86.
     fn chunk_cost(self) -> f64 {
         match self {
-            NARROW => 0.65,
-            TALL => 0.9,
+            NARROW => 0.52,
+            TALL => 0.86,
             _ => 1.0,
         }
     }
@@ -330,8 +419,7 @@ impl CudaDevice {
                 "the int4 tensor-core GEMM needs an sm_90 GPU",
             ));
         }
-        let launch = self.w4_gemm.launch(rows, w.rows, w.cols, self.sm_count);
-        let f = launch.shape.kernel(&self.kernels);
+        let plan = self.w4_gemm.plan(rows, w.rows, w.cols, self.sm_count);
         let pack = &self.kernels.w4_gemm_pack_x;
         let packed = packed_elems(rows, w.cols);
         let partials = scratch + 2 * packed as u64;
@@ -354,28 +442,47 @@ impl CudaDevice {
                 )
             },
         )?;
-        self.launch_product(
-            f,
-            (rows, w),
-            (
-                (launch.blocks as u32, 1, 1),
-                launch.shape.threads() as u32,
-                launch.shape.smem_bytes() as u32,
-            ),
-            &[
-                KArg::Ptr(scratch),
-                KArg::I32(rows as i32),
-                KArg::Ptr(w.words_ptr()),
-                KArg::Ptr(w.sz_ptr()),
-                KArg::I32(w.cols as i32),
-                KArg::I32(w.group as i32),
-                KArg::Ptr(y),
-                KArg::I32(w.rows as i32),
-                KArg::Ptr(partials),
-                KArg::Ptr(self.split_counters.ptr()),
-                KArg::Ptr(self.split_counters.ptr() + 4 * SPLIT_COUNTERS as u64),
-            ],
-        )
+        // `launch` over weight rows [first, first + n): its tiles' words
+        // and scales/zeros, and its columns of y.
+        let run = |launch: Launch, first: usize, n: usize| {
+            let tile = (first / 16) as u64;
+            let (chunks, groups) = ((w.cols / 64) as u64, w.cols.div_ceil(w.group) as u64);
+            self.launch_product(
+                launch.shape.kernel(&self.kernels),
+                (rows, w),
+                (
+                    (launch.blocks as u32, 1, 1),
+                    launch.shape.block_threads() as u32,
+                    launch.shape.smem_bytes() as u32,
+                ),
+                &[
+                    KArg::Ptr(scratch),
+                    KArg::I32(rows as i32),
+                    KArg::Ptr(w.words_ptr() + tile * chunks * 512),
+                    KArg::Ptr(w.sz_ptr() + tile * groups * 64),
+                    KArg::I32(w.cols as i32),
+                    KArg::I32(w.group as i32),
+                    KArg::Ptr(y + 2 * first as u64),
+                    KArg::I32(n as i32),
+                    KArg::I32(w.rows as i32),
+                    KArg::Ptr(partials),
+                    KArg::Ptr(self.split_counters.ptr()),
+                    KArg::Ptr(self.split_counters.ptr() + 4 * SPLIT_COUNTERS as u64),
+                ],
+            )
+        };
+        match plan {
+            Plan::One(launch) => run(launch, 0, w.rows),
+            Plan::TallThenNarrow { tall_rows } => {
+                let narrow_rows = w.rows - tall_rows;
+                run(Launch::per_tile(TALL, rows, tall_rows), 0, tall_rows)?;
+                run(
+                    Launch::per_tile(NARROW, rows, narrow_rows),
+                    tall_rows,
+                    narrow_rows,
+                )
+            }
+        }
     }
 }
 
@@ -383,46 +490,81 @@ impl CudaDevice {
 mod tests {
     use super::*;
 
+    fn launch(shape: BlockShape, blocks: usize) -> Plan {
+        Plan::One(Launch { shape, blocks })
+    }
+
     #[test]
-    fn stream_k_where_it_was_measured_faster() {
-        // H100 (132 SMs), Llama-3-8B's products (w4_bench, sessions 20 and
-        // 21; µs). QKV at 1 024 rows: stream-K in wide blocks 103.7 against
-        // 117.5 one wide block per tile.
+    fn plans_where_they_were_measured_fastest() {
+        // H100 (132 SMs), Llama-3-8B's products (w4_bench, session 22,
+        // BENCHMARKS; µs, the next fastest measured after).
         let auto = W4Gemm::Auto { stream_k: true };
-        let wide_sk = Launch {
-            shape: WIDE,
-            blocks: 132,
-        };
-        assert_eq!(auto.launch(1024, 6144, 4096, 132), wide_sk);
-        // Stream-K in tall blocks where tiles are fewer than SMs (down at
-        // 160 / 256 / 512 rows: 71.4 / 73.3 / 113.5 against wide blocks'
-        // 72.7 / 74.3 / 118.5); one block per tile against stream-K, and
-        // wide or narrow blocks against tall ones.
-        let tall_sk = Launch {
-            shape: TALL,
-            blocks: 132,
-        };
-        for rows in [160, 256, 512] {
-            assert_eq!(
-                auto.launch(rows, 4096, 14336, 132),
-                tall_sk,
-                "down, {rows} rows"
-            );
-        }
-        for (rows, n, k, shape) in [
-            (512, 6144, 4096, TALL),   // QKV: 57.9 against 61.2 and 62.2
-            (512, 28672, 4096, TALL),  // gate/up: 200.0 against 212.0 (stream-K)
-            (512, 4096, 4096, NARROW), // o: 39.4 against 49.1 and 56.7
-            (200, 6144, 4096, NARROW), // QKV: 38.8 against 43.4
-            (256, 28672, 4096, TALL),  // gate/up: 110.7 against 117.5
-            (1024, 28672, 4096, TALL), // gate/up: 344.5 against 387.5 and 391.3
-            (1024, 4096, 14336, TALL), // down: 179.2 against 197.4 and 198.6
-            (1024, 4096, 4096, TALL),  // o: 60.8 against 64.4
+        let (qkv, o, gate_up, down) = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336));
+        for (rows, (n, k), plan) in [
+            // Narrow blocks, one a tile: QKV at 256 rows 33.6 against 40.3
+            // split-K; o at 256 and 512 34.0 / 35.1 against 35.6 / 40.0.
+            (256, qkv, launch(NARROW, 96)),
+            (256, o, launch(NARROW, 64)),
+            (512, o, launch(NARROW, 128)),
+            // Tall blocks, one a tile: QKV at 512 rows 51.0 against 63.4;
+            // gate/up at 256 99.0 against 121.1 narrow; o at 1 024 55.0
+            // against 66.4; down at 1 024 181–194 against 231 narrow.
+            (512, qkv, launch(TALL, 96)),
+            (256, gate_up, launch(TALL, 224)),
+            (1024, o, launch(TALL, 128)),
+            (1024, down, launch(TALL, 128)),
+            // Tall blocks split 4 and 2 ways: down at 256 rows 64.8
+            // against 73.2 stream-K; at 512 100–107 against 114.5.
+            (256, down, launch(TALL, 128)),
+            (512, down, launch(TALL, 128)),
+            // Tall then narrow: gate/up at 512 rows 181–197 against 192–209
+            // tall; QKV at 1 024 91.3 against 94.0 narrow.
+            (512, gate_up, Plan::TallThenNarrow { tall_rows: 25344 }),
+            (1024, qkv, Plan::TallThenNarrow { tall_rows: 4224 }),
+            // Stream-K in wide blocks: QKV at 768 rows 80.6 against 94.5
+            // narrow; gate/up at 384 163–165 against 183 narrow.
+            (768, qkv, launch(WIDE, 132)),
+            (384, gate_up, launch(WIDE, 132)),
         ] {
-            let launch = auto.launch(rows, n, k, 132);
-            assert_eq!(launch.shape, shape, "{rows}x{n}x{k}");
-            assert_eq!(launch.blocks, shape.tiles(rows, n));
+            assert_eq!(auto.plan(rows, n, k, 132), plan, "{rows} rows of {n}x{k}");
         }
+    }
+
+    #[test]
+    fn split_k_within_one_wave_and_the_chunks() {
+        // 32 tall tiles: 4 blocks a tile; 64: 2; 96: none.
+        assert_eq!(
+            split_k(256, 4096, 64, 132),
+            Some(Launch {
+                shape: TALL,
+                blocks: 128
+            })
+        );
+        assert_eq!(
+            split_k(512, 4096, 64, 132),
+            Some(Launch {
+                shape: TALL,
+                blocks: 128
+            })
+        );
+        assert_eq!(split_k(512, 6144, 64, 132), None);
+        // Never more blocks a tile than chunks.
+        assert_eq!(
+            split_k(100, 256, 3, 132),
+            Some(Launch {
+                shape: TALL,
+                blocks: 6
+            })
+        );
+    }
+
+    #[test]
+    fn tall_then_narrow_only_with_a_partial_wave() {
+        // gate/up at 512 rows: 448 tall tiles; 3 waves are 198 weight blocks.
+        assert_eq!(tall_rows_in_whole_waves(512, 28672, 132), Some(198 * 128));
+        // Fewer tiles than a wave; exactly two waves (132 blocks × 2 rows).
+        assert_eq!(tall_rows_in_whole_waves(512, 4096, 132), None);
+        assert_eq!(tall_rows_in_whole_waves(512, 132 * 128, 132), None);
     }
 
     #[test]
@@ -435,15 +577,15 @@ mod tests {
     }
 
     #[test]
-    fn without_stream_k_tall_or_wide_blocks_once_they_fill_most_sms() {
+    fn without_stream_k_one_block_a_tile_or_tall_then_narrow() {
         let auto = W4Gemm::Auto { stream_k: false };
-        let shape = |rows, n| auto.launch(rows, n, 4096, 132).shape;
-        assert_eq!(shape(384, 28672), WIDE); // tall blocks would be 448 for 336 wide ones
-        assert_eq!(shape(512, 4096), NARROW);
-        assert_eq!(shape(2048, 4096), TALL);
+        let plan = |rows, n| auto.plan(rows, n, 4096, 132);
+        assert_eq!(plan(384, 28672), launch(WIDE, 336)); // 2.5 waves; tall: 3.4
+        assert_eq!(plan(512, 4096), launch(NARROW, 128));
+        assert_eq!(plan(2048, 4096), launch(TALL, 256));
         assert_eq!(
-            W4Gemm::Fixed(NARROW).launch(2048, 28672, 4096, 132).shape,
-            NARROW
+            W4Gemm::Fixed(NARROW).plan(2048, 28672, 4096, 132),
+            launch(NARROW, 3584)
         );
     }
 
