@@ -266,7 +266,7 @@ const MAX_SPLIT: usize = 4;
 fn split_k(rows: usize, n: usize, chunks: usize, sm_count: usize) -> Option<Launch> {
     let tiles = TALL.tiles(rows, n);
     let split = (sm_count / tiles).min(MAX_SPLIT).min(chunks);
-    (split >= 2).then_some(Launch {
+    (split >= 2 && shares_fit(tiles, chunks, split * tiles)).then_some(Launch {
         shape: TALL,
         blocks: split * tiles,
     })
@@ -337,16 +337,19 @@ impl BlockShape {
 }
 
 /// Stream-K's grid for `tiles` tiles of `chunks` chunks on `sm_count` SMs,
-/// if the kernel can take it: every range within MAX_PIECES tiles, the
-/// kernel's 32-bit range arithmetic (up to I·(G + 1), w4g_block_of) in
-/// range, and a counter per tile.
+/// if the kernel can take it: every range within MAX_PIECES tiles, and
+/// [`shares_fit`].
 fn stream_k_blocks(tiles: usize, chunks: usize, sm_count: usize) -> Option<usize> {
-    let iters = tiles * chunks;
-    let blocks = sm_count.min(iters);
-    let fits = iters.div_ceil(blocks) <= (MAX_PIECES - 1) * chunks
-        && iters * (blocks + 1) < i32::MAX as usize
-        && tiles <= SPLIT_COUNTERS;
-    fits.then_some(blocks)
+    let blocks = sm_count.min(tiles * chunks);
+    let fits = (tiles * chunks).div_ceil(blocks) <= (MAX_PIECES - 1) * chunks;
+    (fits && shares_fit(tiles, chunks, blocks)).then_some(blocks)
+}
+
+/// Whether `blocks` can share out `tiles` tiles of `chunks` chunks (stream-K
+/// or split-K): the kernel's 32-bit range arithmetic (up to I·(G + 1),
+/// w4g_block_of) in range, and a counter per tile.
+fn shares_fit(tiles: usize, chunks: usize, blocks: usize) -> bool {
+    tiles * chunks * (blocks + 1) < i32::MAX as usize && tiles <= SPLIT_COUNTERS
 }
 
 /// Counters of stream-K's split tiles (zeroed once; each launch leaves
