@@ -35,18 +35,21 @@
 // (W4G_STAGES, or W4G_STAGES_TALL for 256 rows) of one chunk each:
 // activations (16 KB per 128 rows), packed weights (512 bytes per 16-row
 // tile) and the scales/zeros of the chunk's two 32-input halves (128 bytes
-// per tile), brought S − 3 chunks ahead (the activations by a bulk copy per
-// 128 rows, the rest by cp.async), with a pair of mbarriers per stage. Each
+// per tile), brought S − 3 chunks ahead (up to S by a producer warpgroup;
+// the activations by a bulk copy per 128 rows, the rest by cp.async), with
+// a pair of mbarriers per stage. Each
 // chunk's wgmmas are one commit group; a warpgroup dequantizes chunk c + 1
 // into its second register set while the tensor cores run chunk c.
 //
 // Tiles (NT activation rows × one block's weight rows) are shared out
 // either one per block or by stream-K (w4g_range_start): one block per SM,
 // each taking an equal run of all tiles' chunks, so that a partial last
-// wave or fewer tiles than SMs leave no SM idle. A block's run is cut into
-// pieces at tile boundaries; the pieces of a tile split among blocks are
-// added up by the last to finish (w4g_split_end). The host picks the block
-// shape and stream-K per product (src/backend/cuda/w4_gemm.rs).
+// wave or fewer tiles than SMs leave no SM idle; with G a multiple of the
+// tiles, that is split-K (each tile's chunks evenly among G / tiles
+// blocks). A block's run is cut into pieces at tile boundaries; the pieces
+// of a tile split among blocks are added up by the last to finish
+// (w4g_split_end). The host plans the launches per product
+// (src/backend/cuda/w4_gemm.rs).
 //
 // Blocks of two warpgroups are warp-specialized: a third warpgroup, the
 // producer, issues every load and `setmaxnreg`s down to 40 registers; the
