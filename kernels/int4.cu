@@ -113,8 +113,9 @@ __device__ __forceinline__ void w4_unit_rows(int u, int mode, int inter, int nq,
     }
 }
 
-// input / group without a division: group_magic = 2³² / group + 1 (exact
+// input / group without a division: group_magic = ⌈2³² / group⌉ (exact
 // for inputs < 2³² / group).
+__device__ __forceinline__ unsigned w4_group_magic(int group) { return 0xffffffffu / (unsigned)group + 1u; }
 __device__ __forceinline__ int w4_group_of(int input, unsigned group_magic) {
     return (int)__umulhi((unsigned)input, group_magic);
 }
@@ -378,7 +379,7 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
     w4_unit_rows<T>(blockIdx.y, mode, inter, nq, nkv, hd, row0, freq0);
     const int chunks = k / W4_CHUNK, groups = (k + group - 1) / group;
     const bool group32 = group == 32;
-    const unsigned group_magic = 0xffffffffu / (unsigned)group + 1;
+    const unsigned group_magic = w4_group_magic(group);
     const int tok0 = blockIdx.x * 8 * NT;
     const uint4* wt[T];
     const unsigned* szt[T];

@@ -37,9 +37,9 @@
 // tile) and the scales/zeros of the chunk's two 32-input halves (128 bytes
 // per tile), brought S − 3 chunks ahead (up to S by a producer warpgroup;
 // the activations by a bulk copy per 128 rows, the rest by cp.async), with
-// a pair of mbarriers per stage. Each
-// chunk's wgmmas are one commit group; a warpgroup dequantizes chunk c + 1
-// into its second register set while the tensor cores run chunk c.
+// a pair of mbarriers per stage. Each chunk's wgmmas are one commit group;
+// a warpgroup dequantizes chunk c + 1 into its second register set while
+// the tensor cores run chunk c.
 //
 // Tiles (NT activation rows × one block's weight rows) are shared out
 // either one per block or by stream-K (w4g_range_start): one block per SM,
@@ -461,7 +461,7 @@ __device__ __forceinline__ int w4g_piece(const W4GPiece<WGS, NT>& pc, const raw1
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
     const int chunks = k / W4_CHUNK, n_tiles = n / 16, groups = (k + group - 1) / group, len = pc.len;
     const bool g32 = group == 32;
-    const unsigned group_magic = 0xffffffffu / (unsigned)group + 1u;  // see w4_group_of
+    const unsigned group_magic = w4_group_magic(group);
     auto load = [&](int i) {
         if constexpr (!WS)
             if (i < len)
@@ -558,7 +558,7 @@ __device__ __forceinline__ void w4g_produce(const raw16* __restrict__ xp, int ro
 #if W4G_WGMMA
     const W4GStages<WGS, NT> stages;
     const int chunks = k / W4_CHUNK, groups = (k + group - 1) / group, lt = threadIdx.x - 128 * WGS;
-    const unsigned group_magic = 0xffffffffu / (unsigned)group + 1u;  // see w4_group_of
+    const unsigned group_magic = w4_group_magic(group);
     for (int it = first, seq = 0; it < last;) {
         const W4GPiece<WGS, NT> pc(it, last, chunks, rows, n);
         for (int i = 0; i < pc.len; i++)
@@ -571,8 +571,8 @@ __device__ __forceinline__ void w4g_produce(const raw16* __restrict__ xp, int ro
 #endif
 }
 
-// WS: a third (or fifth) warpgroup, the producer, `setmaxnreg`s down and
-// issues every load, while the WGS consumer warpgroups (raised) only wait
+// WS: a third warpgroup, the producer, `setmaxnreg`s down and issues
+// every load, while the WGS = 2 consumer warpgroups (raised) only wait
 // for their chunks, dequantize and run the wgmmas, as cuBLAS's Hopper
 // kernels split the work. block = 128·WGS (+ 128 with WS).
 template <int WGS, int NT, bool WS>

@@ -245,11 +245,10 @@ impl W4Gemm {
                     .chain(split)
                     .chain([tall_then_narrow()])
                     .flatten()
-                    .min_by(|a, b| {
-                        let cost = |plan| plan_cost(plan, rows, n, chunks, sm_count);
-                        cost(*a).total_cmp(&cost(*b))
-                    })
+                    .map(|plan| (plan_cost(plan, rows, n, chunks, sm_count), plan))
+                    .min_by(|(a, _), (b, _)| a.total_cmp(b))
                     .expect("one block per tile is always a candidate")
+                    .1
             }
             W4Gemm::Off => unreachable!("no launch without the GEMM"),
         }
@@ -448,8 +447,7 @@ impl CudaDevice {
         // `launch` over weight rows [first, first + n): its tiles' words
         // and scales/zeros, and its columns of y.
         let run = |launch: Launch, first: usize, n: usize| {
-            let tile = (first / 16) as u64;
-            let (chunks, groups) = ((w.cols / 64) as u64, w.cols.div_ceil(w.group) as u64);
+            let (words, sz) = w.rows_from(first);
             self.launch_product(
                 launch.shape.kernel(&self.kernels),
                 (rows, w),
@@ -461,8 +459,8 @@ impl CudaDevice {
                 &[
                     KArg::Ptr(scratch),
                     KArg::I32(rows as i32),
-                    KArg::Ptr(w.words_ptr() + tile * chunks * 512),
-                    KArg::Ptr(w.sz_ptr() + tile * groups * 64),
+                    KArg::Ptr(words),
+                    KArg::Ptr(sz),
                     KArg::I32(w.cols as i32),
                     KArg::I32(w.group as i32),
                     KArg::Ptr(y + 2 * first as u64),

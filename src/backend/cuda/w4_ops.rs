@@ -93,6 +93,22 @@ impl W4Matrix {
         self.sz.ptr()
     }
 
+    /// Where weight rows from `first` (a multiple of 16: whole tiles) start
+    /// in the words and in the scales/zeros: each 16-row tile holds 512
+    /// bytes of words per 64-input chunk and 64 bytes of scales/zeros per
+    /// group.
+    pub(super) fn rows_from(&self, first: usize) -> (u64, u64) {
+        let tile = (first / 16) as u64;
+        let (chunks, groups) = (
+            (self.cols / 64) as u64,
+            self.cols.div_ceil(self.group) as u64,
+        );
+        (
+            self.words_ptr() + tile * chunks * 512,
+            self.sz_ptr() + tile * groups * 64,
+        )
+    }
+
     /// The act-order permutation, or 0 (none).
     pub(super) fn perm_ptr(&self) -> u64 {
         self.perm.as_ref().map_or(0, |p| p.ptr())
