@@ -223,27 +223,14 @@ extern "C" __global__ void embed(const raw16* table, const unsigned* tokens, raw
 #define NORM_VECS 2          // 16-byte runs a thread keeps: d <= 8 * NORM_VECS * blockDim.x (the host checks)
 #define NORM_MAX_D (8 * 1024 * NORM_VECS)
 
-// Output row j reads input row r = rows ? rows[j] : j. With `delta`, the
-// residual row becomes residual + delta (written back when `rows` is null).
-// out[j] = rmsnorm(residual[r]) * w. One pass: each thread keeps its
-// elements in registers between the sum of squares and the output, in runs
-// of eight consecutive values (16-byte loads and stores; d is a multiple of
-// 8). (A thread's elements a block's width apart, in 2-byte accesses, made
-// an 8192-row prefill norm stream at ~1.1 TB/s.) The sum of squares keeps
-// that older order all the same, thread t adding elements t, t + B, ...
-// (B = blockDim.x) through shared memory, so rstd, and every output, is
-// bit for bit what it was: the fused norms of the GEMVs and int4 kernels
-// are checked against it. grid = output rows.
-extern "C" __global__ void add_rms_norm(raw16* residual, const raw16* delta, const unsigned* rows,
-                                        const raw16* w, raw16* out, int d, float eps) {
-    __shared__ __align__(16) raw16 values[NORM_MAX_D];  // the row, as rounded to the activation dtype
-    GRID_DEP_ENTER();
-    const size_t r = rows ? rows[blockIdx.x] : blockIdx.x;
+// add_rms_norm's row: residual row r (+ delta, written back if
+// `write_back`) rounded into `values` and v; returns rstd. Every thread of
+// the block calls it.
+__device__ __forceinline__ float add_rms_norm_row(raw16* residual, const raw16* delta, size_t r, bool write_back, int d,
+                                                  float eps, raw16* values, float (&v)[NORM_VECS][8]) {
     uint4* x = (uint4*)(residual + r * d);
     const uint4* dx = delta ? (const uint4*)(delta + r * d) : 0;
-    const bool write_back = delta && !rows;
     const int dv = d / 8;
-    float v[NORM_VECS][8];
 #pragma unroll
     for (int j = 0; j < NORM_VECS; j++) {
         const int i = threadIdx.x + j * blockDim.x;
@@ -270,18 +257,41 @@ extern "C" __global__ void add_rms_norm(raw16* residual, const raw16* delta, con
         const float a = to_f(values[i]);
         ss += a * a;  // the old kernel's expression (and so its fused multiply-add)
     }
-    const float rstd = rsqrtf(block_sum(ss) / d + eps);
+    return rsqrtf(block_sum(ss) / d + eps);
+}
+
+// One output of add_rms_norm: weight g times the input value a normed.
+__device__ __forceinline__ float rms_normed(float g, float a, float rstd) { return g * rnd(a * rstd); }
+
+// Output row j reads input row r = rows ? rows[j] : j. With `delta`, the
+// residual row becomes residual + delta (written back when `rows` is null).
+// out[j] = rmsnorm(residual[r]) * w. One pass: each thread keeps its
+// elements in registers between the sum of squares and the output, in runs
+// of eight consecutive values (16-byte loads and stores; d is a multiple of
+// 8). (A thread's elements a block's width apart, in 2-byte accesses, made
+// an 8192-row prefill norm stream at ~1.1 TB/s.) The sum of squares keeps
+// that older order all the same, thread t adding elements t, t + B, ...
+// (B = blockDim.x) through shared memory, so rstd, and every output, is
+// bit for bit what it was: the fused norms of the GEMVs and int4 kernels
+// are checked against it. grid = output rows.
+extern "C" __global__ void add_rms_norm(raw16* residual, const raw16* delta, const unsigned* rows,
+                                        const raw16* w, raw16* out, int d, float eps) {
+    __shared__ __align__(16) raw16 values[NORM_MAX_D];  // the row, as rounded to the activation dtype
+    GRID_DEP_ENTER();
+    const size_t r = rows ? rows[blockIdx.x] : blockIdx.x;
+    float v[NORM_VECS][8];
+    const float rstd = add_rms_norm_row(residual, delta, r, delta && !rows, d, eps, values, v);
     uint4* y = (uint4*)(out + (size_t)blockIdx.x * d);
 #pragma unroll
     for (int j = 0; j < NORM_VECS; j++) {
         const int i = threadIdx.x + j * blockDim.x;
-        if (i < dv) {
+        if (i < d / 8) {
             float g[8];
             unpack8(((const uint4*)w)[i], g);
             unsigned o[4];
 #pragma unroll
             for (int e = 0; e < 4; e++)
-                o[e] = pack2(g[2 * e] * rnd(v[j][2 * e] * rstd), g[2 * e + 1] * rnd(v[j][2 * e + 1] * rstd));
+                o[e] = pack2(rms_normed(g[2 * e], v[j][2 * e], rstd), rms_normed(g[2 * e + 1], v[j][2 * e + 1], rstd));
             y[i] = make_uint4(o[0], o[1], o[2], o[3]);
         }
     }

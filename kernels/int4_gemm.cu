@@ -10,10 +10,11 @@
 // rows 16w..16w + 15 of the 64). A lane dequantizes its word straight into
 // it. 128 activation rows are the B operand, from shared memory.
 //
-// The activations are first packed (w4_gemm_pack_x) into the image of the
-// B operand's shared memory, so each stage is one bulk copy: per block of
-// 128 rows and chunk of 64 inputs, 16 KB of 128-byte rows whose 16-byte
-// pieces are XOR-swizzled by row % 8 (wgmma's 128-byte swizzle), the
+// The activations are first packed (w4_gemm_pack_x, or the norm or SwiGLU
+// kernel before the product: add_rms_norm_w4g, silu_mul_w4g) into the
+// image of the B operand's shared memory, so each stage is one bulk copy:
+// per block of 128 rows and chunk of 64 inputs, 16 KB of 128-byte rows
+// whose 16-byte pieces are XOR-swizzled by row % 8 (wgmma's 128-byte swizzle), the
 // inputs in the MMA k order of the packed weights (a permutation of the
 // chunk, int4.cu), gathered through the act-order permutation if there is
 // one, and rows past the batch zero.
@@ -657,32 +658,85 @@ __device__ __forceinline__ unsigned w4g_f16x2(float lo, float hi) {
     return d;
 }
 
-// xp = x[rows, k] as f16 in the GEMM's B layout (see the top of this
-// file), with rows padded to a multiple of 128 by zeros; perm (act-order, or null):
-// packed input i is x[·, perm[i]]. A thread writes one 16-byte piece;
-// consecutive threads write consecutive bytes of xp.
-// grid = ceil(ceil(rows / 128) · 128 · k / 8 / 256), block = 256.
+// Writes stored piece p (0..7) of the 128-byte packed row of `token` and
+// chunk c of xp (the GEMM's B layout, see the top of this file), for k
+// inputs a row: input i of the row is value(i) (0 for rows past the batch).
+// Piece p holds (p ^ token % 8) = kc: MMA k rows 8(kc % 2) .. +7 of k-step
+// kc / 2, for lane quad t inputs 32(s / 2) + 8t + 4(s % 2) + 2(kc % 2) +
+// {0, 1} of the chunk (s = kc / 2).
+template <typename Value>
+__device__ __forceinline__ void w4g_write_piece(raw16* xp, int token, int c, int p, int k, Value value) {
+    const int r = token % W4G_TOKENS, kc = p ^ (r & 7), s = kc >> 1;
+    const int base = c * W4_CHUNK + 32 * (s >> 1) + 4 * (s & 1) + 2 * (kc & 1);
+    unsigned out[4];
+#pragma unroll
+    for (int t = 0; t < 4; t++) out[t] = w4g_f16x2(value(base + 8 * t), value(base + 8 * t + 1));
+    const size_t piece = (((size_t)(token / W4G_TOKENS) * (k / W4_CHUNK) + c) * W4G_TOKENS + r) * 8 + p;
+    *(uint4*)(xp + piece * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// The 16-byte pieces of xp for `rows` rows of k inputs (rows rounded up
+// to 128), numbered in their order in memory so that consecutive threads
+// write consecutive bytes; w4g_piece_at gives piece id's row (token),
+// chunk and stored piece.
+__device__ __forceinline__ long long w4g_pieces(int rows, int k) {
+    return (long long)((rows + W4G_TOKENS - 1) / W4G_TOKENS) * W4G_TOKENS * k / 8;
+}
+__device__ __forceinline__ void w4g_piece_at(long long id, int k, int& token, int& c, int& p) {
+    // id = ((token block · chunks + chunk) · 128 + row) · 8 + stored piece
+    const int r = (id >> 3) % W4G_TOKENS, chunks = k / W4_CHUNK;
+    const long long bc = id / (8 * W4G_TOKENS);
+    p = id & 7;
+    c = bc % chunks;
+    token = (int)(bc / chunks) * W4G_TOKENS + r;
+}
+
+// xp = x[rows, k] in the GEMM's B layout, rows padded to a multiple of 128
+// by zeros; perm (act-order, or null): packed input i is x[·, perm[i]].
+// A thread writes one 16-byte piece.
+// grid = ceil(w4g_pieces(rows, k) / 256), block = 256.
 extern "C" __global__ void w4_gemm_pack_x(const raw16* x, const unsigned* perm, raw16* xp, int rows, int k) {
     GRID_DEP_ENTER();
-    const int chunks = k / W4_CHUNK;
     const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (id >= (long long)((rows + W4G_TOKENS - 1) / W4G_TOKENS) * W4G_TOKENS * k / 8) return;
-    // id = ((token block · chunks + chunk) · 128 + row) · 8 + stored piece
-    const int r = (id >> 3) & 127, kc = (id & 7) ^ (r & 7);
-    const long long bc = id >> 10;
-    const int c = bc % chunks, token = (int)(bc / chunks) * W4G_TOKENS + r;
-    unsigned out[4] = {0u, 0u, 0u, 0u};
-    if (token < rows) {
-        // Piece kc is MMA k rows 8(kc % 2) .. +7 of k-step kc / 2: for lane
-        // quad t, inputs 32(s / 2) + 8t + 4(s % 2) + 2(kc % 2) + {0, 1}.
-        const int s = kc >> 1, base = c * W4_CHUNK + 32 * (s >> 1) + 4 * (s & 1) + 2 * (kc & 1);
-        const raw16* row = x + (size_t)token * k;
-#pragma unroll
-        for (int t = 0; t < 4; t++) {
-            const int i = base + 8 * t;
-            const int i0 = perm ? perm[i] : i, i1 = perm ? perm[i + 1] : i + 1;
-            out[t] = w4g_f16x2(to_f(row[i0]), to_f(row[i1]));
-        }
+    if (id >= w4g_pieces(rows, k)) return;
+    int token, c, p;
+    w4g_piece_at(id, k, token, c, p);
+    const raw16* row = x + (size_t)token * k;
+    w4g_write_piece(xp, token, c, p, k, [&](int i) { return token < rows ? to_f(row[perm ? perm[i] : i]) : 0.f; });
+}
+
+// silu_mul into the GEMM's B layout (down's input without a packing pass):
+// xp = silu(gate) · up of gate_up [rows, 2·inter], each value rounded to
+// the activation dtype as silu_mul rounds it. grid and block as
+// w4_gemm_pack_x's for k = inter.
+extern "C" __global__ void silu_mul_w4g(const raw16* gate_up, raw16* xp, int rows, int inter) {
+    GRID_DEP_ENTER();
+    const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (id >= w4g_pieces(rows, inter)) return;
+    int token, c, p;
+    w4g_piece_at(id, inter, token, c, p);
+    const raw16* g = gate_up + (size_t)token * 2 * inter;
+    w4g_write_piece(xp, token, c, p, inter, [&](int i) {
+        return token < rows ? rnd(silu_mul_f(to_f(g[i]), to_f(g[inter + i]))) : 0.f;
+    });
+}
+
+// add_rms_norm (no row list) into the GEMM's B layout (QKV's and gate/up's
+// input without a packing pass): each value rounded as add_rms_norm rounds
+// it. grid = rows rounded up to 128 (blocks past the batch write zeros),
+// block = add_rms_norm's.
+extern "C" __global__ void add_rms_norm_w4g(raw16* residual, const raw16* delta, const raw16* w, raw16* xp,
+                                            int rows, int d, float eps) {
+    __shared__ __align__(16) raw16 values[NORM_MAX_D];
+    GRID_DEP_ENTER();
+    const int token = blockIdx.x;
+    float rstd = 0.f;
+    if (token < rows) {  // the same for the whole block
+        float v[NORM_VECS][8];
+        rstd = add_rms_norm_row(residual, delta, token, delta != 0, d, eps, values, v);
     }
-    *(uint4*)(xp + id * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+    for (int piece = threadIdx.x; piece < d / 8; piece += blockDim.x)
+        w4g_write_piece(xp, token, piece / 8, piece % 8, d, [&](int i) {
+            return token < rows ? rnd(rms_normed(to_f(w[i]), to_f(values[i]), rstd)) : 0.f;
+        });
 }

@@ -10,7 +10,8 @@ mod common;
 
 use common::dequant::dequantized_copy;
 use nanoinfer::backend::cuda::{
-    sampling::sample_logits, ActDType, CudaDevice, GemmDType, W4GemmBlocks, W4Host, W4Matrix,
+    sampling::sample_logits, w4_packed_blocks, w4_packed_rows, ActDType, CudaDevice, GemmDType,
+    KArg, W4GemmBlocks, W4Host, W4Matrix, W4_PACKED_THREADS,
 };
 use nanoinfer::backend::Device;
 use nanoinfer::engine::{Event, Model, ModelParams, RequestParams, Session, SessionParams};
@@ -281,7 +282,8 @@ fn eight_b_shape_matches_transformers() {
 /// model multiplies weights rounded to bf16, so the two round differently.
 /// The first step (all six prompts, 320 rows) runs through the int4 GEMM
 /// on sm_90 (weights rounded to f16, f32 sums; elsewhere dequantization to
-/// bf16 and cuBLAS), the decode steps and the chunked run (≤ 32 rows) through the
+/// bf16 and cuBLAS), its inputs packed by the norms and SwiGLU before it
+/// (bit for bit as a packing pass packs them), the decode steps and the chunked run (≤ 32 rows) through the
 /// int4 MMA kernels (8, 16 and 32-row builds); decode steps of ≤ 8 rows
 /// (six prompts, or one alone) norm the residual inside the QKV and
 /// gate/up kernels and add into it in the o and down kernels, except
@@ -338,6 +340,27 @@ fn int4_matches_the_same_weights_dequantized() {
             let reqs = requests(&gold, 16);
             let got = run(&int4, SessionParams::default(), &reqs);
             let want = run(&dense, SessionParams::default(), &reqs);
+            // The first step's norms and SwiGLU write the int4 GEMM's
+            // packed input themselves (act-order weights excepted): the
+            // same bits as packing rows in a pass of its own. And int4 runs
+            // are reproducible bit for bit (decode steps' norm handoffs add
+            // their sums of squares in fixed point, in any order).
+            std::env::set_var("NANOINFER_CUDA_W4_PACKED_INPUTS", "0");
+            let packing_pass = load(&q);
+            std::env::remove_var("NANOINFER_CUDA_W4_PACKED_INPUTS");
+            let got_packing_pass = run(&packing_pass, SessionParams::default(), &reqs);
+            for (i, (a, b)) in got.iter().zip(&got_packing_pass).enumerate() {
+                let step =
+                    (0..a.top.len()).find(|&t| a.tokens[t] != b.tokens[t] || a.top[t] != b.top[t]);
+                assert!(
+                    step.is_none(),
+                    "{name} {label} prompt {i}: a run with a packing pass differs from step \
+                     {step:?} on (step 0: the packed inputs; later: not reproducible): {:?} \
+                     against {:?}",
+                    step.map(|t| &a.top[t]),
+                    step.map(|t| &b.top[t])
+                );
+            }
             let chunked = SessionParams {
                 prefill_chunk_size: 7,
                 max_batched_tokens: 32,
@@ -918,6 +941,148 @@ fn int4_gemm_matches_the_exact_product() {
                     exact[bad[0]]
                 );
             }
+        }
+    }
+}
+
+/// The kernels before int4 GEMM products write its packed input
+/// themselves (`add_rms_norm_w4g`, `silu_mul_w4g`): bit for bit what
+/// `add_rms_norm` or `silu_mul` then `w4_gemm_pack_x` write, zero rows past
+/// the batch included (their bytes start as 0xff).
+#[test]
+fn int4_gemm_inputs_packed_by_the_norm_and_swiglu_match_the_packing_pass() {
+    if fixtures().is_none() {
+        return;
+    }
+    for act in [ActDType::BF16, ActDType::F16] {
+        let dev = CudaDevice::open(0, act).expect("CUDA device");
+        if !dev.w4_gemm_available() {
+            return;
+        }
+        let k = &dev.kernels;
+        let mut rng = SplitMix64::new(5);
+        let mut random = |n: usize, scale: f32| {
+            let v: Vec<f32> = (0..n)
+                .map(|_| ((rng.next_u64() % 2001) as f32 / 1000.0 - 1.0) * scale)
+                .collect();
+            act.encode(&v)
+        };
+        let upload = |v: &[u16]| {
+            let mut b = dev.alloc::<u16>(v.len()).unwrap();
+            dev.upload(v, &mut b).unwrap();
+            b
+        };
+        let download = |b: &nanoinfer::backend::cuda::DeviceBuffer<u16>| {
+            let mut v = vec![0u16; b.len()];
+            dev.download(b, &mut v).unwrap();
+            v
+        };
+        let poisoned = |n: usize| upload(&vec![0xffffu16; n]);
+        // Packs `rows` rows of `cols` at x the kernels' way, into a fresh buffer.
+        let pack = |x: u64, rows: usize, cols: usize| {
+            let xp = poisoned(w4_packed_rows(rows) * cols);
+            dev.launch(
+                &k.w4_gemm_pack_x,
+                (w4_packed_blocks(rows, cols), 1, 1),
+                W4_PACKED_THREADS,
+                &[
+                    KArg::Ptr(x),
+                    KArg::Ptr(0),
+                    KArg::Ptr(xp.ptr()),
+                    KArg::I32(rows as i32),
+                    KArg::I32(cols as i32),
+                ],
+            )
+            .unwrap();
+            download(&xp)
+        };
+        let check = |what: &str, fused: &[u16], pass: &[u16]| {
+            let diff = fused.iter().zip(pass).position(|(a, b)| a != b);
+            assert!(
+                diff.is_none(),
+                "{} {what}: element {} is {:#06x} packed in the kernel, {:#06x} by a packing pass",
+                act.name(),
+                diff.unwrap_or(0),
+                fused[diff.unwrap_or(0)],
+                pass[diff.unwrap_or(0)]
+            );
+        };
+        // 200 and 256 rows: a partial block of 128 and whole ones.
+        for (rows, d, inter) in [(200, 4096, 1024), (256, 2048, 14336)] {
+            let (residual, delta, weight) =
+                (random(rows * d, 4.0), random(rows * d, 1.0), random(d, 1.0));
+            for with_delta in [false, true] {
+                let (res_rows, res_fused) = (upload(&residual), upload(&residual));
+                let (delta, weight) = (upload(&delta), upload(&weight));
+                let delta_ptr = if with_delta { delta.ptr() } else { 0 };
+                let normed = poisoned(rows * d);
+                dev.launch(
+                    &k.add_rms_norm,
+                    (rows as u32, 1, 1),
+                    512,
+                    &[
+                        KArg::Ptr(res_rows.ptr()),
+                        KArg::Ptr(delta_ptr),
+                        KArg::Ptr(0),
+                        KArg::Ptr(weight.ptr()),
+                        KArg::Ptr(normed.ptr()),
+                        KArg::I32(d as i32),
+                        KArg::F32(1e-5),
+                    ],
+                )
+                .unwrap();
+                let xp = poisoned(w4_packed_rows(rows) * d);
+                dev.launch(
+                    &k.add_rms_norm_w4g,
+                    (w4_packed_rows(rows) as u32, 1, 1),
+                    512,
+                    &[
+                        KArg::Ptr(res_fused.ptr()),
+                        KArg::Ptr(delta_ptr),
+                        KArg::Ptr(weight.ptr()),
+                        KArg::Ptr(xp.ptr()),
+                        KArg::I32(rows as i32),
+                        KArg::I32(d as i32),
+                        KArg::F32(1e-5),
+                    ],
+                )
+                .unwrap();
+                let what = format!("norm of {rows} x {d}, delta {with_delta}");
+                check(&what, &download(&xp), &pack(normed.ptr(), rows, d));
+                check(
+                    &format!("{what}: residual"),
+                    &download(&res_fused),
+                    &download(&res_rows),
+                );
+            }
+            let gate_up = upload(&random(rows * 2 * inter, 6.0));
+            let act_rows = poisoned(rows * inter);
+            dev.launch(
+                &k.silu_mul,
+                (inter.div_ceil(8 * 256) as u32, rows as u32, 1),
+                256,
+                &[
+                    KArg::Ptr(gate_up.ptr()),
+                    KArg::Ptr(act_rows.ptr()),
+                    KArg::I32(inter as i32),
+                ],
+            )
+            .unwrap();
+            let xp = poisoned(w4_packed_rows(rows) * inter);
+            dev.launch(
+                &k.silu_mul_w4g,
+                (w4_packed_blocks(rows, inter), 1, 1),
+                W4_PACKED_THREADS,
+                &[
+                    KArg::Ptr(gate_up.ptr()),
+                    KArg::Ptr(xp.ptr()),
+                    KArg::I32(rows as i32),
+                    KArg::I32(inter as i32),
+                ],
+            )
+            .unwrap();
+            let what = format!("SwiGLU of {rows} x {inter}");
+            check(&what, &download(&xp), &pack(act_rows.ptr(), rows, inter));
         }
     }
 }

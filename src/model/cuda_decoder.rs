@@ -109,6 +109,11 @@ pub struct CudaDecoder {
     /// product): decode steps may hand norms over (`CudaForward::norm_handoff`;
     /// NANOINFER_CUDA_W4_HANDOFF=0 turns it off).
     w4_handoff: bool,
+    /// The norms and SwiGLU before int4 GEMM products write the GEMM's
+    /// packed activations themselves instead of rows that it then packs
+    /// (`CudaForward::product_input`; NANOINFER_CUDA_W4_PACKED_INPUTS=0
+    /// turns it off).
+    w4_packed_inputs: bool,
     /// Elements of the largest int4 projection (the dequantization scratch).
     w4_max_elems: usize,
     /// Widest input of an int4 projection (the int4 GEMM's packed activations).
@@ -520,6 +525,7 @@ pub fn load(
     let w4_perm_cols = int4_max(|m| if m.has_perm() { m.cols } else { 0 });
     let w4_mma_rows = cuda::env_number("NANOINFER_CUDA_W4_MMA_ROWS", DEFAULT_W4_MMA_ROWS);
     let w4_gemm_rows = cuda::env_number("NANOINFER_CUDA_W4_GEMM_ROWS", DEFAULT_W4_GEMM_ROWS);
+    let w4_packed_inputs = cuda::switch_on("NANOINFER_CUDA_W4_PACKED_INPUTS");
     let w4_handoff = cuda::switch_on("NANOINFER_CUDA_W4_HANDOFF")
         && layers.iter().all(|l| {
             l.q_norm.is_none() && l.projections().iter().all(|w| matches!(w, Weight::Int4(_)))
@@ -540,6 +546,7 @@ pub fn load(
         w4_mma_rows,
         w4_gemm_rows,
         w4_handoff,
+        w4_packed_inputs,
         w4_max_elems,
         w4_max_cols,
         w4_perm_cols,
@@ -581,7 +588,8 @@ struct Workspace {
     /// (cos, sin) per row and rotary frequency of this step (rope_table).
     rope_cs: DeviceBuffer<f32>,
     /// Two sets of HANDOFF_ROWS sums of squares for int4 norm handoffs,
-    /// used in turn (see `CudaDecoder::norm_handoff`).
+    /// used in turn (see `CudaDecoder::norm_handoff`): 64-bit fixed point,
+    /// two f32s each.
     norm_sums: DeviceBuffer<f32>,
     /// Step inputs (tokens, slots, positions, tables), uploaded once per step.
     inputs: DeviceBuffer<u32>,
@@ -688,7 +696,8 @@ impl CudaDecoder {
                 self.attn_partials() * hd,
                 self.attn_partials() * 2,
                 r * hd,
-                2 * HANDOFF_ROWS,
+                // Two sets of 64-bit fixed-point sums (W4_SQ_ONE, int4.cu).
+                2 * 2 * HANDOFF_ROWS,
             ],
             // Tokens, write slots, positions, table offsets, logits rows and
             // the slot lists: one entry per cached position, plus room for
@@ -1034,12 +1043,38 @@ struct CudaForward {
 enum ProjInput {
     /// `normed`, already normalized.
     Normed,
+    /// `normed`'s image packed for the int4 GEMM, in its scratch
+    /// (`add_rms_norm_w4g`).
+    W4Packed,
     /// The residual stream `hidden`, to normalize with this norm weight.
     Residual(u64),
     /// `normed` written by a norm handoff (`norm_handoff`): x · the norm
     /// weight, each row's sum of squares of x in `sums`; the product also
     /// clears `clear`, the next handoff's sums.
     Handoff { sums: u64, clear: u64 },
+}
+
+/// The activations a product multiplies.
+#[derive(Debug, Clone, Copy)]
+enum LinearInput {
+    /// Rows at this address.
+    Rows(u64),
+    /// Their image packed for the int4 GEMM (as `w4_gemm_pack_x` packs),
+    /// in its scratch: written by the kernel before the product.
+    W4Packed,
+}
+
+impl LinearInput {
+    /// The rows' address, for kernels that read rows.
+    fn rows(self) -> Result<u64> {
+        match self {
+            LinearInput::Rows(x) => Ok(x),
+            LinearInput::W4Packed => Err(Error::new(
+                ErrorKind::Internal,
+                "activations packed for the int4 GEMM went to a kernel that reads rows",
+            )),
+        }
+    }
 }
 
 /// Where a forward's result goes.
@@ -1389,7 +1424,7 @@ impl CudaForward {
     #[allow(clippy::too_many_arguments)]
     fn linear(
         &self,
-        x: u64,
+        x: LinearInput,
         w: &Weight,
         bias: Option<&DeviceBuffer<u16>>,
         y: u64,
@@ -1398,13 +1433,16 @@ impl CudaForward {
         k: usize,
     ) -> Result<()> {
         let dev = &self.model.dev;
-        match w {
-            Weight::Dense(b) => dev.gemm(x, b.ptr(), y, rows, n, k, GemmDType::Act)?,
-            Weight::Int4(m) if self.model.w4_gemm_takes(rows) => {
+        match (w, x) {
+            (Weight::Int4(m), LinearInput::W4Packed) if self.model.w4_gemm_takes(rows) => {
+                dev.w4_gemm_packed(rows, m, y, self.w4_scratch()?)?
+            }
+            (Weight::Int4(m), LinearInput::Rows(x)) if self.model.w4_gemm_takes(rows) => {
                 dev.w4_gemm(x, rows, m, y, self.w4_scratch()?)?
             }
-            Weight::Int4(m) => {
-                let x = self.w4_input(x, rows, m)?;
+            (Weight::Dense(b), x) => dev.gemm(x.rows()?, b.ptr(), y, rows, n, k, GemmDType::Act)?,
+            (Weight::Int4(m), x) => {
+                let x = self.w4_input(x.rows()?, rows, m)?;
                 if rows <= self.model.w4_mma_rows {
                     dev.w4_mm(x, rows, m, W4Out::Act { y }, W4Norm::None)?
                 } else {
@@ -1487,7 +1525,7 @@ impl CudaForward {
     /// Sums of squares set `i % 2` (norm `i` of the step: 2·layer for the
     /// input norm, 2·layer + 1 for the post-attention norm).
     fn norm_sums(&self, i: usize) -> u64 {
-        self.ws.norm_sums.ptr() + ((i % 2) * HANDOFF_ROWS * 4) as u64
+        self.ws.norm_sums.ptr() + ((i % 2) * HANDOFF_ROWS * 8) as u64
     }
 
     /// The rows an int4 paired product reads and how it norms them.
@@ -1503,7 +1541,7 @@ impl CudaForward {
         }
         let (x, norm) = self.projection_input(input, rows, self.model.dev.w4_norm_fits(rows, m))?;
         let norm = norm.map_or(W4Norm::None, |(weight, eps)| W4Norm::Stage { weight, eps });
-        Ok((self.w4_input(x, rows, m)?, norm))
+        Ok((self.w4_input(x.rows()?, rows, m)?, norm))
     }
 
     /// The rows a projection reads (x) and the norm it applies on the fly:
@@ -1514,20 +1552,22 @@ impl CudaForward {
         input: ProjInput,
         rows: usize,
         fused: bool,
-    ) -> Result<(u64, Option<(u64, f32)>)> {
+    ) -> Result<(LinearInput, Option<(u64, f32)>)> {
         let ws = &self.ws;
         match input {
-            ProjInput::Normed => Ok((ws.normed.ptr(), None)),
+            ProjInput::Normed => Ok((LinearInput::Rows(ws.normed.ptr()), None)),
+            ProjInput::W4Packed => Ok((LinearInput::W4Packed, None)),
             ProjInput::Handoff { .. } => Err(Error::new(
                 ErrorKind::Internal,
                 "a norm handoff goes to int4 paired products only",
             )),
-            ProjInput::Residual(nw) if fused => {
-                Ok((ws.hidden.ptr(), Some((nw, self.model.config.rms_norm_eps))))
-            }
+            ProjInput::Residual(nw) if fused => Ok((
+                LinearInput::Rows(ws.hidden.ptr()),
+                Some((nw, self.model.config.rms_norm_eps)),
+            )),
             ProjInput::Residual(nw) => {
                 self.add_rms_norm(rows as u32, 0, KArg::Ptr(0), nw, ws.normed.ptr())?;
-                Ok((ws.normed.ptr(), None))
+                Ok((LinearInput::Rows(ws.normed.ptr()), None))
             }
         }
     }
@@ -1581,7 +1621,7 @@ impl CudaForward {
                 qkv_w / 2,
                 (rows, qkv_w, d),
                 &[
-                    KArg::Ptr(x),
+                    KArg::Ptr(x.rows()?),
                     KArg::Ptr(qkv.ptr()),
                     KArg::Ptr(layer.qkv_bias.as_ref().map_or(0, |b| b.ptr())),
                     KArg::Ptr(ws.qkv.ptr()),
@@ -1754,14 +1794,21 @@ impl CudaForward {
     }
 
     /// `act = silu(x · gateᵀ) * (x · upᵀ)`: one fused GEMV for decode
-    /// batches, else a GEMM into `gate_up` and the SwiGLU kernel.
-    fn gate_up_swiglu(&self, layer: &Layer, rows: usize, input: ProjInput) -> Result<()> {
+    /// batches, else a GEMM into `gate_up` and the SwiGLU kernel. `act`:
+    /// rows, or packed for down's int4 GEMM (only the SwiGLU kernel packs).
+    fn gate_up_swiglu(
+        &self,
+        layer: &Layer,
+        rows: usize,
+        input: ProjInput,
+        act: LinearInput,
+    ) -> Result<()> {
         let m = &*self.model;
         let (dev, c, ws) = (&*m.dev, &m.config, &self.ws);
         let (d, inter) = (c.hidden_size, c.intermediate_size);
         if let Some(m) = self.w4_direct(&layer.gate_up, rows) {
             let (x, norm) = self.w4_projection_input(input, rows, m)?;
-            return dev.w4_mm(x, rows, m, W4Out::SwiGlu { out: ws.act.ptr() }, norm);
+            return dev.w4_mm(x, rows, m, W4Out::SwiGlu { out: act.rows()? }, norm);
         }
         let fused = layer.gate_up.dense().filter(|_| dev.gemv_fits(rows, d));
         let (x, norm) = self.projection_input(input, rows, fused.is_some())?;
@@ -1772,9 +1819,9 @@ impl CudaForward {
                 inter,
                 (rows, 2 * inter, d),
                 &[
-                    KArg::Ptr(x),
+                    KArg::Ptr(x.rows()?),
                     KArg::Ptr(gate_up.ptr()),
-                    KArg::Ptr(ws.act.ptr()),
+                    KArg::Ptr(act.rows()?),
                     KArg::I32(inter as i32),
                     KArg::I32(d as i32),
                     KArg::I32(rows as i32),
@@ -1792,16 +1839,70 @@ impl CudaForward {
             2 * inter,
             d,
         )?;
-        dev.launch(
-            &dev.kernels.silu_mul,
-            (inter.div_ceil(8 * 256) as u32, rows as u32, 1),
-            256,
-            &[
-                KArg::Ptr(ws.gate_up.ptr()),
-                KArg::Ptr(ws.act.ptr()),
-                KArg::I32(inter as i32),
-            ],
-        )
+        let gate_up = KArg::Ptr(ws.gate_up.ptr());
+        match act {
+            LinearInput::Rows(out) => dev.launch(
+                &dev.kernels.silu_mul,
+                (inter.div_ceil(8 * 256) as u32, rows as u32, 1),
+                256,
+                &[gate_up, KArg::Ptr(out), KArg::I32(inter as i32)],
+            ),
+            LinearInput::W4Packed => dev.launch(
+                &dev.kernels.silu_mul_w4g,
+                (cuda::w4_packed_blocks(rows, inter), 1, 1),
+                cuda::W4_PACKED_THREADS,
+                &[
+                    gate_up,
+                    KArg::Ptr(self.w4_scratch()?),
+                    KArg::I32(rows as i32),
+                    KArg::I32(inter as i32),
+                ],
+            ),
+        }
+    }
+
+    /// Where the kernel before product `w` of a `rows`-row step writes
+    /// its input: rows at `rows_at`, or packed for the int4 GEMM when `w`
+    /// runs there (weights without act-order, which gather their rows).
+    fn product_input(&self, w: &Weight, rows: usize, rows_at: u64) -> LinearInput {
+        let m = &*self.model;
+        let packs =
+            m.w4_packed_inputs && m.w4_gemm_takes(rows) && w.int4().is_some_and(|q| !q.has_perm());
+        if packs {
+            LinearInput::W4Packed
+        } else {
+            LinearInput::Rows(rows_at)
+        }
+    }
+
+    /// The residual add (of `delta`, if not 0) and norm before product
+    /// `w`: into `normed`, or packed for the int4 GEMM (`product_input`).
+    fn norm_before(&self, w: &Weight, rows: usize, delta: u64, norm: u64) -> Result<ProjInput> {
+        let ws = &self.ws;
+        let (dev, c) = (&*self.model.dev, &self.model.config);
+        match self.product_input(w, rows, ws.normed.ptr()) {
+            LinearInput::Rows(out) => {
+                self.add_rms_norm(rows as u32, delta, KArg::Ptr(0), norm, out)?;
+                Ok(ProjInput::Normed)
+            }
+            LinearInput::W4Packed => {
+                dev.launch(
+                    &dev.kernels.add_rms_norm_w4g,
+                    (cuda::w4_packed_rows(rows) as u32, 1, 1),
+                    norm_threads(c.hidden_size),
+                    &[
+                        KArg::Ptr(ws.hidden.ptr()),
+                        KArg::Ptr(delta),
+                        KArg::Ptr(norm),
+                        KArg::Ptr(self.w4_scratch()?),
+                        KArg::I32(rows as i32),
+                        KArg::I32(c.hidden_size as i32),
+                        KArg::F32(c.rms_norm_eps),
+                    ],
+                )?;
+                Ok(ProjInput::W4Packed)
+            }
+        }
     }
 
     /// Enqueues one forward over the uploaded inputs on the stream (no host
@@ -1880,7 +1981,9 @@ impl CudaForward {
                 self.attend(inputs, (kc, vc), splits)?;
                 let post = hand_to(2 * li + 1, layer.post_norm.ptr());
                 self.add_to_residual(ws.attn.ptr(), &layer.o, (rows, d, nq), post)?;
-                self.gate_up_swiglu(layer, rows, norm_input(2 * li + 1, layer.post_norm.ptr()))?;
+                let post_input = norm_input(2 * li + 1, layer.post_norm.ptr());
+                let act = LinearInput::Rows(ws.act.ptr());
+                self.gate_up_swiglu(layer, rows, post_input, act)?;
                 let next = m
                     .layers
                     .get(li + 1)
@@ -1890,17 +1993,11 @@ impl CudaForward {
             }
             // Residual add of the previous layer's MLP output, fused with this norm.
             let delta = if li == 0 { 0 } else { ws.delta.ptr() };
-            self.add_rms_norm(
-                r32,
-                delta,
-                KArg::Ptr(0),
-                layer.input_norm.ptr(),
-                ws.normed.ptr(),
-            )?;
-            self.qkv_rope_kv_write(layer, inputs, (kc, vc), ProjInput::Normed)?;
+            let input = self.norm_before(&layer.qkv, rows, delta, layer.input_norm.ptr())?;
+            self.qkv_rope_kv_write(layer, inputs, (kc, vc), input)?;
             self.attend(inputs, (kc, vc), splits)?;
             self.linear(
-                ws.attn.ptr(),
+                LinearInput::Rows(ws.attn.ptr()),
                 &layer.o,
                 layer.o_bias.as_ref(),
                 ws.delta.ptr(),
@@ -1908,23 +2005,11 @@ impl CudaForward {
                 d,
                 nq,
             )?;
-            self.add_rms_norm(
-                r32,
-                ws.delta.ptr(),
-                KArg::Ptr(0),
-                layer.post_norm.ptr(),
-                ws.normed.ptr(),
-            )?;
-            self.gate_up_swiglu(layer, rows, ProjInput::Normed)?;
-            self.linear(
-                ws.act.ptr(),
-                &layer.down,
-                None,
-                ws.delta.ptr(),
-                rows,
-                d,
-                inter,
-            )?;
+            let post = layer.post_norm.ptr();
+            let input = self.norm_before(&layer.gate_up, rows, ws.delta.ptr(), post)?;
+            let act = self.product_input(&layer.down, rows, ws.act.ptr());
+            self.gate_up_swiglu(layer, rows, input, act)?;
+            self.linear(act, &layer.down, None, ws.delta.ptr(), rows, d, inter)?;
         }
         if n_out == 0 {
             return Ok(());

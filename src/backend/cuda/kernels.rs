@@ -225,6 +225,8 @@ kernel_set!(
     w4_dequant,
     w4_gather,
     w4_gemm_pack_x,
+    add_rms_norm_w4g,
+    silu_mul_w4g,
     w4_gemm_wg2,
     w4_gemm_wg4,
     w4_gemm_wg2_t256,

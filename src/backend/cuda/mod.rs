@@ -21,7 +21,7 @@ pub use kernels::{Kernel, KernelCache, Kernels};
 pub use pool::{create_device_pool, CudaBuddy, CudaStreamPool, BUDDY_MIN_BLOCK, DEVICE_ALIGN};
 pub use staging::Staging;
 pub use w4::W4Host;
-pub use w4_gemm::W4GemmBlocks;
+pub use w4_gemm::{w4_packed_blocks, w4_packed_rows, W4GemmBlocks, W4_PACKED_THREADS};
 pub use w4_ops::{QkvEpilogue, W4Handoff, W4Matrix, W4Norm, W4Out, HANDOFF_ROWS};
 
 use crate::memory::{DeviceAllocation, DevicePool};

@@ -364,7 +364,22 @@ pub(super) fn ready_flags(sm_count: usize) -> usize {
 /// Elements (u16) of the packed activations of `rows` rows of `cols`
 /// inputs: rows padded to whole blocks.
 fn packed_elems(rows: usize, cols: usize) -> usize {
-    rows.div_ceil(PACKED_ROWS) * PACKED_ROWS * cols
+    w4_packed_rows(rows) * cols
+}
+
+/// `rows` rounded up to the packed activations' blocks of rows: the grid of
+/// `add_rms_norm_w4g` (its blocks past `rows` write the zero rows).
+pub fn w4_packed_rows(rows: usize) -> usize {
+    rows.div_ceil(PACKED_ROWS) * PACKED_ROWS
+}
+
+/// Threads a block of the kernels that write one packed 16-byte piece
+/// each (`w4_gemm_pack_x`, `silu_mul_w4g`).
+pub const W4_PACKED_THREADS: u32 = 256;
+
+/// Blocks of those kernels for `rows` rows of `cols` inputs.
+pub fn w4_packed_blocks(rows: usize, cols: usize) -> u32 {
+    (packed_elems(rows, cols) / 8).div_ceil(W4_PACKED_THREADS as usize) as u32
 }
 
 /// Elements (u16) of stream-K's partial sums: two slots per block, one
@@ -396,6 +411,16 @@ impl CudaDevice {
         self.w4_gemm != W4Gemm::Off
     }
 
+    fn w4_gemm_available_or_err(&self) -> Result<()> {
+        if self.w4_gemm_available() {
+            return Ok(());
+        }
+        Err(crate::Error::new(
+            crate::ErrorKind::Internal,
+            "the int4 tensor-core GEMM needs an sm_90 GPU",
+        ))
+    }
+
     /// Holds [`CudaDevice::w4_gemm`] to `blocks` (where the GEMM runs).
     pub fn set_w4_gemm_blocks(&mut self, blocks: W4GemmBlocks) {
         if self.w4_gemm_available() {
@@ -415,24 +440,16 @@ impl CudaDevice {
     /// the fused kernels take; act-order weights gather `x` themselves).
     /// `scratch`: [`CudaDevice::w4_gemm_scratch_elems`] elements.
     pub fn w4_gemm(&self, x: u64, rows: usize, w: &W4Matrix, y: u64, scratch: u64) -> Result<()> {
-        if !self.w4_gemm_available() {
-            return Err(crate::Error::new(
-                crate::ErrorKind::Internal,
-                "the int4 tensor-core GEMM needs an sm_90 GPU",
-            ));
-        }
-        let plan = self.w4_gemm.plan(rows, w.rows, w.cols, self.sm_count);
+        self.w4_gemm_available_or_err()?;
         let pack = &self.kernels.w4_gemm_pack_x;
-        let packed = packed_elems(rows, w.cols);
-        let partials = scratch + 2 * packed as u64;
         self.timed(
             || format!("{} {rows}x{}", pack.name, w.cols),
             0,
             || {
                 self.launch_raw(
                     pack,
-                    ((packed / 8).div_ceil(256) as u32, 1, 1),
-                    256,
+                    (w4_packed_blocks(rows, w.cols), 1, 1),
+                    W4_PACKED_THREADS,
                     0,
                     &[
                         KArg::Ptr(x),
@@ -444,6 +461,27 @@ impl CudaDevice {
                 )
             },
         )?;
+        self.w4_gemm_launch(rows, w, y, scratch)
+    }
+
+    /// [`CudaDevice::w4_gemm`] of activations a kernel before it already
+    /// wrote into the start of `scratch` as `w4_gemm_pack_x` writes them
+    /// (`add_rms_norm_w4g`, `silu_mul_w4g`: weights without act-order).
+    pub fn w4_gemm_packed(&self, rows: usize, w: &W4Matrix, y: u64, scratch: u64) -> Result<()> {
+        self.w4_gemm_available_or_err()?;
+        if w.has_perm() {
+            return Err(crate::Error::new(
+                crate::ErrorKind::Internal,
+                "act-order int4 weights gather their own activations (w4_gemm)",
+            ));
+        }
+        self.w4_gemm_launch(rows, w, y, scratch)
+    }
+
+    /// The GEMM's launches over the packed activations in `scratch`.
+    fn w4_gemm_launch(&self, rows: usize, w: &W4Matrix, y: u64, scratch: u64) -> Result<()> {
+        let plan = self.w4_gemm.plan(rows, w.rows, w.cols, self.sm_count);
+        let partials = scratch + 2 * packed_elems(rows, w.cols) as u64;
         // `launch` over weight rows [first, first + n): its tiles' words
         // and scales/zeros, and its columns of y.
         let run = |launch: Launch, first: usize, n: usize| {

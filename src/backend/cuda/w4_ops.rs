@@ -134,7 +134,8 @@ pub enum W4Out {
 /// A residual add that hands the next RMSNorm to the next product (decode
 /// batches of at most [`HANDOFF_ROWS`] rows): besides the residual it writes
 /// `x · next_norm` to `xs` and adds each row's sum of squares of x into
-/// `sums` (zero before), so the next paired product multiplies `xs` and
+/// `sums` (zero before; 64-bit fixed point, `W4_SQ_ONE` in int4.cu, so that
+/// the sum does not depend on the blocks' order), so the next paired product multiplies `xs` and
 /// applies the rows' rstd at the end ([`W4Norm::Sums`]) instead of norming
 /// the residual itself.
 #[derive(Debug, Clone, Copy)]
@@ -153,8 +154,8 @@ pub enum W4Norm {
     /// (`w4_norm_fits`).
     Stage { weight: u64, eps: f32 },
     /// Rows a [`W4Handoff`] wrote, with their sums of squares in `sums`.
-    /// The product also zeroes `clear` (HANDOFF_ROWS floats: the sums the
-    /// next handoff adds into).
+    /// The product also zeroes `clear` (HANDOFF_ROWS sums: those the next
+    /// handoff adds into).
     Sums { sums: u64, eps: f32, clear: u64 },
 }
 
