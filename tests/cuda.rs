@@ -813,13 +813,15 @@ fn int4_gemm_matches_the_exact_product() {
         // tiles (44 blocks of weight rows × 3), then the other 21 blocks of
         // weight rows (the last partial) as 105 narrow tiles. Split-K: 300
         // rows of 384 × 512 in 24 blocks (6 tiles, 8 chunks: 2 a block),
-        // 400 × 14336 at 129 rows in 16.
+        // 400 × 14336 at 129 rows in 16. 48 rows: one partial block of
+        // activation rows (on sm_90 batches from 49 rows take the GEMM).
         for (n, k, group, rows) in [
             (8208, 256, 64, 640),
             (208, 192, 32, 129),
             (384, 512, 128, 300),
             (128, 64, 32, 1000),
             (400, 14336, 128, 129),
+            (4096, 4096, 128, 48),
         ] {
             let host = random_w4(&mut rng, n, k, group);
             let w = W4Matrix::upload(&dev, std::slice::from_ref(&host), None).unwrap();

@@ -523,7 +523,14 @@ pub fn load(
     let w4_max_elems = int4_max(|m| m.rows * m.cols);
     let w4_max_cols = int4_max(|m| m.cols);
     let w4_perm_cols = int4_max(|m| if m.has_perm() { m.cols } else { 0 });
-    let w4_mma_rows = cuda::env_number("NANOINFER_CUDA_W4_MMA_ROWS", DEFAULT_W4_MMA_ROWS);
+    let w4_mma_rows = cuda::env_number(
+        "NANOINFER_CUDA_W4_MMA_ROWS",
+        if dev.w4_gemm_available() {
+            W4_MMA_ROWS_BEFORE_GEMM
+        } else {
+            W4_MMA_ROWS_BEFORE_DEQUANT
+        },
+    );
     let w4_gemm_rows = cuda::env_number("NANOINFER_CUDA_W4_GEMM_ROWS", DEFAULT_W4_GEMM_ROWS);
     let w4_packed_inputs = cuda::switch_on("NANOINFER_CUDA_W4_PACKED_INPUTS");
     let w4_handoff = cuda::switch_on("NANOINFER_CUDA_W4_HANDOFF")
@@ -564,8 +571,18 @@ fn decode_mma_fits(arch: (i32, i32), c: &ModelConfig) -> bool {
         && c.num_heads / c.num_kv_heads <= DA_GROUP_MAX
 }
 
-/// See `CudaDecoder::w4_mma_rows`.
-const DEFAULT_W4_MMA_ROWS: usize = 128;
+/// `CudaDecoder::w4_mma_rows` where the int4 GEMM takes larger batches
+/// (sm_90). The GEMM's time is flat up to 128 rows (one block of
+/// activation rows); the int4 kernels' grows with their passes over the
+/// weights (32, 16 or 8 rows each). H100, 8B shapes, session 23, prefill
+/// tok/s: 48 tokens 7 916 through the int4 kernels (a 32- and a 16-row
+/// pass) against 6 796 through the GEMM; 64 tokens 8 865 (two 32-row
+/// passes) against 9 053; 128 tokens 9 483 against 17 459 (bf16 16 644).
+const W4_MMA_ROWS_BEFORE_GEMM: usize = 48;
+/// `CudaDecoder::w4_mma_rows` where larger batches dequantize for cuBLAS,
+/// which writes and rereads 2 bytes a weight: up to four passes of the int4
+/// kernels are cheaper.
+const W4_MMA_ROWS_BEFORE_DEQUANT: usize = 128;
 /// See `CudaDecoder::w4_gemm_rows`: where the int4 GEMM stops beating
 /// dequantization + cuBLAS (H100, 8B shapes: 14 % faster per gate/up
 /// product at 512 rows, 7 % slower at 2048).
