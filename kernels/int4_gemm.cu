@@ -14,10 +14,10 @@
 // kernel before the product: add_rms_norm_w4g, silu_mul_w4g) into the
 // image of the B operand's shared memory, so each stage is one bulk copy:
 // per block of 128 rows and chunk of 64 inputs, 16 KB of 128-byte rows
-// whose 16-byte pieces are XOR-swizzled by row % 8 (wgmma's 128-byte swizzle), the
-// inputs in the MMA k order of the packed weights (a permutation of the
-// chunk, int4.cu), gathered through the act-order permutation if there is
-// one, and rows past the batch zero.
+// whose 16-byte pieces are XOR-swizzled by row % 8 (wgmma's 128-byte
+// swizzle), the inputs in the MMA k order of the packed weights (a
+// permutation of the chunk, int4.cu), gathered through the act-order
+// permutation if there is one, and rows past the batch zero.
 //
 // Numerics: the operands are f16 whatever the activation dtype. Each weight
 // is (q − z)·s rounded once to f16 (bf16 holds only 8 of the f16 scale's 11
