@@ -1058,11 +1058,9 @@ struct CudaForward {
 /// Where a projection's input rows come from.
 #[derive(Debug, Clone, Copy)]
 enum ProjInput {
-    /// `normed`, already normalized.
-    Normed,
-    /// `normed`'s image packed for the int4 GEMM, in its scratch
-    /// (`add_rms_norm_w4g`).
-    W4Packed,
+    /// Rows already normalized: in `normed`, or packed for the int4 GEMM
+    /// in its scratch (`add_rms_norm_w4g`).
+    Normed(LinearInput),
     /// The residual stream `hidden`, to normalize with this norm weight.
     Residual(u64),
     /// `normed` written by a norm handoff (`norm_handoff`): x · the norm
@@ -1572,8 +1570,7 @@ impl CudaForward {
     ) -> Result<(LinearInput, Option<(u64, f32)>)> {
         let ws = &self.ws;
         match input {
-            ProjInput::Normed => Ok((LinearInput::Rows(ws.normed.ptr()), None)),
-            ProjInput::W4Packed => Ok((LinearInput::W4Packed, None)),
+            ProjInput::Normed(x) => Ok((x, None)),
             ProjInput::Handoff { .. } => Err(Error::new(
                 ErrorKind::Internal,
                 "a norm handoff goes to int4 paired products only",
@@ -1897,29 +1894,27 @@ impl CudaForward {
     fn norm_before(&self, w: &Weight, rows: usize, delta: u64, norm: u64) -> Result<ProjInput> {
         let ws = &self.ws;
         let (dev, c) = (&*self.model.dev, &self.model.config);
-        match self.product_input(w, rows, ws.normed.ptr()) {
+        let normed = self.product_input(w, rows, ws.normed.ptr());
+        match normed {
             LinearInput::Rows(out) => {
-                self.add_rms_norm(rows as u32, delta, KArg::Ptr(0), norm, out)?;
-                Ok(ProjInput::Normed)
+                self.add_rms_norm(rows as u32, delta, KArg::Ptr(0), norm, out)?
             }
-            LinearInput::W4Packed => {
-                dev.launch(
-                    &dev.kernels.add_rms_norm_w4g,
-                    (cuda::w4_packed_rows(rows) as u32, 1, 1),
-                    norm_threads(c.hidden_size),
-                    &[
-                        KArg::Ptr(ws.hidden.ptr()),
-                        KArg::Ptr(delta),
-                        KArg::Ptr(norm),
-                        KArg::Ptr(self.w4_scratch()?),
-                        KArg::I32(rows as i32),
-                        KArg::I32(c.hidden_size as i32),
-                        KArg::F32(c.rms_norm_eps),
-                    ],
-                )?;
-                Ok(ProjInput::W4Packed)
-            }
+            LinearInput::W4Packed => dev.launch(
+                &dev.kernels.add_rms_norm_w4g,
+                (cuda::w4_packed_rows(rows) as u32, 1, 1),
+                norm_threads(c.hidden_size),
+                &[
+                    KArg::Ptr(ws.hidden.ptr()),
+                    KArg::Ptr(delta),
+                    KArg::Ptr(norm),
+                    KArg::Ptr(self.w4_scratch()?),
+                    KArg::I32(rows as i32),
+                    KArg::I32(c.hidden_size as i32),
+                    KArg::F32(c.rms_norm_eps),
+                ],
+            )?,
         }
+        Ok(ProjInput::Normed(normed))
     }
 
     /// Enqueues one forward over the uploaded inputs on the stream (no host

@@ -153,6 +153,27 @@ pub(super) enum Plan {
     TallThenNarrow { tall_rows: usize },
 }
 
+impl Plan {
+    /// The launches of a product of `n` weight rows, each with the weight
+    /// rows it takes (first, count).
+    fn launches(self, rows: usize, n: usize) -> [Option<(Launch, usize, usize)>; 2] {
+        match self {
+            Plan::One(launch) => [Some((launch, 0, n)), None],
+            Plan::TallThenNarrow { tall_rows } => {
+                let narrow_rows = n - tall_rows;
+                [
+                    Some((Launch::per_tile(TALL, rows, tall_rows), 0, tall_rows)),
+                    Some((
+                        Launch::per_tile(NARROW, rows, narrow_rows),
+                        tall_rows,
+                        narrow_rows,
+                    )),
+                ]
+            }
+        }
+    }
+}
+
 /// The int4 GEMM's blocks, for tests and measurements: chosen per product
 /// (the default), or always one shape, one block per tile or by stream-K.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -303,14 +324,8 @@ fn plan_cost(plan: Plan, rows: usize, n: usize, chunks: usize, sm_count: usize) 
             range * shape.chunk_cost() + STREAM_K_COST
         }
     };
-    match plan {
-        Plan::One(launch) => launch_cost(launch, n),
-        Plan::TallThenNarrow { tall_rows } => {
-            let narrow_rows = n - tall_rows;
-            launch_cost(Launch::per_tile(TALL, rows, tall_rows), tall_rows)
-                + launch_cost(Launch::per_tile(NARROW, rows, narrow_rows), narrow_rows)
-        }
-    }
+    let launches = plan.launches(rows, n).into_iter().flatten();
+    launches.map(|(launch, _, n)| launch_cost(launch, n)).sum()
 }
 
 impl BlockShape {
@@ -510,18 +525,10 @@ impl CudaDevice {
                 ],
             )
         };
-        match plan {
-            Plan::One(launch) => run(launch, 0, w.rows),
-            Plan::TallThenNarrow { tall_rows } => {
-                let narrow_rows = w.rows - tall_rows;
-                run(Launch::per_tile(TALL, rows, tall_rows), 0, tall_rows)?;
-                run(
-                    Launch::per_tile(NARROW, rows, narrow_rows),
-                    tall_rows,
-                    narrow_rows,
-                )
-            }
+        for (launch, first, n) in plan.launches(rows, w.rows).into_iter().flatten() {
+            run(launch, first, n)?;
         }
+        Ok(())
     }
 }
 
