@@ -275,15 +275,18 @@ typedef struct ni_session_params {
      */
     float kv_memory_fraction;
     /**
-     * Token budget of one step (prefill chunks + decode tokens). Default 512.
+     * Token budget of one step (prefill chunks + decode tokens). 0 (the
+     * default) = automatic: 512 on the CPU, 8192 on a GPU.
      */
     uint32_t max_batched_tokens;
     /**
-     * Most requests in one step. Default 64.
+     * Most requests in one step. 0 (the default) = automatic: 64 on the
+     * CPU, 256 on a GPU.
      */
     uint32_t max_seqs;
     /**
-     * Longest prefill piece of one request in one step. Default 512.
+     * Longest prefill piece of one request in one step. 0 (the default) =
+     * the step's token budget.
      */
     uint32_t prefill_chunk_size;
     /**

@@ -260,3 +260,43 @@ fn cancel_unknown_request_is_an_error_and_changes_nothing() {
     assert!(!s.has_work());
     assert_idle_clean(&s);
 }
+
+#[test]
+fn automatic_step_shape_is_the_devices_and_explicit_values_stay() {
+    let m = default_tiny();
+    let shape = |p: &SessionParams| (p.max_batched_tokens, p.max_seqs, p.prefill_chunk_size);
+    let open = |params: SessionParams| Session::new(m.model.clone(), params).unwrap();
+    let kv = SessionParams {
+        kv_capacity_tokens: 256,
+        ..Default::default()
+    };
+    assert_eq!(
+        shape(&SessionParams::default()),
+        (0, 0, 0),
+        "automatic by default"
+    );
+    assert_eq!(
+        shape(open(kv.clone()).params()),
+        (512, 64, 512),
+        "the CPU's shape"
+    );
+    let budget_only = SessionParams {
+        max_batched_tokens: 96,
+        ..kv.clone()
+    };
+    assert_eq!(
+        shape(open(budget_only).params()),
+        (96, 64, 96),
+        "chunks follow the budget"
+    );
+    let explicit = SessionParams {
+        max_batched_tokens: 96,
+        max_seqs: 3,
+        prefill_chunk_size: 7,
+        ..kv.clone()
+    };
+    assert_eq!(shape(open(explicit.clone()).params()), (96, 3, 7));
+    // A GPU's shape, resolved without one.
+    assert_eq!(shape(&kv.with_step_shape(true)), (8192, 256, 8192));
+    assert_eq!(shape(&explicit.with_step_shape(true)), (96, 3, 7));
+}

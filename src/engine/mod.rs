@@ -11,4 +11,4 @@ pub use faults::{FaultCounts, FaultPlan};
 pub use model::{Model, ModelParams};
 pub use policy::SchedulePolicyKind;
 pub use request::{Event, FinishReason, RequestId, RequestParams, TokenLogprob};
-pub use session::{PreemptionMode, Session, SessionParams, SessionStats};
+pub use session::{PreemptionMode, Session, SessionParams, SessionStats, StepShape};

@@ -96,11 +96,14 @@ pub struct ni_session_params {
     pub kv_memory_bytes: u64,
     /// KV budget as a fraction (0, 1] of the memory available now; 0 = automatic.
     pub kv_memory_fraction: f32,
-    /// Token budget of one step (prefill chunks + decode tokens). Default 512.
+    /// Token budget of one step (prefill chunks + decode tokens). 0 (the
+    /// default) = automatic: 512 on the CPU, 8192 on a GPU.
     pub max_batched_tokens: u32,
-    /// Most requests in one step. Default 64.
+    /// Most requests in one step. 0 (the default) = automatic: 64 on the
+    /// CPU, 256 on a GPU.
     pub max_seqs: u32,
-    /// Longest prefill piece of one request in one step. Default 512.
+    /// Longest prefill piece of one request in one step. 0 (the default) =
+    /// the step's token budget.
     pub prefill_chunk_size: u32,
     /// `NI_SCHEDULE_*`; default FCFS.
     pub policy: ni_schedule_policy,

@@ -47,8 +47,9 @@ const (
 )
 
 // SessionOptions shapes a session. Zero fields keep the library defaults
-// (paged KV, 16-token blocks, automatic KV budget, 512-token step budget,
-// 64 sequences, 512-token prefill chunks, FCFS, prefix caching on).
+// (paged KV, 16-token blocks, automatic KV budget, a step budget of 512
+// tokens and 64 sequences on the CPU or 8192 and 256 on a GPU, prefill
+// chunks as large as the step budget, FCFS, prefix caching on).
 // KV capacity comes from the first non-zero of KVCapacityTokens,
 // KVMemoryBytes, KVMemoryFraction.
 type SessionOptions struct {

@@ -49,6 +49,8 @@ const USAGE: &str = "usage:
   stream-ordered pool of its own; cuda-buddy: one allocation sized for the session).
   --memory-utilization F sizes the KV cache as F of total memory minus weights
   minus the planned workspace (vLLM rule; never more than is available now).
+  --max-batched-tokens / --max-seqs default to 512 / 64 on the CPU and 8192 / 256
+  on a GPU; --prefill-chunk defaults to the step's token budget.
   --kv-cache-dtype fp8 (CUDA) stores keys and values as FP8 e4m3, unscaled: twice the
   tokens per byte of KV memory and half the bytes decode attention reads.";
 
