@@ -13,50 +13,22 @@
 //               loads of the next phase before it arrives.
 // Build and run on the GPU machine:
 //   nvcc -O3 -arch=sm_90a -o /tmp/boundary scripts/cuda_boundary_bench.cu && /tmp/boundary
-#include <cstdio>
-#include <cstdlib>
 #include <vector>
-#include <cuda_runtime.h>
+#include "cuda_bench_stream.cuh"
 
-#define CHECK(x)                                                                  \
-    do {                                                                          \
-        cudaError_t e = (x);                                                      \
-        if (e != cudaSuccess) {                                                   \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-            exit(1);                                                              \
-        }                                                                         \
-    } while (0)
-
-constexpr int LAYERS = 32, PHASES = 5, THREADS = 256, MAX_AHEAD = 8;
-// MB of each phase: QKV, attention, o, gate/up, down.
-const double PHASE_MB[PHASES] = {13.4, 0.5, 8.9, 62.4, 31.2};
+constexpr int MAX_AHEAD = 8;
 
 struct Phase {
     const uint4* base;
     long long units;  // 16-byte units
 };
 
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
-// This block's slice of a phase's units, [begin, end).
-__device__ __forceinline__ void block_slice(Phase ph, long long& begin, long long& end) {
-    const long long per_block = (ph.units + gridDim.x - 1) / gridDim.x;
-    begin = per_block * blockIdx.x;
-    end = min(ph.units, begin + per_block);
-}
-
 // This block's share of a phase: units u = tid, tid + stride, ... of its
 // slice. `pre` holds the first `ahead` loads, requested earlier.
 template <int AHEAD>
 __device__ __forceinline__ unsigned stream_phase(Phase ph, const uint4 (&pre)[MAX_AHEAD]) {
     long long begin, end;
-    block_slice(ph, begin, end);
+    block_slice(ph.units, begin, end);
     unsigned acc = 0;
 #pragma unroll
     for (int a = 0; a < AHEAD; a++) acc ^= pre[a].x ^ pre[a].w;
@@ -73,7 +45,7 @@ __device__ __forceinline__ unsigned stream_phase(Phase ph, const uint4 (&pre)[MA
 template <int AHEAD>
 __device__ __forceinline__ void request_ahead(Phase ph, uint4 (&pre)[MAX_AHEAD]) {
     long long begin, end;
-    block_slice(ph, begin, end);
+    block_slice(ph.units, begin, end);
 #pragma unroll
     for (int a = 0; a < AHEAD; a++) {
         const long long u = begin + threadIdx.x + (long long)a * THREADS;
@@ -116,31 +88,6 @@ __global__ void __launch_bounds__(THREADS, 2) persistent_kernel(const Phase* pha
     if (acc == 0x12345678u) sink[blockIdx.x] = acc;
 }
 
-template <typename F>
-static float time_graph(cudaStream_t s, F enqueue, int reps) {
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-    enqueue();
-    CHECK(cudaStreamEndCapture(s, &graph));
-    CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int i = 0; i < 3; i++) CHECK(cudaGraphLaunch(exec, s));
-    cudaEvent_t a, b;
-    CHECK(cudaEventCreate(&a));
-    CHECK(cudaEventCreate(&b));
-    CHECK(cudaEventRecord(a, s));
-    for (int i = 0; i < reps; i++) CHECK(cudaGraphLaunch(exec, s));
-    CHECK(cudaEventRecord(b, s));
-    CHECK(cudaEventSynchronize(b));
-    float ms;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
-    CHECK(cudaEventDestroy(a));
-    CHECK(cudaEventDestroy(b));
-    CHECK(cudaGraphExecDestroy(exec));
-    CHECK(cudaGraphDestroy(graph));
-    return ms * 1000.f / reps;  // µs per step
-}
-
 // smem: dynamic shared memory per block; 100 KB leaves room for two blocks
 // per SM, as the decode kernels' registers do (0: as many as fit).
 template <int AHEAD>
@@ -149,17 +96,7 @@ static float time_kernels(cudaStream_t s, const std::vector<Phase>& phases, unsi
     CHECK(cudaFuncSetAttribute(phase_kernel<AHEAD>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     return time_graph(s, [&] {
         for (const Phase& ph : phases) {
-            cudaLaunchConfig_t cfg = {};
-            cfg.gridDim = blocks;
-            cfg.blockDim = THREADS;
-            cfg.dynamicSmemBytes = smem;
-            cfg.stream = s;
-            cudaLaunchAttribute attr;
-            attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            attr.val.programmaticStreamSerializationAllowed = 1;
-            cfg.attrs = &attr;
-            cfg.numAttrs = 1;
-            CHECK(cudaLaunchKernelEx(&cfg, phase_kernel<AHEAD>, ph, sink));
+            launch_programmatic(phase_kernel<AHEAD>, blocks, THREADS, smem, s, ph, sink);
         }
     }, reps);
 }
@@ -199,21 +136,13 @@ static void run(cudaStream_t s, const std::vector<Phase>& phases, Phase* d_phase
 }
 
 int main() {
-    cudaDeviceProp prop;
-    CHECK(cudaGetDeviceProperties(&prop, 0));
-    const int blocks = 2 * prop.multiProcessorCount;
-    double layer_bytes = 0;
-    for (double mb : PHASE_MB) layer_bytes += mb * 1e6;
-    const double bytes = layer_bytes * LAYERS;
-    uint4* buf;
-    CHECK(cudaMalloc(&buf, (size_t)bytes + (1 << 20)));
-    CHECK(cudaMemset(buf, 1, (size_t)bytes + (1 << 20)));
+    const StepBytes st = alloc_step_bytes();
     std::vector<Phase> phases;
     size_t off = 0;
     for (int l = 0; l < LAYERS; l++)
         for (double mb : PHASE_MB) {
             const long long units = (long long)(mb * 1e6 / 16);
-            phases.push_back({buf + off, units});
+            phases.push_back({st.buf + off, units});
             off += units;
         }
     Phase* d_phases;
@@ -221,18 +150,18 @@ int main() {
     CHECK(cudaMalloc(&d_phases, phases.size() * sizeof(Phase)));
     CHECK(cudaMemcpy(d_phases, phases.data(), phases.size() * sizeof(Phase), cudaMemcpyHostToDevice));
     CHECK(cudaMalloc(&count, sizeof(unsigned)));
-    CHECK(cudaMalloc(&sink, blocks * sizeof(unsigned)));
+    CHECK(cudaMalloc(&sink, st.blocks * sizeof(unsigned)));
     cudaStream_t s;
     CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    printf("%s, %d SMs, %d blocks of %d threads, %.1f MB per layer, %d layers\n", prop.name,
-           prop.multiProcessorCount, blocks, THREADS, layer_bytes / 1e6, LAYERS);
+    printf("%s, %d SMs, %d blocks of %d threads, %.1f MB per layer, %d layers\n", st.prop.name,
+           st.prop.multiProcessorCount, st.blocks, THREADS, st.layer_bytes / 1e6, LAYERS);
     for (int smem : {100 << 10, 0}) {
-        run<0>(s, phases, d_phases, count, sink, blocks, bytes, 20, smem);
-        run<2>(s, phases, d_phases, count, sink, blocks, bytes, 20, smem);
-        run<4>(s, phases, d_phases, count, sink, blocks, bytes, 20, smem);
-        run<8>(s, phases, d_phases, count, sink, blocks, bytes, 20, smem);
+        run<0>(s, phases, d_phases, count, sink, st.blocks, st.bytes, 20, smem);
+        run<2>(s, phases, d_phases, count, sink, st.blocks, st.bytes, 20, smem);
+        run<4>(s, phases, d_phases, count, sink, st.blocks, st.bytes, 20, smem);
+        run<8>(s, phases, d_phases, count, sink, st.blocks, st.bytes, 20, smem);
     }
-    phase_shares<4>(s, phases, sink, blocks, 100 << 10);
-    phase_shares<0>(s, phases, sink, blocks, 100 << 10);
+    phase_shares<4>(s, phases, sink, st.blocks, 100 << 10);
+    phase_shares<0>(s, phases, sink, st.blocks, 100 << 10);
     return 0;
 }

@@ -16,23 +16,8 @@
 // Build and run on the GPU machine:
 //   nvcc -O3 -arch=sm_90a -o /tmp/l2pf scripts/cuda_l2_prefetch_bench.cu && /tmp/l2pf
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <vector>
-#include <cuda_runtime.h>
-
-#define CHECK(x)                                                                                     \
-    do {                                                                                             \
-        cudaError_t e = (x);                                                                         \
-        if (e != cudaSuccess) {                                                                      \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));        \
-            exit(1);                                                                                 \
-        }                                                                                            \
-    } while (0)
-
-constexpr int LAYERS = 32, PHASES = 5, THREADS = 256;
-// MB of each phase: QKV, attention, o, gate/up, down.
-const double PHASE_MB[PHASES] = {13.4, 0.5, 8.9, 62.4, 31.2};
+#include "cuda_bench_stream.cuh"
 
 struct Phase {
     const uint4* base;
@@ -50,24 +35,14 @@ struct Mode {
     int evict_first;
 };
 
-__device__ __forceinline__ uint4 load_stream(const uint4* p, bool evict_first, uint64_t policy) {
+// load_stream with an L2 evict_first policy when asked for.
+__device__ __forceinline__ uint4 load_phase(const uint4* p, bool evict_first, uint64_t policy) {
+    if (!evict_first) return load_stream(p);
     uint4 v;
-    if (evict_first)
-        asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "l"(p), "l"(policy));
-    else
-        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "l"(p));
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "l"(policy));
     return v;
-}
-
-// This block's slice [begin, end) of `units`.
-__device__ __forceinline__ void block_slice(long long units, long long& begin, long long& end) {
-    const long long per_block = (units + gridDim.x - 1) / gridDim.x;
-    begin = per_block * blockIdx.x;
-    end = min(units, begin + per_block);
 }
 
 // The block's share of the first `cap` units of the next phase, one bulk
@@ -95,13 +70,13 @@ __global__ void __launch_bounds__(THREADS, 2) phase_kernel(Phase ph, Mode m, uns
     unsigned acc = 0;
     long long u = begin + threadIdx.x;
     for (; u + 3 * THREADS < end; u += 4 * THREADS) {
-        const uint4 v0 = load_stream(ph.base + u, m.evict_first, policy);
-        const uint4 v1 = load_stream(ph.base + u + THREADS, m.evict_first, policy);
-        const uint4 v2 = load_stream(ph.base + u + 2 * THREADS, m.evict_first, policy);
-        const uint4 v3 = load_stream(ph.base + u + 3 * THREADS, m.evict_first, policy);
+        const uint4 v0 = load_phase(ph.base + u, m.evict_first, policy);
+        const uint4 v1 = load_phase(ph.base + u + THREADS, m.evict_first, policy);
+        const uint4 v2 = load_phase(ph.base + u + 2 * THREADS, m.evict_first, policy);
+        const uint4 v3 = load_phase(ph.base + u + 3 * THREADS, m.evict_first, policy);
         acc ^= v0.x ^ v1.y ^ v2.z ^ v3.w;
     }
-    for (; u < end; u += THREADS) acc ^= load_stream(ph.base + u, m.evict_first, policy).x;
+    for (; u < end; u += THREADS) acc ^= load_phase(ph.base + u, m.evict_first, policy).x;
     if (m.prefetch == AT_END) prefetch_next(ph, m);
     if (ph.spin_ns > 0) {
         uint64_t t0, t;
@@ -112,71 +87,29 @@ __global__ void __launch_bounds__(THREADS, 2) phase_kernel(Phase ph, Mode m, uns
     if (acc == 0x12345678u) sink[blockIdx.x] = acc;  // keeps the loads
 }
 
-template <typename F>
-static float time_graph(cudaStream_t s, F enqueue, int reps) {
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-    enqueue();
-    CHECK(cudaStreamEndCapture(s, &graph));
-    CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int i = 0; i < 3; i++) CHECK(cudaGraphLaunch(exec, s));
-    cudaEvent_t a, b;
-    CHECK(cudaEventCreate(&a));
-    CHECK(cudaEventCreate(&b));
-    CHECK(cudaEventRecord(a, s));
-    for (int i = 0; i < reps; i++) CHECK(cudaGraphLaunch(exec, s));
-    CHECK(cudaEventRecord(b, s));
-    CHECK(cudaEventSynchronize(b));
-    float ms;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
-    CHECK(cudaEventDestroy(a));
-    CHECK(cudaEventDestroy(b));
-    CHECK(cudaGraphExecDestroy(exec));
-    CHECK(cudaGraphDestroy(graph));
-    return ms * 1000.f / reps;  // µs per step
-}
-
 static float time_step(cudaStream_t s, const std::vector<Phase>& phases, Mode m, unsigned* sink, int blocks) {
     CHECK(cudaFuncSetAttribute(phase_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 100 << 10));
     return time_graph(s, [&] {
         for (const Phase& ph : phases) {
-            cudaLaunchConfig_t cfg = {};
-            cfg.gridDim = blocks;
-            cfg.blockDim = THREADS;
-            cfg.dynamicSmemBytes = 100 << 10;  // two blocks a SM, as the decode kernels' registers allow
-            cfg.stream = s;
-            cudaLaunchAttribute attr;
-            attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            attr.val.programmaticStreamSerializationAllowed = 1;
-            cfg.attrs = &attr;
-            cfg.numAttrs = 1;
-            CHECK(cudaLaunchKernelEx(&cfg, phase_kernel, ph, m, sink));
+            // 100 KB of shared memory: two blocks a SM, as the decode kernels' registers allow.
+            launch_programmatic(phase_kernel, blocks, THREADS, 100 << 10, s, ph, m, sink);
         }
     }, 20);
 }
 
 int main() {
-    cudaDeviceProp prop;
-    CHECK(cudaGetDeviceProperties(&prop, 0));
-    const int blocks = 2 * prop.multiProcessorCount;
-    double layer_bytes = 0;
-    for (double mb : PHASE_MB) layer_bytes += mb * 1e6;
-    const double bytes = layer_bytes * LAYERS;
-    uint4* buf;
-    CHECK(cudaMalloc(&buf, (size_t)bytes + (1 << 20)));
-    CHECK(cudaMemset(buf, 1, (size_t)bytes + (1 << 20)));
+    const StepBytes st = alloc_step_bytes();
     unsigned* sink;
-    CHECK(cudaMalloc(&sink, blocks * sizeof(unsigned)));
+    CHECK(cudaMalloc(&sink, st.blocks * sizeof(unsigned)));
     cudaStream_t s;
     CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    printf("%s, %d SMs, L2 %d MB, %d blocks of %d threads, %.1f MB per layer, %d layers\n", prop.name,
-           prop.multiProcessorCount, prop.l2CacheSize >> 20, blocks, THREADS, layer_bytes / 1e6, LAYERS);
+    printf("%s, %d SMs, L2 %d MB, %d blocks of %d threads, %.1f MB per layer, %d layers\n", st.prop.name,
+           st.prop.multiProcessorCount, st.prop.l2CacheSize >> 20, st.blocks, THREADS, st.layer_bytes / 1e6, LAYERS);
     // One kernel over all the bytes: the bus's streaming rate without boundaries.
     {
-        std::vector<Phase> one = {{buf, (long long)(bytes / 16), nullptr, 0, 0}};
-        const float us = time_step(s, one, Mode{NONE, 0, 0}, sink, blocks);
-        printf("one kernel over %.2f GB: %.1f us, %.2f TB/s\n", bytes / 1e9, us, bytes / us / 1e6);
+        std::vector<Phase> one = {{st.buf, (long long)(st.bytes / 16), nullptr, 0, 0}};
+        const float us = time_step(s, one, Mode{NONE, 0, 0}, sink, st.blocks);
+        printf("one kernel over %.2f GB: %.1f us, %.2f TB/s\n", st.bytes / 1e9, us, st.bytes / us / 1e6);
     }
     for (long long spin : {0LL, 3500LL}) {
         std::vector<Phase> phases;
@@ -184,25 +117,25 @@ int main() {
         for (int l = 0; l < LAYERS; l++)
             for (int q = 0; q < PHASES; q++) {
                 const long long units = (long long)(PHASE_MB[q] * 1e6 / 16);
-                phases.push_back({buf + off, units, nullptr, 0, q == 1 ? spin : 0});
+                phases.push_back({st.buf + off, units, nullptr, 0, q == 1 ? spin : 0});
                 off += units;
             }
         for (size_t i = 0; i + 1 < phases.size(); i++) {
             phases[i].next = phases[i + 1].base;
             phases[i].next_units = phases[i + 1].units;
         }
-        const float base = time_step(s, phases, Mode{NONE, 0, 0}, sink, blocks);
+        const float base = time_step(s, phases, Mode{NONE, 0, 0}, sink, st.blocks);
         printf("attention spin %lld ns | no prefetch: %.2f us/layer, %.2f TB/s\n", spin, base / LAYERS,
-               bytes / base / 1e6);
+               st.bytes / base / 1e6);
         const char* where[] = {"", "start", "end"};
         for (int pf : {AT_START, AT_END})
             for (int ef : {0, 1})
                 for (double cap_mb : {2.0, 4.0, 8.0, 16.0, 64.0}) {
                     const Mode m{pf, (long long)(cap_mb * 1e6 / 16), ef};
-                    const float us = time_step(s, phases, m, sink, blocks);
+                    const float us = time_step(s, phases, m, sink, st.blocks);
                     printf("attention spin %lld ns | prefetch at %-5s cap %4.0f MB evict_first %d: %.2f us/layer, "
                            "%.2f TB/s (%+.2f us/layer)\n",
-                           spin, where[pf], cap_mb, ef, us / LAYERS, bytes / us / 1e6, (us - base) / LAYERS);
+                           spin, where[pf], cap_mb, ef, us / LAYERS, st.bytes / us / 1e6, (us - base) / LAYERS);
                 }
     }
     return 0;
