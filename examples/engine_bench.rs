@@ -6,16 +6,17 @@
 //! cargo run --release --example engine_bench -- --model DIR [--threads 2] [--dtype bf16]
 //!     [--device cpu|cuda] [--quant none|awq|gptq|q8_0] [--concurrency 1,4,16,64] [--decode-tokens 64] [--prompt-len 16]
 //!     [--prefix-requests 32] [--prefix-len 1000] [--suffix-len 16] [--skip-decode] [--skip-prefix]
-//!     [--offline N [--max-batched-tokens 512] [--max-seqs 64]] [--sampling greedy|device|host]
+//!     [--offline N [--max-batched-tokens N] [--max-seqs N]] [--sampling greedy|device|host]
 //!     [--kv-cache-dtype auto|fp8]
 //! ```
 //! `--sampling device|host` samples with temperature 0.8, top-k 50, top-p 0.95
 //! and repetition penalty 1.1 on the device (a GPU) or on the host.
 //! `--offline N` adds N requests of `--prompt-len` prompt and `--decode-tokens`
 //! output tokens at once and reports output tokens per second of wall time
-//! until the last one finishes (vLLM's offline throughput), then exits.
-//! ```text
-//! ```
+//! until the last one finishes (vLLM's offline throughput), then exits. Its
+//! steps default to the session's automatic shape (`StepShape`: 512 tokens
+//! and 64 sequences on the CPU, 8192 and 256 on a GPU), prefill chunks as
+//! large as a step.
 //! Prompts are seeded random token ids: speed does not depend on their text.
 
 use nanoinfer::engine::{Model, ModelParams, RequestId, RequestParams, Session, SessionParams};
@@ -44,6 +45,7 @@ struct Opts {
     skip_prefix: bool,
     /// Offline throughput: this many requests added at once, run to the end.
     offline: usize,
+    /// Step shape of `--offline` (0: the session's automatic one).
     max_batched_tokens: usize,
     max_seqs: usize,
     /// Build a random-weight model with this directory's config.json
@@ -71,8 +73,8 @@ fn parse() -> Result<Opts, String> {
         skip_decode: false,
         skip_prefix: false,
         offline: 0,
-        max_batched_tokens: 512,
-        max_seqs: 64,
+        max_batched_tokens: 0,
+        max_seqs: 0,
         random_from: None,
         sampling: "greedy".into(),
         kv_cache_dtype: KvCacheDType::Auto,
@@ -211,7 +213,6 @@ fn offline_throughput(model: &Arc<Model>, o: &Opts) {
         kv_capacity_tokens: 0,
         max_seqs: o.max_seqs,
         max_batched_tokens: o.max_batched_tokens,
-        prefill_chunk_size: o.max_batched_tokens,
         prefix_caching: false,
         device_sampling: o.sampling != "host",
         kv_cache_dtype: o.kv_cache_dtype,
@@ -242,8 +243,8 @@ fn offline_throughput(model: &Arc<Model>, o: &Opts) {
         o.offline,
         o.prompt_len,
         o.decode_tokens,
-        o.max_seqs,
-        o.max_batched_tokens,
+        s.params().max_seqs,
+        s.params().max_batched_tokens,
         secs,
         (o.offline * o.decode_tokens as usize) as f64 / secs,
         (o.offline * per_request) as f64 / secs,
