@@ -288,11 +288,26 @@ struct StepScratch {
 }
 
 impl Session {
+    /// Opens a session. Where the automatic GPU step shape leaves no room
+    /// for the KV cache (a small GPU, a large model), the session falls
+    /// back to the CPU's shape, whose step workspace is ~16× smaller,
+    /// before giving up.
     pub fn new(model: Arc<Model>, params: SessionParams) -> Result<Session> {
+        let gpu = model.decoder.device() != Device::Cpu;
+        let automatic = params.max_batched_tokens == 0 || params.max_seqs == 0;
+        match Session::open(model.clone(), params.clone().with_step_shape(gpu)) {
+            Err(e) if gpu && automatic && e.kind == ErrorKind::OutOfMemory => {
+                Session::open(model, params.with_step_shape(false))
+            }
+            opened => opened,
+        }
+    }
+
+    /// `new` with the step shape resolved.
+    fn open(model: Arc<Model>, params: SessionParams) -> Result<Session> {
         let c = model.config();
         let device = model.decoder.device();
         let gpu = device != Device::Cpu;
-        let params = params.with_step_shape(gpu);
         if params.block_size == 0 || params.block_size > 1024 {
             bail_arg!("block_size must be in 1..=1024, got {}", params.block_size);
         }
