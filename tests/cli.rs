@@ -194,6 +194,15 @@ fn bench_serving_reports_every_request() {
     assert_eq!(code, 0, "stderr: {stderr}");
     let v: Value = serde_json::from_str(stdout.trim()).expect("exactly one JSON object");
     assert_eq!(v["num_requests"], 3);
+    // The CPU's automatic step shape, as the session resolved it.
+    assert_eq!(
+        (
+            &v["max_seqs"],
+            &v["max_batched_tokens"],
+            &v["prefill_chunk_size"]
+        ),
+        (&Value::from(64), &Value::from(512), &Value::from(512))
+    );
     assert!(v["output_tokens_per_s"].as_f64().unwrap() > 0.0);
     assert!(v["total_tokens_per_s"].as_f64().unwrap() > v["output_tokens_per_s"].as_f64().unwrap());
     // 3 requests, 2 at a time: the third waits for a slot, so it starts later.

@@ -115,6 +115,9 @@ pub fn run(a: &Args) -> Result<(), String> {
         "input_len": s.input_len,
         "output_len": s.output_len,
         "concurrency": s.concurrency,
+        "max_seqs": session.params().max_seqs,
+        "max_batched_tokens": session.params().max_batched_tokens,
+        "prefill_chunk_size": session.params().prefill_chunk_size,
         "duration_s": secs,
         "output_tokens_per_s": output_tokens as f64 / secs,
         "total_tokens_per_s": (output_tokens + s.requests * s.input_len) as f64 / secs,
@@ -132,8 +135,9 @@ pub fn run(a: &Args) -> Result<(), String> {
     println!("{}", model.decoder.summary());
     println!("{}", stats.memory);
     println!(
-        "{} requests x ({} prompt + {} output) tokens, concurrency {}: {secs:.2} s, \
-         {:.1} output tok/s, {:.1} total tok/s, {} steps, {} preemptions, host {host_us:.0} us/step",
+        "{} requests x ({} prompt + {} output) tokens, concurrency {}, steps of up to {} sequences \
+         and {} tokens: {secs:.2} s, {:.1} output tok/s, {:.1} total tok/s, {} steps, {} preemptions, \
+         host {host_us:.0} us/step",
         s.requests,
         s.input_len,
         s.output_len,
@@ -142,6 +146,8 @@ pub fn run(a: &Args) -> Result<(), String> {
         } else {
             s.concurrency.to_string()
         },
+        session.params().max_seqs,
+        session.params().max_batched_tokens,
         report["output_tokens_per_s"].as_f64().unwrap_or(0.0),
         report["total_tokens_per_s"].as_f64().unwrap_or(0.0),
         stats.steps,
