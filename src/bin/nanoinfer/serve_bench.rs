@@ -101,6 +101,7 @@ pub fn run(a: &Args) -> Result<(), String> {
     }
     let secs = start.elapsed().as_secs_f64();
     let stats = session.stats();
+    let shape = session.params();
 
     let output_tokens: usize = done.iter().map(|t| t.tokens).sum();
     let ttft: Vec<f64> = done.iter().filter_map(|t| t.first).collect();
@@ -115,9 +116,9 @@ pub fn run(a: &Args) -> Result<(), String> {
         "input_len": s.input_len,
         "output_len": s.output_len,
         "concurrency": s.concurrency,
-        "max_seqs": session.params().max_seqs,
-        "max_batched_tokens": session.params().max_batched_tokens,
-        "prefill_chunk_size": session.params().prefill_chunk_size,
+        "max_seqs": shape.max_seqs,
+        "max_batched_tokens": shape.max_batched_tokens,
+        "prefill_chunk_size": shape.prefill_chunk_size,
         "duration_s": secs,
         "output_tokens_per_s": output_tokens as f64 / secs,
         "total_tokens_per_s": (output_tokens + s.requests * s.input_len) as f64 / secs,
@@ -146,8 +147,8 @@ pub fn run(a: &Args) -> Result<(), String> {
         } else {
             s.concurrency.to_string()
         },
-        session.params().max_seqs,
-        session.params().max_batched_tokens,
+        shape.max_seqs,
+        shape.max_batched_tokens,
         report["output_tokens_per_s"].as_f64().unwrap_or(0.0),
         report["total_tokens_per_s"].as_f64().unwrap_or(0.0),
         stats.steps,
