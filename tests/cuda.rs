@@ -454,6 +454,27 @@ fn batched_equals_single_and_kv_layouts_agree() {
                 "{name} prompt {i}: GPU argmax differs from the host sampler"
             );
         }
+        // Steady greedy decoding overlaps its steps (the GPU default): each
+        // step is launched before the last one's ids reach the host, its
+        // tokens fed on the device. The same tokens as one step at a time.
+        let steady: Vec<RequestParams> = plain
+            .iter()
+            .cloned()
+            .map(|mut r| {
+                r.sampling.min_tokens = 0;
+                r.sampling.ignore_eos = true;
+                r
+            })
+            .collect();
+        let (overlapped, st) = run_with_stats(&model, SessionParams::default(), &steady);
+        assert!(st.chained_steps > 8, "{name}: {st:?}");
+        let one_at_a_time = SessionParams {
+            overlap_steps: Some(false),
+            ..Default::default()
+        };
+        let (serial, st) = run_with_stats(&model, one_at_a_time, &steady);
+        assert_eq!(st.chained_steps, 0);
+        assert_eq!(overlapped, serial, "{name}: overlapped steps differ");
         // Small chunks: prefill split across steps and mixed with decodes.
         let chunked = SessionParams {
             prefill_chunk_size: 7,

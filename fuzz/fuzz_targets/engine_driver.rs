@@ -162,6 +162,7 @@ pub fn session_ops(model: &Arc<Model>, data: &[u8]) {
             Some(MemoryPoolKind::System),
         ]),
         seed: inp.u8() as u64,
+        overlap_steps: Some(inp.bool()),
         ..Default::default()
     };
     let faulty = inp.u8() < 64;

@@ -9,6 +9,7 @@
 //! request.
 
 mod output;
+mod overlap;
 mod schedule;
 
 use super::faults::{FaultCounts, FaultPlan, FaultState};
@@ -95,6 +96,12 @@ pub struct SessionParams {
     /// What the KV cache stores: the activation dtype (`Auto`) or FP8
     /// (CUDA only; twice the tokens per byte).
     pub kv_cache_dtype: KvCacheDType,
+    /// Launch a plain-greedy decode step before the previous step's tokens
+    /// reach the host, the device feeding them in (see `overlap`), so a GPU
+    /// does not idle while the host reports a step. `None` = where the
+    /// device gains from it (a GPU; `NANOINFER_CUDA_OVERLAP=0` turns it
+    /// off there). Events are the same either way.
+    pub overlap_steps: Option<bool>,
 }
 
 impl Default for SessionParams {
@@ -117,6 +124,7 @@ impl Default for SessionParams {
             seed: 0,
             device_sampling: true,
             kv_cache_dtype: KvCacheDType::Auto,
+            overlap_steps: None,
         }
     }
 }
@@ -206,6 +214,9 @@ pub struct SessionStats {
     /// batch assembly, sampling on the host, events.
     pub step_time_ns: u64,
     pub forward_time_ns: u64,
+    /// Forwards launched behind the previous one, their tokens fed by the
+    /// device (`SessionParams::overlap_steps`).
+    pub chained_steps: u64,
 }
 
 struct Request {
@@ -249,6 +260,10 @@ pub struct Session {
     scratch: StepScratch,
     /// Test-only fault injection (`inject_faults`); `None` in normal use.
     faults: Option<Box<FaultState>>,
+    /// Overlapped steps are on (`SessionParams::overlap_steps`).
+    overlap: bool,
+    /// The step launched last, whose ids have not been collected.
+    in_flight: Option<overlap::InFlight>,
 }
 
 /// How a step turns its logits rows into tokens.
@@ -278,6 +293,8 @@ struct StepScratch {
     device_tokens: Vec<u32>,
     /// The rows' sampling when the device samples them.
     device_sampling: DeviceSampling,
+    /// A plan buffer for the step launched behind the current one.
+    spare_plan: Vec<(RequestId, usize)>,
     /// `SessionParams::device_sampling`.
     allow_device_sampling: bool,
     /// (request, rows to compute) in batch order; logits rows follow it.
@@ -389,11 +406,13 @@ impl Session {
         scratch.seqs.reserve(params.max_seqs);
         scratch.order.reserve(params.max_seqs);
         scratch.plan.reserve(params.max_seqs);
+        scratch.spare_plan.reserve(params.max_seqs);
         scratch.logits_rows.reserve(params.max_seqs);
         scratch.device_tokens.reserve(params.max_seqs);
         scratch.allow_device_sampling = params.device_sampling;
         scratch.tokens.reserve(params.max_batched_tokens);
         scratch.spare_events.reserve(params.max_seqs);
+        let overlap = params.overlap_steps.unwrap_or(ctx.overlaps_steps());
         Ok(Session {
             policy: create_policy(params.policy, params.aging_steps),
             rng: Rng::seed_from_u64(params.seed),
@@ -411,6 +430,8 @@ impl Session {
             stats: SessionStats::default(),
             scratch,
             faults: None,
+            overlap,
+            in_flight: None,
             model,
             params,
         })
@@ -611,6 +632,25 @@ impl Session {
         if let Some(f) = self.faults.as_mut() {
             f.begin_step(self.stats.steps);
         }
+        // A step launched by the last call is this call's step (a request
+        // gets at most one event per call); the next one is launched behind
+        // it when the running requests allow.
+        match self.in_flight.take() {
+            Some(flight) => self.advance(flight, events),
+            None => self.schedule_and_run(events),
+        }
+        self.stats.steps += 1;
+        self.stats.step_time_ns += started.elapsed().as_nanos() as u64;
+        if cfg!(debug_assertions) {
+            if let Err(e) = self.check_invariants() {
+                panic!("session invariant violated: {e}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Plans a step and runs it (or launches it, then lands it).
+    fn schedule_and_run(&mut self, events: &mut Vec<Event>) {
         self.schedule(events);
         if !self.scratch.plan.is_empty() {
             let injected = self.faults.as_mut().and_then(|f| {
@@ -627,18 +667,14 @@ impl Session {
                 None => self.run_forward(),
             };
             match result {
-                Ok(()) => self.finish_step(events),
+                Ok(false) => self.finish_step(events),
+                Ok(true) => {
+                    let flight = self.launched();
+                    self.advance(flight, events)
+                }
                 Err(e) => self.fail_scheduled(&e, events),
             }
         }
-        self.stats.steps += 1;
-        self.stats.step_time_ns += started.elapsed().as_nanos() as u64;
-        if cfg!(debug_assertions) {
-            if let Err(e) = self.check_invariants() {
-                panic!("session invariant violated: {e}");
-            }
-        }
-        Ok(())
     }
 
     /// TESTING ONLY: raises the faults of `plan` at the steps it names

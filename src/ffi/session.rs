@@ -243,6 +243,7 @@ fn to_engine(p: &ni_session_params) -> Result<SessionParams> {
         seed: p.seed,
         device_sampling: true,
         kv_cache_dtype,
+        overlap_steps: None,
     })
 }
 

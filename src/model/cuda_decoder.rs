@@ -15,8 +15,8 @@ use crate::backend::cpu::attention::AttnSeq;
 use crate::backend::cpu::{Matrix, MatrixData, ThreadPool};
 use crate::backend::cuda::{
     create_device_pool, ActDType, CudaDevice, DeviceBuffer, GemmDType, GemvFamily, GemvOut, Graph,
-    KArg, QkvEpilogue, Staging, W4Handoff, W4Host, W4Matrix, W4Norm, W4Out, BUDDY_MIN_BLOCK,
-    DEVICE_ALIGN, HANDOFF_ROWS,
+    KArg, PendingIds, QkvEpilogue, Staging, W4Handoff, W4Host, W4Matrix, W4Norm, W4Out,
+    BUDDY_MIN_BLOCK, DEVICE_ALIGN, HANDOFF_ROWS,
 };
 use crate::backend::{cuda, Device};
 use crate::kv::cache_dtype::{e4m3_from_f32, e4m3_to_f32};
@@ -843,6 +843,10 @@ impl CudaDecoder {
             sampling_params: None,
             graphs: HashMap::new(),
             use_graphs: !self.dev.profiling() && cuda::switch_on("NANOINFER_CUDA_GRAPHS"),
+            pending: None,
+            launched_ids: None,
+            // Profiling synchronizes every launch: nothing to overlap.
+            overlap: !self.dev.profiling() && cuda::switch_on("NANOINFER_CUDA_OVERLAP"),
             pool,
             pool_kind: shape.memory_pool,
             planned_bytes: self.workspace_bytes(shape),
@@ -1046,6 +1050,14 @@ struct CudaForward {
     /// (see `run`).
     graphs: HashMap<(usize, usize), Graph>,
     use_graphs: bool,
+    /// Argmax ids of launched steps on their way to the host (allocated
+    /// at the first launch).
+    pending: Option<PendingIds>,
+    /// Rows of argmax ids the last forward left in `ws.argmax` when it was
+    /// a launch (`launch_argmax`), which a chained launch may read.
+    launched_ids: Option<usize>,
+    /// `ForwardContext::overlaps_steps` (NANOINFER_CUDA_OVERLAP=0: off).
+    overlap: bool,
     /// Where `kv` and `ws` come from (each buffer holds it too, so it
     /// outlives them). Swap staging and a grown `ws.inputs` come from the
     /// driver: rare, and a buddy region has no room planned for them.
@@ -1053,6 +1065,15 @@ struct CudaForward {
     pool_kind: MemoryPoolKind,
     /// The analytic workspace size.
     planned_bytes: usize,
+}
+
+impl Drop for CudaForward {
+    fn drop(&mut self) {
+        if self.pending.as_ref().is_some_and(|p| !p.is_empty()) {
+            // A launched step may still use the buffers freed after this.
+            let _ = self.model.dev.synchronize();
+        }
+    }
 }
 
 /// Where a projection's input rows come from.
@@ -1100,6 +1121,12 @@ enum Output<'a> {
     /// Tokens sampled on the GPU, row `i` as `sampling.rows[i]` says, and
     /// the logits of the rows the host samples.
     Sample(&'a DeviceSampling, &'a mut [u32], &'a mut [f32]),
+    /// Each row's argmax, copied back without waiting (`launch_argmax`);
+    /// `chained`: the rows' tokens are the ids the previous launch left in
+    /// `ws.argmax`.
+    Launch {
+        chained: bool,
+    },
 }
 
 /// Offsets of the sections of the step-input buffer.
@@ -1288,8 +1315,12 @@ impl CudaForward {
             .map(|s| s.context_len + s.len)
             .max()
             .unwrap_or(1);
+        let chained = matches!(out, Output::Launch { chained: true });
         if let Some(bucket) = self.graph_bucket(batch) {
             let inputs = self.upload_inputs(batch, Some(bucket))?;
+            if chained {
+                self.feed_launched_ids(batch.tokens.len())?;
+            }
             let _turn = dev.step_lock.lock().unwrap_or_else(|p| p.into_inner());
             // A graph's splits serve every context up to the next power of
             // two (each row divides its own context among them), so short
@@ -1300,6 +1331,10 @@ impl CudaForward {
             let splits = self.attention_splits(bucket, class);
             let key = (bucket, splits);
             if !self.graphs.contains_key(&key) {
+                if self.pending.as_ref().is_some_and(|p| !p.is_empty()) {
+                    // Captured on an idle stream only (once per key).
+                    dev.synchronize()?;
+                }
                 let graph = dev.capture(|| self.enqueue(&inputs, splits))?;
                 self.graphs.insert(key, graph);
             }
@@ -1307,6 +1342,9 @@ impl CudaForward {
             return self.read_output(batch.logits_rows.len(), out);
         }
         let inputs = self.upload_inputs(batch, None)?;
+        if chained {
+            self.feed_launched_ids(batch.tokens.len())?;
+        }
         let splits = self.attention_splits(inputs.n_decode.max(1), longest);
         let _turn = dev.step_lock.lock().unwrap_or_else(|p| p.into_inner());
         self.enqueue(&inputs, splits)?;
@@ -1334,6 +1372,7 @@ impl CudaForward {
     fn read_output(&mut self, n_out: usize, out: Output<'_>) -> Result<()> {
         let dev = self.model.dev.clone();
         let vocab = self.model.config.vocab_size;
+        self.launched_ids = None;
         match out {
             _ if n_out == 0 => dev.synchronize(),
             Output::Logits(logits) => dev.download(&self.ws.logits, &mut logits[..n_out * vocab]),
@@ -1355,27 +1394,63 @@ impl CudaForward {
                 Ok(())
             }
             Output::Argmax(ids) => {
-                dev.launch(
-                    &dev.kernels.argmax_partial,
-                    (n_out as u32, ARGMAX_SPLITS as u32, 1),
-                    256,
-                    &[
-                        KArg::Ptr(self.ws.logits.ptr()),
-                        KArg::I32(vocab as i32),
-                        KArg::Ptr(self.ws.argmax_part.ptr()),
-                    ],
-                )?;
-                dev.launch(
-                    &dev.kernels.argmax_merge,
-                    (n_out as u32, 1, 1),
-                    ARGMAX_SPLITS as u32,
-                    &[
-                        KArg::Ptr(self.ws.argmax_part.ptr()),
-                        KArg::Ptr(self.ws.argmax.ptr()),
-                    ],
-                )?;
+                self.enqueue_argmax(n_out)?;
                 dev.download(&self.ws.argmax, &mut ids[..n_out])
             }
+            Output::Launch { .. } => {
+                self.enqueue_argmax(n_out)?;
+                let pending = match &mut self.pending {
+                    Some(p) => p,
+                    slot => slot.insert(dev.pending_ids(self.max_rows.max(self.max_logits_rows))?),
+                };
+                dev.download_later(&self.ws.argmax, n_out, pending)?;
+                self.launched_ids = Some(n_out);
+                Ok(())
+            }
+        }
+    }
+
+    /// `ws.argmax[r]` = the first index of the largest logit of row `r`,
+    /// for the first `n_out` logits rows.
+    fn enqueue_argmax(&self, n_out: usize) -> Result<()> {
+        let dev = &self.model.dev;
+        dev.launch(
+            &dev.kernels.argmax_partial,
+            (n_out as u32, ARGMAX_SPLITS as u32, 1),
+            256,
+            &[
+                KArg::Ptr(self.ws.logits.ptr()),
+                KArg::I32(self.model.config.vocab_size as i32),
+                KArg::Ptr(self.ws.argmax_part.ptr()),
+            ],
+        )?;
+        dev.launch(
+            &dev.kernels.argmax_merge,
+            (n_out as u32, 1, 1),
+            ARGMAX_SPLITS as u32,
+            &[
+                KArg::Ptr(self.ws.argmax_part.ptr()),
+                KArg::Ptr(self.ws.argmax.ptr()),
+            ],
+        )
+    }
+
+    /// The first `rows` step tokens (`Inputs::tokens`, offset 0) become the
+    /// ids the last launch chose, on the stream behind it.
+    fn feed_launched_ids(&mut self, rows: usize) -> Result<()> {
+        match self.launched_ids {
+            Some(n) if n >= rows => {
+                self.model
+                    .dev
+                    .copy_on_device(&self.ws.argmax, 0, &mut self.ws.inputs, 0, rows)
+            }
+            launched => Err(Error::new(
+                ErrorKind::Internal,
+                format!(
+                    "a chained launch of {rows} rows follows {} ids of a launch",
+                    launched.map_or("no".to_string(), |n| n.to_string())
+                ),
+            )),
         }
     }
 
@@ -2142,6 +2217,29 @@ impl ForwardContext for CudaForward {
             return Ok(());
         }
         self.run(batch, Output::Argmax(ids))
+    }
+
+    fn overlaps_steps(&self) -> bool {
+        self.overlap
+    }
+
+    fn launch_argmax(&mut self, batch: &ForwardBatch<'_>, chained: bool) -> Result<()> {
+        let c = &self.model.config;
+        self.check_batch(batch, batch.logits_rows.len() * c.vocab_size)?;
+        if batch.tokens.is_empty() {
+            bail_arg!("launch_argmax of an empty batch");
+        }
+        self.run(batch, Output::Launch { chained })
+    }
+
+    fn collect_argmax(&mut self, ids: &mut [u32]) -> Result<()> {
+        match &mut self.pending {
+            Some(p) => p.wait_oldest(ids),
+            None => Err(Error::new(
+                ErrorKind::Internal,
+                "collect_argmax without a launch",
+            )),
+        }
     }
 
     fn samples_on_device(&self) -> bool {

@@ -14,6 +14,7 @@ use crate::kv::{KvCacheDType, KvStorage};
 use crate::memory::{utilization_kv_bytes, DeviceMemory, MemoryPoolKind};
 use crate::sampling::DeviceSampling;
 use crate::{bail_arg, Error, Result};
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 /// Per-session shape limits a context is sized for.
@@ -114,6 +115,24 @@ pub trait ForwardContext: Send {
     /// largest logit of `batch.logits_rows[i]`. A GPU never copies the
     /// logits to the host for this.
     fn forward_argmax(&mut self, batch: &ForwardBatch<'_>, ids: &mut [u32]) -> Result<()>;
+    /// Whether the engine should launch a plain-greedy step's successor
+    /// before the step's ids reach the host (`launch_argmax` with
+    /// `chained`). A device that queues work (a GPU) then runs the next
+    /// step while the host reports the last one, instead of idling
+    /// between them; the CPU computes each launch at once and gains
+    /// nothing (`false`).
+    fn overlaps_steps(&self) -> bool {
+        false
+    }
+    /// Starts `forward_argmax` over `batch` and returns without waiting;
+    /// `collect_argmax` hands out each launch's ids, oldest first. At most
+    /// two launches are outstanding. With `chained`, row `i` of `batch`
+    /// takes as its token the id the previous launch chose for its row
+    /// `i` (`batch.tokens` are placeholders), so it can be launched before
+    /// those ids reach the host; no other forward may run in between.
+    fn launch_argmax(&mut self, batch: &ForwardBatch<'_>, chained: bool) -> Result<()>;
+    /// Waits for the oldest outstanding launch and writes its ids to `ids`.
+    fn collect_argmax(&mut self, ids: &mut [u32]) -> Result<()>;
     /// Whether `forward_sample` runs here: the device samples its logits
     /// rows itself. The CPU samples in the engine (`false`).
     fn samples_on_device(&self) -> bool {
@@ -297,6 +316,7 @@ impl DeviceDecoder for CpuDecoder {
             model: self,
             storage,
             ws,
+            launches: HostLaunches::default(),
         }))
     }
 }
@@ -315,18 +335,76 @@ struct CpuContext {
     model: Arc<CpuDecoder>,
     storage: KvStorage,
     ws: ForwardWorkspace,
+    launches: HostLaunches,
+}
+
+/// The ids of launches (`launch_argmax`) on a context that computes each
+/// forward at once: a queue, plus the last launch's ids for a chained one.
+#[derive(Default)]
+struct HostLaunches {
+    queue: VecDeque<Vec<u32>>,
+    /// The last launch's ids, until another forward runs.
+    last: Option<Vec<u32>>,
+    /// Chained tokens and spent id buffers, reused.
+    tokens: Vec<u32>,
+    spare: Vec<Vec<u32>>,
 }
 
 impl ForwardContext for CpuContext {
     fn forward(&mut self, batch: &ForwardBatch<'_>, logits: &mut [f32]) -> Result<()> {
         let m = &*self.model;
+        self.launches.last = None;
         m.decoder
             .forward(&m.pool, batch, &mut self.storage, &mut self.ws, logits)
     }
     fn forward_argmax(&mut self, batch: &ForwardBatch<'_>, ids: &mut [u32]) -> Result<()> {
         let m = &*self.model;
+        self.launches.last = None;
         m.decoder
             .forward_argmax(&m.pool, batch, &mut self.storage, &mut self.ws, ids)
+    }
+    fn launch_argmax(&mut self, batch: &ForwardBatch<'_>, chained: bool) -> Result<()> {
+        let m = &*self.model;
+        let l = &mut self.launches;
+        if l.queue.len() >= 2 {
+            bail_arg!("launch_argmax with two launches outstanding");
+        }
+        let mut ids = l.spare.pop().unwrap_or_default();
+        ids.clear();
+        ids.resize(batch.logits_rows.len(), 0);
+        let last = l.last.take();
+        let result = if chained {
+            let rows = batch.tokens.len();
+            let Some(prev) = last.as_ref().filter(|p| p.len() >= rows) else {
+                bail_arg!("a chained launch of {rows} rows without a launch of as many before it");
+            };
+            l.tokens.clear();
+            l.tokens.extend_from_slice(&prev[..rows]);
+            let fed = ForwardBatch {
+                tokens: &l.tokens,
+                ..*batch
+            };
+            m.decoder
+                .forward_argmax(&m.pool, &fed, &mut self.storage, &mut self.ws, &mut ids)
+        } else {
+            m.decoder
+                .forward_argmax(&m.pool, batch, &mut self.storage, &mut self.ws, &mut ids)
+        };
+        l.spare.extend(last);
+        result?;
+        l.last = Some(ids.clone());
+        l.queue.push_back(ids);
+        Ok(())
+    }
+    fn collect_argmax(&mut self, ids: &mut [u32]) -> Result<()> {
+        let l = &mut self.launches;
+        let Some(done) = l.queue.pop_front() else {
+            bail_arg!("collect_argmax without a launch");
+        };
+        let n = done.len().min(ids.len());
+        ids[..n].copy_from_slice(&done[..n]);
+        l.spare.push(done);
+        Ok(())
     }
     fn workspace_stats(&self) -> Option<WorkspaceStats> {
         Some(self.ws.stats())

@@ -8,6 +8,7 @@
 
 mod gemm;
 mod kernels;
+mod pending;
 mod pool;
 mod profile;
 pub mod sampling;
@@ -18,6 +19,7 @@ mod w4_ops;
 
 pub use gemm::GemmDType;
 pub use kernels::{Kernel, KernelCache, Kernels};
+pub use pending::PendingIds;
 pub use pool::{create_device_pool, CudaBuddy, CudaStreamPool, BUDDY_MIN_BLOCK, DEVICE_ALIGN};
 pub use staging::Staging;
 pub use w4::W4Host;

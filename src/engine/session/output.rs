@@ -11,8 +11,10 @@ use std::time::Instant;
 impl Session {
     /// One forward over the plan. A sequence wants logits when this step
     /// computes its last known token; those rows are listed in plan order,
-    /// which is the order `finish_step` consumes them in.
-    pub(super) fn run_forward(&mut self) -> crate::Result<()> {
+    /// which is the order `finish_step` consumes them in. Returns true when
+    /// the forward was launched rather than run (overlapped steps, plain
+    /// greedy rows): its ids are collected by `land`.
+    pub(super) fn run_forward(&mut self) -> crate::Result<bool> {
         let Session {
             kv,
             ctx,
@@ -21,6 +23,7 @@ impl Session {
             scratch,
             model,
             stats,
+            overlap,
             ..
         } = self;
         scratch.tokens.clear();
@@ -87,7 +90,9 @@ impl Session {
             }
         }
         let forward_started = Instant::now();
+        let launch = *overlap && scratch.tokens_from == TokensFrom::DeviceArgmax;
         let result = match scratch.tokens_from {
+            _ if launch => ctx.launch_argmax(&batch, false),
             TokensFrom::HostSampler => ctx.forward(&batch, logits),
             TokensFrom::DeviceArgmax => ctx.forward_argmax(&batch, &mut scratch.device_tokens),
             TokensFrom::DeviceSampler => ctx.forward_sample(
@@ -100,7 +105,7 @@ impl Session {
         stats.forward_time_ns += forward_started.elapsed().as_nanos() as u64;
         seqs.clear();
         scratch.seqs = relabel(seqs);
-        result
+        result.map(|()| launch)
     }
 
     pub(super) fn fail_scheduled(&mut self, err: &Error, events: &mut Vec<Event>) {
@@ -261,7 +266,7 @@ impl Session {
 
 /// Reuses an empty vector of batch sequences under another lifetime, so the
 /// batch is built without allocating once the vector has grown.
-fn relabel<'a, 'b>(mut seqs: Vec<AttnSeq<'a>>) -> Vec<AttnSeq<'b>> {
+pub(super) fn relabel<'a, 'b>(mut seqs: Vec<AttnSeq<'a>>) -> Vec<AttnSeq<'b>> {
     seqs.clear();
     let mut seqs = std::mem::ManuallyDrop::new(seqs);
     let (ptr, capacity) = (seqs.as_mut_ptr(), seqs.capacity());
