@@ -41,6 +41,7 @@
 #define W4_CHUNK 64  // inputs per chunk
 
 #define W4_OUT_ACT 0       // y[r, row] in the activation dtype
+#define W4_OUT_F32 1       // y[r, row] as f32 (an int4 LM head's logits)
 #define W4_OUT_RESIDUAL 2  // y[r, row] += the product: a residual add (as GEMV_OUT_RESIDUAL)
 #define W4_OUT_SWIGLU 3    // out[r, j] = silu(gate) * up; tile pair (j, inter + j)
 #define W4_OUT_QKV 4       // qkv_pair_store: bias, RoPE, q row / k, v cache
@@ -468,6 +469,8 @@ __device__ __forceinline__ void w4_mm(const raw16* x, int rows, const uint4* wq,
         }
         if (mode == W4_OUT_ACT) {
             ((raw16*)y)[(size_t)r * n + row0[0] + f] = from_f(v[0]);
+        } else if (mode == W4_OUT_F32) {
+            ((float*)y)[(size_t)r * n + row0[0] + f] = v[0];
         } else if (mode == W4_OUT_RESIDUAL) {
             w4_add_residual((raw16*)y + (size_t)r * n + row0[0] + f, v[0]);
         } else if (mode == W4_OUT_SWIGLU) {

@@ -11,7 +11,7 @@ mod common;
 use common::dequant::dequantized_copy;
 use nanoinfer::backend::cuda::{
     sampling::sample_logits, w4_packed_blocks, w4_packed_rows, ActDType, CudaDevice, GemmDType,
-    KArg, W4GemmBlocks, W4Host, W4Matrix, W4_PACKED_THREADS,
+    KArg, W4GemmBlocks, W4Host, W4Matrix, W4Norm, W4Out, W4_PACKED_THREADS,
 };
 use nanoinfer::backend::Device;
 use nanoinfer::engine::{Event, Model, ModelParams, RequestParams, Session, SessionParams};
@@ -306,12 +306,20 @@ fn int4_matches_the_same_weights_dequantized() {
             ..Default::default()
         };
         for (label, mode, opts) in [
-            ("awq-g128", QuantMode::Awq { group_size: 128 }, None),
+            (
+                "awq-g128",
+                QuantMode::Awq {
+                    group_size: 128,
+                    lm_head: false,
+                },
+                None,
+            ),
             (
                 "gptq-g32",
                 QuantMode::Gptq {
                     group_size: 32,
                     sym: false,
+                    lm_head: false,
                 },
                 None,
             ),
@@ -320,8 +328,19 @@ fn int4_matches_the_same_weights_dequantized() {
                 QuantMode::Gptq {
                     group_size: 64,
                     sym: true,
+                    lm_head: false,
                 },
                 Some(&act_order),
+            ),
+            // The LM head in int4 too (GPTQ's `lm_head: true`).
+            (
+                "gptq-g128-int4-head",
+                QuantMode::Gptq {
+                    group_size: 128,
+                    sym: true,
+                    lm_head: true,
+                },
+                None,
             ),
         ] {
             let q = tmp.join(format!("{name}-{label}"));
@@ -332,6 +351,12 @@ fn int4_matches_the_same_weights_dequantized() {
             .unwrap();
             let int4 = load(&q);
             assert_eq!(int4.decoder.weight_dtype_name(), "int4");
+            let head = if label.ends_with("int4-head") {
+                "int4"
+            } else {
+                "bf16"
+            };
+            assert_eq!(int4.decoder.lm_head_dtype_name(), head);
             let method = int4.config().quantization.expect("an int4 checkpoint");
             let dense_dir = tmp.join(format!("{name}-{label}-dense"));
             dequantized_copy(&q, int4.config(), &method as &dyn QuantMethod, &dense_dir);
@@ -372,10 +397,14 @@ fn int4_matches_the_same_weights_dequantized() {
             let mut matched = Vec::new();
             // Weights not rounded to bf16 on one side: twice the bf16 margin.
             let near = 2.0 * NEAR_TIE;
+            // Chunked prefill also changes the batch shapes (as in
+            // `batched_equals_single_and_kv_layouts_agree`): one margin more.
+            let near_chunked = near + NEAR_TIE;
             for (i, w) in want.iter().enumerate() {
                 let what = format!("{name} {label} prompt {i}");
                 matched.push(check_near_within(&what, &got[i], w, near));
-                check_near_within(&format!("{what} chunked"), &got_chunked[i], w, near);
+                let chunked = &got_chunked[i];
+                check_near_within(&format!("{what} chunked"), chunked, w, near_chunked);
             }
             check_near_within(
                 &format!("{name} {label} alone"),
@@ -964,6 +993,27 @@ fn int4_gemm_matches_the_exact_product() {
                     exact[bad[0]]
                 );
             }
+            // The fused kernel's f32 output (an int4 LM head's logits), for
+            // batches it takes: only the f32 sums' rounding.
+            if rows <= 48 {
+                let yf = dev.alloc::<f32>(rows * n).unwrap();
+                let out = W4Out::F32 { y: yf.ptr() };
+                dev.w4_mm(x.ptr(), rows, &w, out, W4Norm::None).unwrap();
+                let mut got = vec![0f32; rows * n];
+                dev.download(&yf, &mut got).unwrap();
+                let bad = (0..got.len())
+                    .filter(|&i| {
+                        let err = (got[i] as f64 - exact[i]).abs();
+                        err.is_nan() || err > 1e-4 * magnitude[i] + 1e-9
+                    })
+                    .count();
+                eprintln!(
+                    "{} {n}x{k} g{group}, {rows} rows, f32 out: max error / rms {:.2e}",
+                    act.name(),
+                    max_err(&got)
+                );
+                assert_eq!(bad, 0, "{n}x{k} g{group}, {rows} rows: f32 outputs off");
+            }
         }
     }
 }
@@ -1500,7 +1550,10 @@ fn fp8_kv_cache_matches_transformers_with_fp8_kv() {
             &dir,
             &ModelParams {
                 device: Device::Cuda(0),
-                quant: QuantMode::Awq { group_size: 128 },
+                quant: QuantMode::Awq {
+                    group_size: 128,
+                    lm_head: false,
+                },
                 ..Default::default()
             },
             None,

@@ -502,11 +502,18 @@ fn quantization_params_match_the_engine_and_old_struct_sizes_still_load() {
     p.quant_lm_head = false;
     assert_eq!(tiny_generate_ffi(&p, &prompt), q8_64);
     // Int4 at load: AWQ (group 128 by default) and symmetric GPTQ.
-    let awq = tiny_generate_engine(QuantMode::Awq { group_size: 128 }, &prompt);
+    let awq = tiny_generate_engine(
+        QuantMode::Awq {
+            group_size: 128,
+            lm_head: false,
+        },
+        &prompt,
+    );
     let gptq_64 = tiny_generate_engine(
         QuantMode::Gptq {
             group_size: 64,
             sym: true,
+            lm_head: false,
         },
         &prompt,
     );

@@ -95,11 +95,18 @@ fn golden_fixtures_dequantize_exactly_and_multiply_right() {
 fn offline_checkpoints_equal_quantization_at_load() {
     let src = repo_path("tests/data/tiny-llama3");
     for (mode, qm) in [
-        (QuantMode::Awq { group_size: 32 }, "awq"),
+        (
+            QuantMode::Awq {
+                group_size: 32,
+                lm_head: false,
+            },
+            "awq",
+        ),
         (
             QuantMode::Gptq {
                 group_size: 64,
                 sym: true,
+                lm_head: false,
             },
             "gptq",
         ),
@@ -107,21 +114,35 @@ fn offline_checkpoints_equal_quantization_at_load() {
             QuantMode::Gptq {
                 group_size: 32,
                 sym: false,
+                lm_head: false,
+            },
+            "gptq",
+        ),
+        // GPTQ's `lm_head: true`: the LM head in int4 as well.
+        (
+            QuantMode::Gptq {
+                group_size: 32,
+                sym: true,
+                lm_head: true,
             },
             "gptq",
         ),
     ] {
+        let head = matches!(mode, QuantMode::Gptq { lm_head: true, .. });
         let out = scratch_dir(&format!("tiny-{qm}"));
         let report = quantize_checkpoint(&src, &out, mode).unwrap();
         assert_eq!(
             report.quantized,
-            2 * 7,
-            "7 linear layers per block, head dense"
+            2 * 7 + head as usize,
+            "7 linear layers per block, and the head when asked"
         );
         let config: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap())
                 .unwrap();
         assert_eq!(config["quantization_config"]["quant_method"], qm);
+        if qm == "gptq" {
+            assert_eq!(config["quantization_config"]["lm_head"], head);
+        }
         let files = WeightFiles::open(&out).unwrap();
         let p = "model.layers.0.mlp.down_proj";
         assert!(!files.contains(&format!("{p}.weight")));
@@ -132,10 +153,17 @@ fn offline_checkpoints_equal_quantization_at_load() {
         assert_eq!(files.get(&format!("{p}.scales")).unwrap().dtype, DType::F16);
         assert_eq!(files.contains(&format!("{p}.g_idx")), qm == "gptq");
 
+        {
+            let files = WeightFiles::open(&out).unwrap();
+            assert_eq!(files.contains("lm_head.qweight"), head);
+            assert_eq!(files.contains("lm_head.weight"), !head);
+        }
         let offline = load(&out, QuantMode::None);
         let online = load(&src, mode);
         assert_eq!(offline.decoder.weight_dtype_name(), "int4");
-        assert_eq!(offline.decoder.lm_head_dtype_name(), "f32");
+        let head_dtype = if head { "int4" } else { "f32" };
+        assert_eq!(offline.decoder.lm_head_dtype_name(), head_dtype);
+        assert_eq!(online.decoder.lm_head_dtype_name(), head_dtype);
         let prompt: Vec<u32> = (0..20).map(|i| (i * 37 + 5) % 200).collect();
         let (ids_a, logits_a) = greedy_with_logits(&offline, &prompt, 6).unwrap();
         let (ids_b, logits_b) = greedy_with_logits(&online, &prompt, 6).unwrap();
@@ -194,12 +222,18 @@ fn malformed_int4_checkpoints_fail_naming_the_tensor() {
     let cases: [(&str, QuantMode, Edit); 7] = [
         (
             "but no `model.layers.0.mlp.up_proj.scales`",
-            QuantMode::Awq { group_size: 32 },
+            QuantMode::Awq {
+                group_size: 32,
+                lm_head: false,
+            },
             |d| rewrite(d, |t| t.retain(|x| x.0 != format!("{UP}.scales"))),
         ),
         (
             "tensor 'model.layers.0.mlp.up_proj.qzeros' has shape",
-            QuantMode::Awq { group_size: 32 },
+            QuantMode::Awq {
+                group_size: 32,
+                lm_head: false,
+            },
             |d| {
                 rewrite(d, |t| {
                     let z = t
@@ -212,7 +246,10 @@ fn malformed_int4_checkpoints_fail_naming_the_tensor() {
         ),
         (
             "tensor 'model.layers.0.mlp.up_proj.qweight' has dtype F32, expected I32",
-            QuantMode::Awq { group_size: 32 },
+            QuantMode::Awq {
+                group_size: 32,
+                lm_head: false,
+            },
             |d| {
                 rewrite(d, |t| {
                     let w = t
@@ -226,7 +263,10 @@ fn malformed_int4_checkpoints_fail_naming_the_tensor() {
         (
             // group 64 in config, tensors written with group 32: scales disagree.
             "tensor 'model.layers.0.self_attn.q_proj.qzeros' has shape [2, ",
-            QuantMode::Awq { group_size: 32 },
+            QuantMode::Awq {
+                group_size: 32,
+                lm_head: false,
+            },
             |d| set_qc(d, |q| q["group_size"] = 64.into()),
         ),
         (
@@ -234,6 +274,7 @@ fn malformed_int4_checkpoints_fail_naming_the_tensor() {
             QuantMode::Gptq {
                 group_size: 32,
                 sym: true,
+                lm_head: false,
             },
             |d| {
                 rewrite(d, |t| {
@@ -244,7 +285,10 @@ fn malformed_int4_checkpoints_fail_naming_the_tensor() {
         ),
         (
             "AWQ version `gemv` is not supported",
-            QuantMode::Awq { group_size: 32 },
+            QuantMode::Awq {
+                group_size: 32,
+                lm_head: false,
+            },
             |d| set_qc(d, |q| q["version"] = "gemv".into()),
         ),
         (
@@ -252,6 +296,7 @@ fn malformed_int4_checkpoints_fail_naming_the_tensor() {
             QuantMode::Gptq {
                 group_size: 32,
                 sym: true,
+                lm_head: false,
             },
             |d| set_qc(d, |q| q["bits"] = 8.into()),
         ),
@@ -290,11 +335,19 @@ fn smollm2_rtn_g128_perplexity() {
     let mut report = Vec::new();
     // Guards at the measured +25% (AWQ) and +35% (GPTQ symmetric) plus margin.
     for (mode, label, bound) in [
-        (QuantMode::Awq { group_size: 128 }, "awq", 1.30),
+        (
+            QuantMode::Awq {
+                group_size: 128,
+                lm_head: false,
+            },
+            "awq",
+            1.30,
+        ),
         (
             QuantMode::Gptq {
                 group_size: 128,
                 sym: true,
+                lm_head: false,
             },
             "gptq",
             1.40,

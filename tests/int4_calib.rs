@@ -43,12 +43,22 @@ fn smollm2_calibrated_g128_perplexity() {
     let calib_path = repo_path("tests/data/calib.txt");
     let mut report = Vec::new();
     for (label, mode, calib_tokens, act_order, bound) in [
-        ("awq", QuantMode::Awq { group_size: 128 }, 512, false, 1.16),
+        (
+            "awq",
+            QuantMode::Awq {
+                group_size: 128,
+                lm_head: false,
+            },
+            512,
+            false,
+            1.16,
+        ),
         (
             "gptq",
             QuantMode::Gptq {
                 group_size: 128,
                 sym: true,
+                lm_head: false,
             },
             2048,
             true,
@@ -109,6 +119,7 @@ fn calibration_options_are_checked() {
     let gptq = QuantMode::Gptq {
         group_size: 32,
         sym: true,
+        lm_head: false,
     };
     let e = quantize_checkpoint_with(&src, &out, gptq, &opts).unwrap_err();
     assert!(e.to_string().contains("act-order needs calibration"), "{e}");
@@ -122,7 +133,13 @@ fn calibration_options_are_checked() {
     let e = quantize_checkpoint_with(&src, &out, QuantMode::Q8_0_DEFAULT, &opts).unwrap_err();
     assert!(e.to_string().contains("int4 methods"), "{e}");
     // Calibrated checkpoints of the tiny model load and run like RTN ones.
-    for mode in [QuantMode::Awq { group_size: 32 }, gptq] {
+    for mode in [
+        QuantMode::Awq {
+            group_size: 32,
+            lm_head: false,
+        },
+        gptq,
+    ] {
         let mut opts = QuantizeOptions {
             calibration: Some(calib.clone()),
             threads: 1,

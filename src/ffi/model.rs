@@ -176,10 +176,12 @@ fn quant_mode(p: &ni_model_params) -> Result<QuantMode> {
         },
         NI_QUANT_AWQ => QuantMode::Awq {
             group_size: int4_group(p),
+            lm_head: false,
         },
         NI_QUANT_GPTQ => QuantMode::Gptq {
             group_size: int4_group(p),
             sym: true,
+            lm_head: false,
         },
         q => bail_arg!("model params: quant {q} is not an NI_QUANT_* value"),
     })

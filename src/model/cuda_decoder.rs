@@ -85,8 +85,9 @@ pub struct CudaDecoder {
     ordinal: usize,
     config: ModelConfig,
     embed: DeviceBuffer<u16>,
-    /// None when tied to the embedding.
-    lm_head: Option<DeviceBuffer<u16>>,
+    /// None when tied to the embedding (a quantized head is always its own
+    /// copy).
+    lm_head: Option<Weight>,
     final_norm: DeviceBuffer<u16>,
     layers: Vec<Layer>,
     inv_freq: DeviceBuffer<f32>,
@@ -193,14 +194,26 @@ impl Uploader<'_> {
 
     /// Weight `name` as stored, quantized at load, or dense.
     fn host_part(&self, name: &str, rows: usize, cols: usize) -> Result<HostPart> {
+        self.host_part_as(name, rows, cols, self.stored, self.method)
+    }
+
+    /// `host_part` with these formats (the LM head's may differ).
+    fn host_part_as(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        stored: Option<&dyn QuantMethod>,
+        method: Option<&dyn QuantMethod>,
+    ) -> Result<HostPart> {
         let m = super::decoder::linear_matrix(
             self.src,
             name,
             rows,
             cols,
             self.target(),
-            self.stored,
-            self.method,
+            stored,
+            method,
         )?;
         match m.data {
             MatrixData::Q4(q) => W4Host::pack(&q)
@@ -293,6 +306,31 @@ impl Uploader<'_> {
         };
         self.bytes += w.bytes();
         Ok(w)
+    }
+
+    /// The LM head unless it is the embedding table: as stored, or int4
+    /// when the method quantizes heads (a tied head gets its own copy).
+    fn lm_head(&mut self, c: &ModelConfig) -> Result<Option<Weight>> {
+        let (v, d) = (c.vocab_size, c.hidden_size);
+        let method = self.method.filter(|m| m.quantizes_lm_head());
+        let name = if super::decoder::has_own_lm_head(self.src, c, self.stored) {
+            "lm_head.weight"
+        } else if method.is_some() {
+            "model.embed_tokens.weight"
+        } else {
+            return Ok(None);
+        };
+        let part = self.host_part_as(name, v, d, self.stored, method)?;
+        let head = self.stack(&[(name.to_string(), v)], d, vec![part])?;
+        if let Weight::Int4(m) = &head {
+            if m.has_perm() {
+                return Err(Error::new(
+                    ErrorKind::Unsupported,
+                    "an act-order (desc_act) int4 LM head is not supported on CUDA",
+                ));
+            }
+        }
+        Ok(Some(head))
     }
 
     /// A dense `[rows, cols]` matrix (embeddings, LM head).
@@ -500,11 +538,7 @@ pub fn load(
         }
     }
     let embed = up.matrix("model.embed_tokens.weight", c.vocab_size, d)?;
-    let lm_head = if src.contains("lm_head.weight") || !c.tie_word_embeddings {
-        Some(up.matrix("lm_head.weight", c.vocab_size, d)?)
-    } else {
-        None
-    };
+    let lm_head = up.lm_head(c)?;
     let final_norm = up.vector("model.norm.weight", d)?;
     let mut inv_freq = dev.alloc::<f32>(hd / 2)?;
     dev.upload(&c.rope_inv_freq(), &mut inv_freq)?;
@@ -943,6 +977,12 @@ impl DeviceDecoder for CudaDecoder {
             "int4"
         } else {
             self.dev.act.name()
+        }
+    }
+    fn lm_head_dtype_name(&self) -> &'static str {
+        match self.lm_head {
+            Some(Weight::Int4(_)) => "int4",
+            _ => self.dev.act.name(),
         }
     }
     fn weight_bytes(&self) -> usize {
@@ -2110,7 +2150,14 @@ impl CudaForward {
             m.final_norm.ptr(),
             ws.head_in.ptr(),
         )?;
-        let head = m.lm_head.as_ref().unwrap_or(&m.embed);
+        let head = match &m.lm_head {
+            Some(Weight::Int4(h)) => {
+                let y = ws.logits.ptr();
+                return dev.w4_mm(ws.head_in.ptr(), n_out, h, W4Out::F32 { y }, W4Norm::None);
+            }
+            Some(Weight::Dense(h)) => h,
+            None => &m.embed,
+        };
         dev.gemm(
             ws.head_in.ptr(),
             head.ptr(),

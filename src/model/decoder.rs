@@ -130,7 +130,7 @@ impl Decoder {
         }
         let embed_name = "model.embed_tokens.weight";
         let head_method = method.filter(|m| m.quantizes_lm_head());
-        let lm_head = if src.contains("lm_head.weight") || !c.tie_word_embeddings {
+        let lm_head = if has_own_lm_head(src, c, stored) {
             Some(load_linear(
                 src,
                 "lm_head.weight",
@@ -422,6 +422,20 @@ fn load_linear(
     method: Option<&dyn QuantMethod>,
 ) -> Result<Matrix> {
     linear_matrix(src, name, rows, cols, dtype, stored, method)?.into_cpu_layout()
+}
+
+/// Whether the model has an LM head of its own rather than the embedding
+/// table: untied, or a tied checkpoint that stores a quantized copy (GPTQ's
+/// `lm_head: true`, our q8_0 writer).
+pub(super) fn has_own_lm_head(
+    src: &dyn WeightSource,
+    c: &ModelConfig,
+    stored: Option<&dyn QuantMethod>,
+) -> bool {
+    const HEAD: &str = "lm_head.weight";
+    !c.tie_word_embeddings
+        || src.contains(HEAD)
+        || stored.is_some_and(|m| m.quantizes_lm_head() && src.stores_quantized(m, HEAD))
 }
 
 /// A linear layer's weight: as stored (quantized checkpoints stay

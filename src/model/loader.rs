@@ -86,6 +86,9 @@ impl WeightSource for WeightFiles {
             Ok(None)
         }
     }
+    fn stores_quantized(&self, method: &dyn QuantMethod, name: &str) -> bool {
+        method.stored_in(self, name)
+    }
 }
 
 impl WeightFiles {

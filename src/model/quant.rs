@@ -32,10 +32,16 @@ pub enum QuantMode {
         lm_head: bool,
     },
     /// Int4 round-to-nearest in AWQ's convention (min/max range per group).
-    /// Checkpoints: `nanoinfer quantize --method awq`.
-    Awq { group_size: usize },
-    /// Int4 round-to-nearest in GPTQ's convention (sym: `z = 8`).
-    Gptq { group_size: usize, sym: bool },
+    /// Checkpoints: `nanoinfer quantize --method awq`. `lm_head`: the LM
+    /// head in int4 too (at load only: AWQ checkpoints keep it dense).
+    Awq { group_size: usize, lm_head: bool },
+    /// Int4 round-to-nearest in GPTQ's convention (sym: `z = 8`); `lm_head`:
+    /// the LM head in int4 too (GPTQ's `lm_head: true`).
+    Gptq {
+        group_size: usize,
+        sym: bool,
+        lm_head: bool,
+    },
 }
 
 pub const DEFAULT_GROUP_SIZE: usize = 32;
@@ -57,8 +63,15 @@ impl QuantMode {
                 group_size,
                 lm_head,
             } => Some(Box::new(Q8_0::new(group_size, lm_head)?)),
-            QuantMode::Awq { group_size } => Some(Box::new(Int4::awq(group_size)?)),
-            QuantMode::Gptq { group_size, sym } => Some(Box::new(Int4::gptq(group_size, sym)?)),
+            QuantMode::Awq {
+                group_size,
+                lm_head,
+            } => Some(Box::new(Int4::awq(group_size)?.with_lm_head(lm_head))),
+            QuantMode::Gptq {
+                group_size,
+                sym,
+                lm_head,
+            } => Some(Box::new(Int4::gptq(group_size, sym)?.with_lm_head(lm_head))),
         })
     }
 }
@@ -73,10 +86,12 @@ impl std::str::FromStr for QuantMode {
             "q8_0" | "q8" => Ok(QuantMode::Q8_0_DEFAULT),
             "awq" | "int4" => Ok(QuantMode::Awq {
                 group_size: INT4_DEFAULT_GROUP_SIZE,
+                lm_head: false,
             }),
             "gptq" => Ok(QuantMode::Gptq {
                 group_size: INT4_DEFAULT_GROUP_SIZE,
                 sym: true,
+                lm_head: false,
             }),
             _ => {
                 bail_arg!("quantization `{s}` is not supported (supported: none, q8_0, awq, gptq)")

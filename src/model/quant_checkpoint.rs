@@ -72,9 +72,22 @@ pub fn quantize_checkpoint_with(
             }
             None
         }
-        (Some(_), QuantMode::Awq { group_size }) => Some(Int4::awq(group_size)?),
-        (Some(_), QuantMode::Gptq { group_size, sym }) => {
-            let mut f = Int4::gptq(group_size, sym)?;
+        (
+            Some(_),
+            QuantMode::Awq {
+                group_size,
+                lm_head,
+            },
+        ) => Some(Int4::awq(group_size)?.with_lm_head(lm_head)),
+        (
+            Some(_),
+            QuantMode::Gptq {
+                group_size,
+                sym,
+                lm_head,
+            },
+        ) => {
+            let mut f = Int4::gptq(group_size, sym)?.with_lm_head(lm_head);
             f.format = Int4Format::Gptq {
                 sym,
                 desc_act: opts.gptq.act_order,
@@ -91,6 +104,12 @@ pub fn quantize_checkpoint_with(
             None => bail_arg!("choose a quantization method (q8_0, awq, gptq)"),
         },
     };
+    if method.name() == "awq" && method.quantizes_lm_head() {
+        bail_arg!(
+            "AWQ checkpoints keep the LM head dense (their format has no int4 head); \
+             use gptq for an int4 LM head (`lm_head: true`)"
+        );
+    }
     let same = match (model_dir.canonicalize(), out_dir.canonicalize()) {
         (Ok(a), Ok(b)) => a == b,
         _ => false,

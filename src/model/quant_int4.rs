@@ -67,6 +67,9 @@ pub struct Int4 {
     pub format: Int4Format,
     /// Inputs per group; `None`: one group per row (GPTQ `group_size: -1`).
     pub group: Option<usize>,
+    /// The LM head is int4 too (GPTQ's `lm_head: true`, as GPTQModel writes
+    /// it; AWQ keeps it dense). A tied head gets its own int4 copy.
+    pub lm_head: bool,
 }
 
 fn check_group(group: i64, allow_per_row: bool) -> Result<Option<usize>> {
@@ -87,6 +90,7 @@ impl Int4 {
         Ok(Int4 {
             format: Int4Format::Awq,
             group: check_group(group as i64, false)?,
+            lm_head: false,
         })
     }
 
@@ -99,7 +103,13 @@ impl Int4 {
                 v2: false,
             },
             group: check_group(group as i64, true)?,
+            lm_head: false,
         })
+    }
+
+    /// The same format with the LM head quantized too, or not.
+    pub fn with_lm_head(self, lm_head: bool) -> Int4 {
+        Int4 { lm_head, ..self }
     }
 
     /// From config.json's `quantization_config`; `Ok(None)` for other methods
@@ -176,6 +186,7 @@ impl Int4 {
                 Ok(Int4 {
                     format: Int4Format::Awq,
                     group: check_group(group, false).map_err(ctx)?,
+                    lm_head: false,
                 })
             }
             "gptq" => {
@@ -195,6 +206,7 @@ impl Int4 {
                         v2,
                     },
                     group: check_group(group, true).map_err(ctx)?,
+                    lm_head: boolean("lm_head", false)?,
                 })
             }
             _ => unreachable!("checked above"),
@@ -521,12 +533,13 @@ impl QuantMethod for Int4 {
                 "sym": sym, "desc_act": desc_act, "true_sequential": true,
                 "damp_percent": 0.01, "static_groups": false,
                 "checkpoint_format": if v2 { "gptq_v2" } else { "gptq" },
+                "lm_head": self.lm_head,
             }),
         })
     }
 
     fn quantizes_lm_head(&self) -> bool {
-        false
+        self.lm_head
     }
 
     fn quantize(&self, rows: usize, cols: usize, w: &[f32]) -> Result<Matrix> {

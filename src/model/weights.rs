@@ -47,4 +47,9 @@ pub trait WeightSource {
         let _ = (method, name, rows, cols);
         Ok(None)
     }
+    /// Whether weight `name` is stored in the checkpoint format `method`.
+    fn stores_quantized(&self, method: &dyn QuantMethod, name: &str) -> bool {
+        let _ = (method, name);
+        false
+    }
 }

@@ -53,6 +53,7 @@ pub fn dequantized_copy(dir: &Path, c: &ModelConfig, method: &dyn QuantMethod, o
                 "k_proj" | "v_proj" => (nkv, d),
                 "gate_proj" | "up_proj" => (i, d),
                 "down_proj" => (d, i),
+                "lm_head" => (c.vocab_size, d),
                 other => panic!("unexpected layer {other}"),
             };
             let wname = format!("{p}.weight");

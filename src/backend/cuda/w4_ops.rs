@@ -120,6 +120,8 @@ impl W4Matrix {
 pub enum W4Out {
     /// `y[rows, n]` in the activation dtype.
     Act { y: u64 },
+    /// `y[rows, n]` as f32: an int4 LM head's logits.
+    F32 { y: u64 },
     /// `y[rows, n] += the product`: a residual add, rounded as the norm
     /// kernel's fused add rounds; with a handoff, also the next norm's
     /// input (see [`W4Handoff`]).
@@ -256,6 +258,7 @@ impl CudaDevice {
     pub fn w4_mm(&self, x: u64, rows: usize, w: &W4Matrix, out: W4Out, norm: W4Norm) -> Result<()> {
         let (paired, mode, y, units, handoff) = match out {
             W4Out::Act { y } => (false, 0, y, w.rows / TILE_ROWS, None),
+            W4Out::F32 { y } => (false, 1, y, w.rows / TILE_ROWS, None),
             W4Out::Residual { y, handoff } => (false, 2, y, w.rows / TILE_ROWS, handoff),
             W4Out::SwiGlu { out } => (true, 3, out, w.rows / 2 / TILE_ROWS, None),
             // W4_OUT_QKV, W4_OUT_QKV_FP8

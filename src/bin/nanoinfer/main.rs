@@ -34,12 +34,13 @@ const USAGE: &str = "usage:
                   [--device ..] [session options] [--seed S] [--json]
                   (serving: output tok/s, TTFT/TPOT percentiles, host time per step)
   nanoinfer quantize --model DIR --out DIR --method q8_0|awq|gptq [--group-size 32|64|128]
-                     [--lm-head q8_0|dense] [--sym true|false] [--json]
+                     [--lm-head q8_0|int4|dense] [--sym true|false] [--json]
                      [--calib FILE [--calib-tokens 2048] [--act-order] [--damp 0.01] [--awq-clip]]
   --device cuda runs on GPU 0 (bf16 unless --dtype f16); the CPU is the default.
   --quant q8_0 quantizes at load; --quant-group-size 32|64|128 (default 32) and
   --quant-lm-head q8_0|dense (default q8_0) refine it. --quant awq|gptq: int4
-  round-to-nearest at load (group 128 unless --quant-group-size; LM head dense;
+  round-to-nearest at load (group 128 unless --quant-group-size; LM head dense
+  unless --quant-lm-head int4, which GPTQ checkpoints store as lm_head: true;
   --quant-sym false: asymmetric GPTQ). AWQ/GPTQ checkpoints (quantization_config
   in config.json) load as int4 by themselves; --quant q8_0 with one quantizes
   the dense LM head.

@@ -64,9 +64,9 @@ pub fn load_model(a: &Args) -> Result<Arc<Model>, String> {
         .map_err(|e| e.to_string())
 }
 
-/// `--quant none|q8_0|awq|gptq [--quant-group-size 32|64|128] [--quant-lm-head q8_0|dense]`
-/// (`--quant-lm-head` is for q8_0; awq/gptq keep the LM head dense, and
-/// `--quant-sym false` makes gptq asymmetric).
+/// `--quant none|q8_0|awq|gptq [--quant-group-size 32|64|128] [--quant-lm-head q8_0|int4|dense]`
+/// (the LM head: q8_0 for q8_0 (its default), int4 for awq/gptq (default
+/// dense); `--quant-sym false` makes gptq asymmetric).
 pub fn quant_mode(a: &Args) -> Result<QuantMode, String> {
     let mode: QuantMode = a.parse_or("quant", QuantMode::None)?;
     let has_options = a.get("quant-group-size").is_some() || a.get("quant-lm-head").is_some();
@@ -85,15 +85,16 @@ pub fn quant_mode(a: &Args) -> Result<QuantMode, String> {
             Err("--quant-group-size and --quant-lm-head need --quant q8_0".to_string())
         }
         QuantMode::None => Ok(mode),
-        QuantMode::Awq { .. } | QuantMode::Gptq { .. } if a.get("quant-lm-head").is_some() => {
-            Err("--quant-lm-head is for --quant q8_0 (awq/gptq keep the LM head dense)".to_string())
-        }
-        QuantMode::Awq { group_size: g } => Ok(QuantMode::Awq {
+        QuantMode::Awq { group_size: g, .. } => Ok(QuantMode::Awq {
             group_size: group_size(g)?,
+            lm_head: int4_lm_head(a)?,
         }),
-        QuantMode::Gptq { group_size: g, sym } => Ok(QuantMode::Gptq {
+        QuantMode::Gptq {
+            group_size: g, sym, ..
+        } => Ok(QuantMode::Gptq {
             group_size: group_size(g)?,
             sym: a.parse_or("quant-sym", sym)?,
+            lm_head: int4_lm_head(a)?,
         }),
         QuantMode::Q8_0 {
             group_size,
@@ -120,6 +121,17 @@ pub fn quant_mode(a: &Args) -> Result<QuantMode, String> {
                 lm_head,
             })
         }
+    }
+}
+
+/// `--quant-lm-head int4|dense` of `--quant awq|gptq` (default dense).
+fn int4_lm_head(a: &Args) -> Result<bool, String> {
+    match a.get("quant-lm-head") {
+        None | Some("dense") => Ok(false),
+        Some("int4") => Ok(true),
+        Some(other) => Err(format!(
+            "--quant-lm-head must be int4 or dense with --quant awq|gptq, got `{other}`"
+        )),
     }
 }
 
