@@ -778,6 +778,29 @@ fn sessions_sample_on_the_gpu_reproducibly_and_like_the_host() {
         agree * 10 >= total * 9,
         "GPU and host sampling diverge early: {agree}/{total}"
     );
+    // Sampled rows without penalties or logprobs overlap their steps (the
+    // GPU default): each row draws its uniform as it is launched, so seeded
+    // outputs are those of one step at a time.
+    let steady: Vec<RequestParams> = reqs
+        .iter()
+        .cloned()
+        .map(|mut r| {
+            let s = &mut r.sampling;
+            s.logprobs = 0;
+            s.repetition_penalty = 1.0;
+            s.min_tokens = 0;
+            s.ignore_eos = true;
+            r
+        })
+        .collect();
+    let (overlapped, st) = run_with_stats(&model, SessionParams::default(), &steady);
+    assert!(st.chained_steps > 8, "{st:?}");
+    let one_at_a_time = SessionParams {
+        overlap_steps: Some(false),
+        ..Default::default()
+    };
+    let (serial, _) = run_with_stats(&model, one_at_a_time, &steady);
+    assert_eq!(overlapped, serial, "overlapped sampled steps differ");
 }
 
 #[test]

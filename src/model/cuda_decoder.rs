@@ -1094,7 +1094,7 @@ struct CudaForward {
     /// at the first launch).
     pending: Option<PendingIds>,
     /// Rows of argmax ids the last forward left in `ws.argmax` when it was
-    /// a launch (`launch_argmax`), which a chained launch may read.
+    /// a launch (`ForwardContext::launch`), which a chained launch may read.
     launched_ids: Option<usize>,
     /// `ForwardContext::overlaps_steps` (NANOINFER_CUDA_OVERLAP=0: off).
     overlap: bool,
@@ -1161,10 +1161,12 @@ enum Output<'a> {
     /// Tokens sampled on the GPU, row `i` as `sampling.rows[i]` says, and
     /// the logits of the rows the host samples.
     Sample(&'a DeviceSampling, &'a mut [u32], &'a mut [f32]),
-    /// Each row's argmax, copied back without waiting (`launch_argmax`);
+    /// Each row's argmax, or its sample as `sampling` says (every row on
+    /// the device), copied back without waiting (`ForwardContext::launch`);
     /// `chained`: the rows' tokens are the ids the previous launch left in
     /// `ws.argmax`.
     Launch {
+        sampling: Option<&'a DeviceSampling>,
         chained: bool,
     },
 }
@@ -1355,7 +1357,7 @@ impl CudaForward {
             .map(|s| s.context_len + s.len)
             .max()
             .unwrap_or(1);
-        let chained = matches!(out, Output::Launch { chained: true });
+        let chained = matches!(out, Output::Launch { chained: true, .. });
         if let Some(bucket) = self.graph_bucket(batch) {
             let inputs = self.upload_inputs(batch, Some(bucket))?;
             if chained {
@@ -1437,8 +1439,15 @@ impl CudaForward {
                 self.enqueue_argmax(n_out)?;
                 dev.download(&self.ws.argmax, &mut ids[..n_out])
             }
-            Output::Launch { .. } => {
-                self.enqueue_argmax(n_out)?;
+            Output::Launch { sampling, .. } => {
+                match sampling {
+                    Some(sampling) => {
+                        let params = self.upload_sampling(sampling)?;
+                        let (logits, ids) = (self.ws.logits.ptr(), self.ws.argmax.ptr());
+                        cuda::sampling::enqueue(&dev, logits, vocab, n_out, params, ids)?
+                    }
+                    None => self.enqueue_argmax(n_out)?,
+                }
                 let pending = match &mut self.pending {
                     Some(p) => p,
                     slot => slot.insert(dev.pending_ids(self.max_rows.max(self.max_logits_rows))?),
@@ -2270,21 +2279,36 @@ impl ForwardContext for CudaForward {
         self.overlap
     }
 
-    fn launch_argmax(&mut self, batch: &ForwardBatch<'_>, chained: bool) -> Result<()> {
+    fn launch(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        sampling: Option<&DeviceSampling>,
+        chained: bool,
+    ) -> Result<()> {
         let c = &self.model.config;
-        self.check_batch(batch, batch.logits_rows.len() * c.vocab_size)?;
+        let rows = batch.logits_rows.len();
+        self.check_batch(batch, rows * c.vocab_size)?;
         if batch.tokens.is_empty() {
-            bail_arg!("launch_argmax of an empty batch");
+            bail_arg!("launch of an empty batch");
         }
-        self.run(batch, Output::Launch { chained })
+        if let Some(s) = sampling {
+            if s.rows.len() != rows || !s.host_rows.is_empty() {
+                bail_arg!(
+                    "launch: {} sampling rows ({} on the host) for {rows} logits rows; every row samples on the device",
+                    s.rows.len(),
+                    s.host_rows.len()
+                );
+            }
+        }
+        self.run(batch, Output::Launch { sampling, chained })
     }
 
-    fn collect_argmax(&mut self, ids: &mut [u32]) -> Result<()> {
+    fn collect_ids(&mut self, ids: &mut [u32]) -> Result<()> {
         match &mut self.pending {
             Some(p) => p.wait_oldest(ids),
             None => Err(Error::new(
                 ErrorKind::Internal,
-                "collect_argmax without a launch",
+                "collect_ids without a launch",
             )),
         }
     }

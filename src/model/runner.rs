@@ -115,24 +115,30 @@ pub trait ForwardContext: Send {
     /// largest logit of `batch.logits_rows[i]`. A GPU never copies the
     /// logits to the host for this.
     fn forward_argmax(&mut self, batch: &ForwardBatch<'_>, ids: &mut [u32]) -> Result<()>;
-    /// Whether the engine should launch a plain-greedy step's successor
-    /// before the step's ids reach the host (`launch_argmax` with
-    /// `chained`). A device that queues work (a GPU) then runs the next
-    /// step while the host reports the last one, instead of idling
-    /// between them; the CPU computes each launch at once and gains
-    /// nothing (`false`).
+    /// Whether the engine should launch a decode step's successor before
+    /// the step's ids reach the host (`launch` with `chained`). A device
+    /// that queues work (a GPU) then runs the next step while the host
+    /// reports the last one, instead of idling between them; the CPU
+    /// computes each launch at once and gains nothing (`false`).
     fn overlaps_steps(&self) -> bool {
         false
     }
-    /// Starts `forward_argmax` over `batch` and returns without waiting;
-    /// `collect_argmax` hands out each launch's ids, oldest first. At most
-    /// two launches are outstanding. With `chained`, row `i` of `batch`
-    /// takes as its token the id the previous launch chose for its row
-    /// `i` (`batch.tokens` are placeholders), so it can be launched before
-    /// those ids reach the host; no other forward may run in between.
-    fn launch_argmax(&mut self, batch: &ForwardBatch<'_>, chained: bool) -> Result<()>;
+    /// Starts a forward over `batch` that chooses each logits row's id on
+    /// the device, its argmax (`forward_argmax`) or, with `sampling`, as
+    /// `forward_sample` does with every row on the device; returns without
+    /// waiting. `collect_ids` hands out each launch's ids, oldest first. At
+    /// most two launches are outstanding. With `chained`, row `i` of
+    /// `batch` takes as its token the id the previous launch chose for its
+    /// row `i` (`batch.tokens` are placeholders), so it can be launched
+    /// before those ids reach the host; no other forward may run in between.
+    fn launch(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        sampling: Option<&DeviceSampling>,
+        chained: bool,
+    ) -> Result<()>;
     /// Waits for the oldest outstanding launch and writes its ids to `ids`.
-    fn collect_argmax(&mut self, ids: &mut [u32]) -> Result<()>;
+    fn collect_ids(&mut self, ids: &mut [u32]) -> Result<()>;
     /// Whether `forward_sample` runs here: the device samples its logits
     /// rows itself. The CPU samples in the engine (`false`).
     fn samples_on_device(&self) -> bool {
@@ -363,11 +369,19 @@ impl ForwardContext for CpuContext {
         m.decoder
             .forward_argmax(&m.pool, batch, &mut self.storage, &mut self.ws, ids)
     }
-    fn launch_argmax(&mut self, batch: &ForwardBatch<'_>, chained: bool) -> Result<()> {
+    fn launch(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        sampling: Option<&DeviceSampling>,
+        chained: bool,
+    ) -> Result<()> {
         let m = &*self.model;
         let l = &mut self.launches;
+        if sampling.is_some() {
+            return Err(Error::unsupported("the CPU samples on the host"));
+        }
         if l.queue.len() >= 2 {
-            bail_arg!("launch_argmax with two launches outstanding");
+            bail_arg!("launch with two launches outstanding");
         }
         let mut ids = l.spare.pop().unwrap_or_default();
         ids.clear();
@@ -396,10 +410,10 @@ impl ForwardContext for CpuContext {
         l.queue.push_back(ids);
         Ok(())
     }
-    fn collect_argmax(&mut self, ids: &mut [u32]) -> Result<()> {
+    fn collect_ids(&mut self, ids: &mut [u32]) -> Result<()> {
         let l = &mut self.launches;
         let Some(done) = l.queue.pop_front() else {
-            bail_arg!("collect_argmax without a launch");
+            bail_arg!("collect_ids without a launch");
         };
         let n = done.len().min(ids.len());
         ids[..n].copy_from_slice(&done[..n]);

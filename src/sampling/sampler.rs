@@ -170,6 +170,13 @@ impl Sampler {
         self.logprobs == 0
     }
 
+    /// Whether the next row's device record can be made before this row's
+    /// token is known (overlapped steps): it samples on the device and
+    /// depends on no earlier token (no penalties).
+    pub fn chains_on_device(&self) -> bool {
+        self.samples_on_device() && !self.plan.needs_history()
+    }
+
     /// Appends this step's row to `batch`: what `sample` would do to a
     /// logits row of `vocab` entries, for a device to run. Draws the row's
     /// uniform from the request's stream exactly when `sample` would.

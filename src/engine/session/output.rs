@@ -12,8 +12,8 @@ impl Session {
     /// One forward over the plan. A sequence wants logits when this step
     /// computes its last known token; those rows are listed in plan order,
     /// which is the order `finish_step` consumes them in. Returns true when
-    /// the forward was launched rather than run (overlapped steps, plain
-    /// greedy rows): its ids are collected by `land`.
+    /// the forward was launched rather than run (overlapped steps, every
+    /// row's id chosen on the device): its ids are collected by `land`.
     pub(super) fn run_forward(&mut self) -> crate::Result<bool> {
         let Session {
             kv,
@@ -90,9 +90,15 @@ impl Session {
             }
         }
         let forward_started = Instant::now();
-        let launch = *overlap && scratch.tokens_from == TokensFrom::DeviceArgmax;
+        let sampled_on_device = scratch.tokens_from == TokensFrom::DeviceSampler
+            && scratch.device_sampling.host_rows.is_empty();
+        let launch =
+            *overlap && (scratch.tokens_from == TokensFrom::DeviceArgmax || sampled_on_device);
         let result = match scratch.tokens_from {
-            _ if launch => ctx.launch_argmax(&batch, false),
+            _ if launch => {
+                let sampling = sampled_on_device.then_some(&scratch.device_sampling);
+                ctx.launch(&batch, sampling, false)
+            }
             TokensFrom::HostSampler => ctx.forward(&batch, logits),
             TokensFrom::DeviceArgmax => ctx.forward_argmax(&batch, &mut scratch.device_tokens),
             TokensFrom::DeviceSampler => ctx.forward_sample(

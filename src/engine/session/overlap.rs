@@ -1,12 +1,15 @@
-//! Overlapped steps: a plain-greedy step's successor is launched before the
+//! Overlapped steps: a decode step's successor is launched before the
 //! step's ids reach the host, the device feeding them in as its tokens, so
 //! a GPU runs it while the host reports the step before it instead of
 //! idling between the two (issue 9: input preparation overlapped with the
 //! previous step).
 //!
 //! Only a steady decode chains: nothing waits for admission, the launched
-//! step holds every running request, each of its rows samples greedily and
-//! none is due to stop by length. A chained row whose request ends before
+//! step holds every running request, each of its rows chooses its token on
+//! the device without depending on earlier tokens (greedy, or sampled
+//! without penalties or logprobs; a sampled row draws its uniform when it
+//! is launched, so the request's random stream is drawn in the same order)
+//! and none is due to stop by length. A chained row whose request ends before
 //! it lands (an EOS, a stop string, a cancel) is computed and dropped. Its
 //! KV write lands past the request's committed tokens, in a slot that is
 //! then freed unhashed, and whoever gets the slot next writes it in a later
@@ -59,9 +62,11 @@ impl Session {
     }
 
     /// Whether the step after the launched `plan` is known before its ids
-    /// are: every running request decodes one more greedy token.
+    /// are: every running request decodes one more token, chosen on the
+    /// device.
     fn can_chain(&self, plan: &[(RequestId, usize)]) -> bool {
         let max_positions = self.model.config().max_position_embeddings;
+        let device_samples = self.scratch.allow_device_sampling && self.ctx.samples_on_device();
         self.overlap
             && self.faults.is_none()
             && self.waiting.is_empty()
@@ -75,7 +80,8 @@ impl Session {
                 let generated = tokens - r.prompt_len;
                 let s = &r.params.sampling;
                 r.computed + n == r.tokens.len()
-                    && r.sampler.is_plain_greedy()
+                    && (r.sampler.is_plain_greedy()
+                        || (device_samples && r.sampler.chains_on_device()))
                     && generated >= s.min_tokens as usize
                     && generated < s.max_tokens as usize
                     && tokens < max_positions
@@ -100,6 +106,7 @@ impl Session {
                 return None;
             }
         }
+        let vocab = self.model.config().vocab_size;
         let Session {
             kv,
             ctx,
@@ -108,6 +115,20 @@ impl Session {
             stats,
             ..
         } = self;
+        let greedy = plan
+            .iter()
+            .all(|(id, _)| requests[id].sampler.is_plain_greedy());
+        if !greedy {
+            scratch.device_sampling.clear();
+            for &(id, _) in plan {
+                let req = requests.get_mut(&id).expect("chained request exists");
+                let (prompt, output) = req.tokens.split_at(req.prompt_len);
+                // Nothing suppressed: `can_chain` saw min_tokens reached.
+                let rows = &mut scratch.device_sampling;
+                req.sampler
+                    .push_device_row(vocab, prompt, output, &[], rows);
+            }
+        }
         scratch.tokens.clear();
         scratch.logits_rows.clear();
         let mut next = std::mem::take(&mut scratch.spare_plan);
@@ -131,7 +152,8 @@ impl Session {
             logits_rows: &scratch.logits_rows,
         };
         let started = Instant::now();
-        let result = ctx.launch_argmax(&batch, true);
+        let sampling = (!greedy).then_some(&scratch.device_sampling);
+        let result = ctx.launch(&batch, sampling, true);
         stats.forward_time_ns += started.elapsed().as_nanos() as u64;
         seqs.clear();
         scratch.seqs = relabel(seqs);
@@ -160,7 +182,7 @@ impl Session {
         ids.clear();
         ids.resize(rows, 0);
         let started = Instant::now();
-        let result = self.ctx.collect_argmax(ids);
+        let result = self.ctx.collect_ids(ids);
         self.stats.forward_time_ns += started.elapsed().as_nanos() as u64;
         if chained {
             // One row per entry.
