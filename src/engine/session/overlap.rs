@@ -68,7 +68,6 @@ impl Session {
         let max_positions = self.model.config().max_position_embeddings;
         let device_samples = self.scratch.allow_device_sampling && self.ctx.samples_on_device();
         self.overlap
-            && self.faults.is_none()
             && self.waiting.is_empty()
             && plan.len() == self.running.len()
             && plan.iter().all(|&(id, n)| {
