@@ -212,6 +212,8 @@ fn bench_serving_reports_every_request() {
     assert!(v["tpot_ms"]["mean"].as_f64().unwrap() > 0.0);
     assert!(v["steps"].as_u64().unwrap() >= 4);
     assert!(v["host_us_per_step"].as_f64().unwrap() > 0.0);
+    // The CPU does not overlap its steps (a GPU does).
+    assert_eq!(v["chained_steps"], 0);
 
     let (code, _, stderr) = nanoinfer(&["bench", "--model", model, "--num-requests", "0"]);
     assert_eq!(code, 1);

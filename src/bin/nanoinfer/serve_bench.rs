@@ -125,6 +125,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         "ttft_ms": percentiles_ms(ttft),
         "tpot_ms": percentiles_ms(tpot),
         "steps": stats.steps,
+        "chained_steps": stats.chained_steps,
         "preemptions": stats.preemptions,
         "host_us_per_step": host_us,
         "device": model.decoder.summary(),
@@ -137,8 +138,8 @@ pub fn run(a: &Args) -> Result<(), String> {
     println!("{}", stats.memory);
     println!(
         "{} requests x ({} prompt + {} output) tokens, concurrency {}, steps of up to {} sequences \
-         and {} tokens: {secs:.2} s, {:.1} output tok/s, {:.1} total tok/s, {} steps, {} preemptions, \
-         host {host_us:.0} us/step",
+         and {} tokens: {secs:.2} s, {:.1} output tok/s, {:.1} total tok/s, {} steps ({} overlapped), \
+         {} preemptions, host {host_us:.0} us/step",
         s.requests,
         s.input_len,
         s.output_len,
@@ -152,6 +153,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         report["output_tokens_per_s"].as_f64().unwrap_or(0.0),
         report["total_tokens_per_s"].as_f64().unwrap_or(0.0),
         stats.steps,
+        stats.chained_steps,
         stats.preemptions
     );
     for key in ["ttft_ms", "tpot_ms"] {
