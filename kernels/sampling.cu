@@ -22,6 +22,10 @@
 #define SAMPLE_MIN_P 8u
 #define SAMPLE_REPETITION 16u
 #define SAMPLE_ON_HOST 32u  // the host samples this row from its logits: leave them
+// Launched before the row's previous token reached the host (overlapped
+// steps): that token, ids[row] as the previous launch left it, is one more
+// output token the lists do not hold (presence and frequency in words 13, 14).
+#define SAMPLE_PENDING 64u
 #define WEIGHT_ONE 1099511627776.0  // 2^40: the weight of the largest logit
 
 typedef unsigned long long u64;
@@ -452,6 +456,18 @@ __device__ int sample_compacted(const float* row, int vocab, float max, const Tr
     return s_token;
 }
 
+// Whether token t is in the n-entry list of (token, value) pairs at edit
+// (the whole block calls it).
+__device__ bool block_list_has(const unsigned* edit, unsigned n, unsigned t) {
+    __shared__ int s_has;
+    if (threadIdx.x == 0) s_has = 0;
+    __syncthreads();
+    for (unsigned j = threadIdx.x; j < n; j += blockDim.x)
+        if (edit[2 * j] == t) s_has = 1;
+    __syncthreads();
+    return s_has;
+}
+
 // ids[r] = the token sampled from logits row r. The row is processed in
 // place (penalties, bias, suppression, temperature), as the CPU sampler does.
 // Rows marked SAMPLE_ON_HOST are left untouched.
@@ -465,6 +481,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     if (flags & SAMPLE_ON_HOST) return;
     const unsigned* edit = params + p[8];
     const unsigned n_rep = p[9], n_pen = p[10], n_bias = p[11], n_ban = p[12];
+    // Read before thread 0 writes this row's id below.
+    const unsigned pending = flags & SAMPLE_PENDING ? ids[blockIdx.x] : 0xffffffffu;
+    const bool pending_in_vocab = pending < (unsigned)vocab;
     // Stages 1-4, each over distinct tokens except the bias (one thread, in
     // list order, as repeated ids add up on the CPU).
     if (flags & SAMPLE_REPETITION) {
@@ -473,12 +492,25 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
             const unsigned t = edit[2 * j];
             if (t < (unsigned)vocab) row[t] = row[t] < 0.f ? row[t] * penalty : row[t] / penalty;
         }
+        __syncthreads();
+        // The pending token, once, unless the list has it.
+        if (pending_in_vocab && !block_list_has(edit, n_rep, pending) && threadIdx.x == 0) {
+            const float l = row[pending];
+            row[pending] = l < 0.f ? l * penalty : l / penalty;
+        }
     }
     edit += 2 * n_rep;
     __syncthreads();
     for (unsigned j = threadIdx.x; j < n_pen; j += blockDim.x) {
         const unsigned t = edit[2 * j];
         if (t < (unsigned)vocab) row[t] -= __uint_as_float(edit[2 * j + 1]);
+    }
+    __syncthreads();
+    if (pending_in_vocab) {
+        // One more occurrence: its frequency, and its presence if it is new.
+        const float presence = __uint_as_float(p[13]), frequency = __uint_as_float(p[14]);
+        const bool seen = block_list_has(edit, n_pen, pending);
+        if (threadIdx.x == 0) row[pending] -= seen ? frequency : frequency + presence;
     }
     edit += 2 * n_pen;
     __syncthreads();

@@ -10,8 +10,9 @@ mod common;
 
 use common::dequant::dequantized_copy;
 use nanoinfer::backend::cuda::{
-    sampling::sample_logits, w4_packed_blocks, w4_packed_rows, ActDType, CudaDevice, GemmDType,
-    KArg, W4GemmBlocks, W4Host, W4Matrix, W4Norm, W4Out, W4_PACKED_THREADS,
+    sampling::{sample_logits, sample_logits_after},
+    w4_packed_blocks, w4_packed_rows, ActDType, CudaDevice, GemmDType, KArg, W4GemmBlocks, W4Host,
+    W4Matrix, W4Norm, W4Out, W4_PACKED_THREADS,
 };
 use nanoinfer::backend::Device;
 use nanoinfer::engine::{Event, Model, ModelParams, RequestParams, Session, SessionParams};
@@ -714,6 +715,49 @@ fn gpu_sampler_picks_the_cpu_samplers_tokens() {
             );
             let again = sample_logits(&dev, &logits, vocab, &batch).expect("GPU sampling");
             assert_eq!(got, again, "{name}: GPU sampling is not reproducible");
+            // Rows launched before their last output token was known
+            // (overlapped steps): the kernel counts that token, the id the
+            // previous launch left, in the penalties. Half of them repeat an
+            // earlier output token, half are new.
+            let mut pending = DeviceSampling::default();
+            let mut previous = Vec::new();
+            let mut want = Vec::new();
+            for r in 0..rows {
+                let prompt: Vec<u32> = (0..50).map(|_| rng.below(vocab) as u32).collect();
+                let mut output: Vec<u32> = (0..30).map(|_| rng.below(64) as u32).collect();
+                let last = if r % 2 == 0 {
+                    output[rng.below(output.len())]
+                } else {
+                    1000 + rng.below(vocab - 1000) as u32
+                };
+                output.push(last);
+                let row = &logits[r * vocab..(r + 1) * vocab];
+                let mut host = Sampler::new(params, 2000 + r as u64);
+                let mut processed = row.to_vec();
+                want.push(
+                    host.sample(&mut processed, &prompt, &output, &[])
+                        .unwrap()
+                        .token,
+                );
+                let mut device = Sampler::new(params, 2000 + r as u64);
+                let before = &output[..output.len() - 1];
+                device.push_device_row(vocab, &prompt, before, &[], &mut pending);
+                device.mark_pending(&mut pending);
+                previous.push(last);
+            }
+            let got = sample_logits_after(&dev, &logits, vocab, &pending, &previous)
+                .expect("GPU sampling");
+            let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
+            report += &format!("{name} (vocab {vocab}), pending: {same}/{rows} rows agree\n");
+            let need = if params.temperature == 0.0 {
+                rows
+            } else {
+                rows - 2
+            };
+            assert!(
+                same >= need,
+                "{name}, vocab {vocab}, pending token: GPU {got:?}\nCPU {want:?}"
+            );
         }
     }
     eprintln!("{report}");
@@ -778,16 +822,22 @@ fn sessions_sample_on_the_gpu_reproducibly_and_like_the_host() {
         agree * 10 >= total * 9,
         "GPU and host sampling diverge early: {agree}/{total}"
     );
-    // Sampled rows without penalties or logprobs overlap their steps (the
-    // GPU default): each row draws its uniform as it is launched, so seeded
-    // outputs are those of one step at a time.
+    // Sampled rows without logprobs overlap their steps (the GPU default):
+    // each row draws its uniform as it is launched, and its penalties count
+    // the token the device feeds in (repetition 1.1 everywhere, presence and
+    // frequency on every other request), so seeded outputs are those of one
+    // step at a time.
     let steady: Vec<RequestParams> = reqs
         .iter()
         .cloned()
-        .map(|mut r| {
+        .enumerate()
+        .map(|(i, mut r)| {
             let s = &mut r.sampling;
             s.logprobs = 0;
-            s.repetition_penalty = 1.0;
+            if i % 2 == 1 {
+                s.presence_penalty = 0.25;
+                s.frequency_penalty = 0.5;
+            }
             s.min_tokens = 0;
             s.ignore_eos = true;
             r

@@ -29,6 +29,14 @@ pub struct RowSampling {
     pub penalized: Range<usize>,
     pub biased: Range<usize>,
     pub suppressed: Range<usize>,
+    /// `Some((presence, frequency))`: the row was launched before its
+    /// previous token reached the host (overlapped steps). The device takes
+    /// that token, the id its previous launch chose for this row, as one
+    /// more output token the lists above do not hold yet: the repetition
+    /// penalty applies to it unless it is in `repeated`, and it adds
+    /// `frequency` to its `penalized` amount (`frequency + presence` when
+    /// it is not there).
+    pub pending: Option<(f32, f32)>,
 }
 
 /// The sampling of one forward's logits rows, in row order.
@@ -64,6 +72,7 @@ impl DeviceSampling {
             penalized: 0..0,
             biased: 0..0,
             suppressed: 0..0,
+            pending: None,
         });
     }
 

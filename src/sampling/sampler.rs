@@ -170,13 +170,6 @@ impl Sampler {
         self.logprobs == 0
     }
 
-    /// Whether the next row's device record can be made before this row's
-    /// token is known (overlapped steps): it samples on the device and
-    /// depends on no earlier token (no penalties).
-    pub fn chains_on_device(&self) -> bool {
-        self.samples_on_device() && !self.plan.needs_history()
-    }
-
     /// Appends this step's row to `batch`: what `sample` would do to a
     /// logits row of `vocab` entries, for a device to run. Draws the row's
     /// uniform from the request's stream exactly when `sample` would.
@@ -217,7 +210,18 @@ impl Sampler {
             penalized,
             biased,
             suppressed,
+            pending: None,
         });
+    }
+
+    /// Marks the row `push_device_row` just appended as launched before this
+    /// request's previous token is known (overlapped steps; see
+    /// `RowSampling::pending`): its lists were made from the tokens before
+    /// that one.
+    pub fn mark_pending(&self, batch: &mut DeviceSampling) {
+        if let Some(row) = batch.rows.last_mut() {
+            row.pending = Some(self.plan.presence_frequency.unwrap_or((0.0, 0.0)));
+        }
     }
 
     /// Truncation (top-k → top-p → min-p) on the candidate set, then the draw.

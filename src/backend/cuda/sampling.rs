@@ -14,6 +14,7 @@ const TOP_P: u32 = 4;
 const MIN_P: u32 = 8;
 const REPETITION: u32 = 1 << 4;
 const ON_HOST: u32 = 1 << 5;
+const PENDING: u32 = 1 << 6;
 /// The kernel selects ids 8 bits at a time, three passes.
 const MAX_VOCAB: usize = 1 << 24;
 
@@ -34,7 +35,8 @@ pub fn encode(sampling: &DeviceSampling, words: &mut Vec<u32>) {
                 | flag(row.top_k.is_some(), TOP_K)
                 | flag(row.top_p.is_some(), TOP_P)
                 | flag(row.min_p_floor.is_some(), MIN_P)
-                | flag(row.repetition_penalty.is_some(), REPETITION),
+                | flag(row.repetition_penalty.is_some(), REPETITION)
+                | flag(row.pending.is_some(), PENDING),
             row.temperature.unwrap_or(1.0).to_bits(),
             row.top_k.map_or(0, |k| k.min(u32::MAX as usize) as u32),
             row.top_p.unwrap_or(1.0).to_bits(),
@@ -47,6 +49,8 @@ pub fn encode(sampling: &DeviceSampling, words: &mut Vec<u32>) {
             lists[1].len() as u32,
             lists[2].len() as u32,
             lists[3].len() as u32,
+            row.pending.map_or(0, |(presence, _)| presence.to_bits()),
+            row.pending.map_or(0, |(_, frequency)| frequency.to_bits()),
         ];
         words[i * ROW_WORDS..i * ROW_WORDS + record.len()].copy_from_slice(&record);
         for list in lists {
@@ -97,18 +101,32 @@ pub fn sample_logits(
     vocab: usize,
     sampling: &DeviceSampling,
 ) -> Result<Vec<u32>> {
+    sample_logits_after(dev, logits, vocab, sampling, &vec![0; sampling.rows.len()])
+}
+
+/// `sample_logits` with `previous[r]` as the id an earlier launch left for
+/// row `r`: the pending token of rows marked `RowSampling::pending`.
+pub fn sample_logits_after(
+    dev: &CudaDevice,
+    logits: &[f32],
+    vocab: usize,
+    sampling: &DeviceSampling,
+    previous: &[u32],
+) -> Result<Vec<u32>> {
     let rows = sampling.rows.len();
-    if logits.len() != rows * vocab {
+    if logits.len() != rows * vocab || previous.len() != rows {
         bail_arg!(
-            "sample_logits: {} logits for {rows} rows of {vocab}",
-            logits.len()
+            "sample_logits: {} logits and {} previous ids for {rows} rows of {vocab}",
+            logits.len(),
+            previous.len()
         );
     }
     let mut words = Vec::new();
     encode(sampling, &mut words);
     let mut d_logits: DeviceBuffer<f32> = dev.alloc(logits.len().max(1))?;
     let mut d_words: DeviceBuffer<u32> = dev.alloc(words.len().max(1))?;
-    let d_ids: DeviceBuffer<u32> = dev.alloc(rows.max(1))?;
+    let mut d_ids: DeviceBuffer<u32> = dev.alloc(rows.max(1))?;
+    dev.upload(previous, &mut d_ids)?;
     dev.upload(logits, &mut d_logits)?;
     dev.upload(&words, &mut d_words)?;
     enqueue(dev, d_logits.ptr(), vocab, rows, d_words.ptr(), d_ids.ptr())?;
@@ -136,6 +154,7 @@ mod tests {
             penalized: 0..0,
             biased: s.push_edits([(2, 0.5)]),
             suppressed: 0..0,
+            pending: None,
         };
         s.rows.push(greedy);
         // A row whose lists were pushed out of stage order.
@@ -152,6 +171,7 @@ mod tests {
             penalized,
             biased: 0..0,
             suppressed,
+            pending: Some((0.25, 0.5)),
         });
         s.push_host_row();
         assert!(s.on_host(2) && !s.on_host(1));
@@ -166,7 +186,7 @@ mod tests {
         assert_eq!(f32::from_bits(r0[5]), 1.5);
         assert_eq!(&r0[8..13], &[3 * ROW_WORDS as u32, 2, 0, 1, 0]);
         let r1 = &w[ROW_WORDS..2 * ROW_WORDS];
-        assert_eq!(r1[0], TEMPERATURE | TOP_K | TOP_P | MIN_P);
+        assert_eq!(r1[0], TEMPERATURE | TOP_K | TOP_P | MIN_P | PENDING);
         assert_eq!(
             (f32::from_bits(r1[1]), r1[2], f32::from_bits(r1[3])),
             (0.5, 40, 0.9)
@@ -174,6 +194,11 @@ mod tests {
         assert_eq!(f32::from_bits(r1[4]), -3.0);
         assert_eq!(f64::from_bits(r1[6] as u64 | (r1[7] as u64) << 32), 0.75);
         assert_eq!(&r1[8..13], &[3 * ROW_WORDS as u32 + 6, 0, 1, 0, 1]);
+        assert_eq!(
+            (f32::from_bits(r1[13]), f32::from_bits(r1[14])),
+            (0.25, 0.5)
+        );
+        assert_eq!((r0[13], r0[14]), (0, 0));
         let edits = &w[3 * ROW_WORDS..];
         let bits = |v: f32| v.to_bits();
         assert_eq!(edits, &[4, 0, 9, 0, 2, bits(0.5), 7, bits(0.25), 0, 0]);

@@ -6,10 +6,11 @@
 //!
 //! Only a steady decode chains: nothing waits for admission, the launched
 //! step holds every running request, each of its rows chooses its token on
-//! the device without depending on earlier tokens (greedy, or sampled
-//! without penalties or logprobs; a sampled row draws its uniform when it
-//! is launched, so the request's random stream is drawn in the same order)
-//! and none is due to stop by length. A chained row whose request ends before
+//! the device (greedy, or sampled without logprobs) and none is due to stop
+//! by length. A sampled row draws its uniform when it is launched, so the
+//! request's random stream is drawn in the same order; its penalties count
+//! the token the device feeds in as one more output token
+//! (`RowSampling::pending`). A chained row whose request ends before
 //! it lands (an EOS, a stop string, a cancel) is computed and dropped. Its
 //! KV write lands past the request's committed tokens, in a slot that is
 //! then freed unhashed, and whoever gets the slot next writes it in a later
@@ -80,7 +81,7 @@ impl Session {
                 let s = &r.params.sampling;
                 r.computed + n == r.tokens.len()
                     && (r.sampler.is_plain_greedy()
-                        || (device_samples && r.sampler.chains_on_device()))
+                        || (device_samples && r.sampler.samples_on_device()))
                     && generated >= s.min_tokens as usize
                     && generated < s.max_tokens as usize
                     && tokens < max_positions
@@ -126,6 +127,8 @@ impl Session {
                 let rows = &mut scratch.device_sampling;
                 req.sampler
                     .push_device_row(vocab, prompt, output, &[], rows);
+                // The penalties' lists lack the launched step's token.
+                req.sampler.mark_pending(rows);
             }
         }
         scratch.tokens.clear();
