@@ -699,9 +699,6 @@ fn gpu_sampler_picks_the_cpu_samplers_tokens() {
                 Sampler::new(params, 1000 + r as u64)
                     .push_device_row(vocab, &prompt, &output, &suppress, &mut batch);
             }
-            let got = sample_logits(&dev, &logits, vocab, &batch).expect("GPU sampling");
-            let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
-            report += &format!("{name} (vocab {vocab}): {same}/{rows} rows agree\n");
             // The stages are the same; only exp rounding at a draw's
             // boundary may tip a row to its neighbour.
             let need = if params.temperature == 0.0 {
@@ -709,10 +706,16 @@ fn gpu_sampler_picks_the_cpu_samplers_tokens() {
             } else {
                 rows - 2
             };
-            assert!(
-                same >= need,
-                "{name}, vocab {vocab}: GPU {got:?}\nCPU {want:?}"
-            );
+            let mut check = |what: &str, got: &[u32], want: &[u32]| {
+                let same = got.iter().zip(want).filter(|(a, b)| a == b).count();
+                report += &format!("{name} (vocab {vocab}){what}: {same}/{rows} rows agree\n");
+                assert!(
+                    same >= need,
+                    "{name}, vocab {vocab}{what}: GPU {got:?}\nCPU {want:?}"
+                );
+            };
+            let got = sample_logits(&dev, &logits, vocab, &batch).expect("GPU sampling");
+            check("", &got, &want);
             let again = sample_logits(&dev, &logits, vocab, &batch).expect("GPU sampling");
             assert_eq!(got, again, "{name}: GPU sampling is not reproducible");
             // Rows launched before their last output token was known
@@ -747,17 +750,7 @@ fn gpu_sampler_picks_the_cpu_samplers_tokens() {
             }
             let got = sample_logits_after(&dev, &logits, vocab, &pending, &previous)
                 .expect("GPU sampling");
-            let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
-            report += &format!("{name} (vocab {vocab}), pending: {same}/{rows} rows agree\n");
-            let need = if params.temperature == 0.0 {
-                rows
-            } else {
-                rows - 2
-            };
-            assert!(
-                same >= need,
-                "{name}, vocab {vocab}, pending token: GPU {got:?}\nCPU {want:?}"
-            );
+            check(", pending token", &got, &want);
         }
     }
     eprintln!("{report}");
