@@ -496,15 +496,7 @@ fn batched_equals_single_and_kv_layouts_agree() {
                 r
             })
             .collect();
-        let (overlapped, st) = run_with_stats(&model, SessionParams::default(), &steady);
-        assert!(st.chained_steps > 8, "{name}: {st:?}");
-        let one_at_a_time = SessionParams {
-            overlap_steps: Some(false),
-            ..Default::default()
-        };
-        let (serial, st) = run_with_stats(&model, one_at_a_time, &steady);
-        assert_eq!(st.chained_steps, 0);
-        assert_eq!(overlapped, serial, "{name}: overlapped steps differ");
+        check_overlapped_steps(name, &model, &steady);
         // Small chunks: prefill split across steps and mixed with decodes.
         let chunked = SessionParams {
             prefill_chunk_size: 7,
@@ -836,14 +828,21 @@ fn sessions_sample_on_the_gpu_reproducibly_and_like_the_host() {
             r
         })
         .collect();
-    let (overlapped, st) = run_with_stats(&model, SessionParams::default(), &steady);
-    assert!(st.chained_steps > 8, "{st:?}");
+    check_overlapped_steps("llama3 sampled", &model, &steady);
+}
+
+/// `reqs` with overlapped steps (the GPU default) give the outputs of one
+/// step at a time, and steps did chain.
+fn check_overlapped_steps(what: &str, model: &Arc<Model>, reqs: &[RequestParams]) {
+    let (overlapped, st) = run_with_stats(model, SessionParams::default(), reqs);
+    assert!(st.chained_steps > 8, "{what}: {st:?}");
     let one_at_a_time = SessionParams {
         overlap_steps: Some(false),
         ..Default::default()
     };
-    let (serial, _) = run_with_stats(&model, one_at_a_time, &steady);
-    assert_eq!(overlapped, serial, "overlapped sampled steps differ");
+    let (serial, st) = run_with_stats(model, one_at_a_time, reqs);
+    assert_eq!(st.chained_steps, 0);
+    assert_eq!(overlapped, serial, "{what}: overlapped steps differ");
 }
 
 #[test]
