@@ -249,6 +249,10 @@ fn step(session: &ni_session) -> Result<Vec<Event>> {
 /// and replaces the contents of `output` with this step's events (possibly
 /// none). Call it while `ni_session_has_work` is true.
 ///
+/// On a GPU, steady decoding overlaps its steps: the call may launch the
+/// next step before it returns this one's events, so the device keeps
+/// working between calls. The events are the same as without the overlap.
+///
 /// On failure `output` keeps its previous contents.
 /// Thread-safety: drive one session from one thread at a time (calls are
 /// serialized; concurrent steps would only wait for each other).
