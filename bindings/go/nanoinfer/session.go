@@ -334,7 +334,9 @@ func (s *Session) addLocked(req *Request) (RequestID, error) {
 }
 
 // Step runs one engine step and returns its events (possibly none), after
-// any events Generate collected for other requests.
+// any events Generate collected for other requests. On a GPU, steady
+// decoding overlaps its steps: the next one may already be running when
+// Step returns (the events are the same either way).
 func (s *Session) Step() ([]Event, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()

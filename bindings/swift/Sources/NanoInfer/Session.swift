@@ -184,6 +184,8 @@ public final class Session {
     }
 
     /// Runs one engine step; returns its events (after any collected by `generate`).
+    /// On a GPU, steady decoding overlaps its steps: the next one may already
+    /// be running when this returns (the events are the same either way).
     public func step() throws -> [Event] {
         lock.lock()
         defer { lock.unlock() }
