@@ -1419,15 +1419,7 @@ impl CudaForward {
             _ if n_out == 0 => dev.synchronize(),
             Output::Logits(logits) => dev.download(&self.ws.logits, &mut logits[..n_out * vocab]),
             Output::Sample(sampling, ids, logits) => {
-                let params = self.upload_sampling(sampling)?;
-                cuda::sampling::enqueue(
-                    &dev,
-                    self.ws.logits.ptr(),
-                    vocab,
-                    n_out,
-                    params,
-                    self.ws.argmax.ptr(),
-                )?;
+                self.enqueue_ids(Some(sampling), n_out)?;
                 dev.download(&self.ws.argmax, &mut ids[..n_out])?;
                 let host_rows = logits.chunks_exact_mut(vocab);
                 for (&row, host) in sampling.host_rows.iter().zip(host_rows) {
@@ -1436,21 +1428,14 @@ impl CudaForward {
                 Ok(())
             }
             Output::Argmax(ids) => {
-                self.enqueue_argmax(n_out)?;
+                self.enqueue_ids(None, n_out)?;
                 dev.download(&self.ws.argmax, &mut ids[..n_out])
             }
             Output::Launch { sampling, .. } => {
-                match sampling {
-                    Some(sampling) => {
-                        let params = self.upload_sampling(sampling)?;
-                        let (logits, ids) = (self.ws.logits.ptr(), self.ws.argmax.ptr());
-                        cuda::sampling::enqueue(&dev, logits, vocab, n_out, params, ids)?
-                    }
-                    None => self.enqueue_argmax(n_out)?,
-                }
+                self.enqueue_ids(sampling, n_out)?;
                 let pending = match &mut self.pending {
                     Some(p) => p,
-                    slot => slot.insert(dev.pending_ids(self.max_rows.max(self.max_logits_rows))?),
+                    slot => slot.insert(dev.pending_ids(self.max_logits_rows)?),
                 };
                 dev.download_later(&self.ws.argmax, n_out, pending)?;
                 self.launched_ids = Some(n_out);
@@ -1459,17 +1444,23 @@ impl CudaForward {
         }
     }
 
-    /// `ws.argmax[r]` = the first index of the largest logit of row `r`,
-    /// for the first `n_out` logits rows.
-    fn enqueue_argmax(&self, n_out: usize) -> Result<()> {
-        let dev = &self.model.dev;
+    /// `ws.argmax[r]` = the token of the first `n_out` logits rows: sampled
+    /// as `sampling` says, or the first index of the row's largest logit.
+    fn enqueue_ids(&mut self, sampling: Option<&DeviceSampling>, n_out: usize) -> Result<()> {
+        let dev = self.model.dev.clone();
+        let vocab = self.model.config.vocab_size;
+        if let Some(sampling) = sampling {
+            let params = self.upload_sampling(sampling)?;
+            let (logits, ids) = (self.ws.logits.ptr(), self.ws.argmax.ptr());
+            return cuda::sampling::enqueue(&dev, logits, vocab, n_out, params, ids);
+        }
         dev.launch(
             &dev.kernels.argmax_partial,
             (n_out as u32, ARGMAX_SPLITS as u32, 1),
             256,
             &[
                 KArg::Ptr(self.ws.logits.ptr()),
-                KArg::I32(self.model.config.vocab_size as i32),
+                KArg::I32(vocab as i32),
                 KArg::Ptr(self.ws.argmax_part.ptr()),
             ],
         )?;

@@ -344,13 +344,14 @@ struct CpuContext {
     launches: HostLaunches,
 }
 
-/// The ids of launches (`launch_argmax`) on a context that computes each
-/// forward at once: a queue, plus the last launch's ids for a chained one.
+/// The ids of launches (`ForwardContext::launch`) on a context that
+/// computes each forward at once, oldest first.
 #[derive(Default)]
 struct HostLaunches {
     queue: VecDeque<Vec<u32>>,
-    /// The last launch's ids, until another forward runs.
-    last: Option<Vec<u32>>,
+    /// The newest queued ids are the last forward's (a chained launch reads
+    /// them as its tokens).
+    chainable: bool,
     /// Chained tokens and spent id buffers, reused.
     tokens: Vec<u32>,
     spare: Vec<Vec<u32>>,
@@ -359,13 +360,13 @@ struct HostLaunches {
 impl ForwardContext for CpuContext {
     fn forward(&mut self, batch: &ForwardBatch<'_>, logits: &mut [f32]) -> Result<()> {
         let m = &*self.model;
-        self.launches.last = None;
+        self.launches.chainable = false;
         m.decoder
             .forward(&m.pool, batch, &mut self.storage, &mut self.ws, logits)
     }
     fn forward_argmax(&mut self, batch: &ForwardBatch<'_>, ids: &mut [u32]) -> Result<()> {
         let m = &*self.model;
-        self.launches.last = None;
+        self.launches.chainable = false;
         m.decoder
             .forward_argmax(&m.pool, batch, &mut self.storage, &mut self.ws, ids)
     }
@@ -383,32 +384,35 @@ impl ForwardContext for CpuContext {
         if l.queue.len() >= 2 {
             bail_arg!("launch with two launches outstanding");
         }
-        let mut ids = l.spare.pop().unwrap_or_default();
-        ids.clear();
-        ids.resize(batch.logits_rows.len(), 0);
-        let last = l.last.take();
-        let result = if chained {
+        let fed;
+        let batch = if chained {
             let rows = batch.tokens.len();
-            let Some(prev) = last.as_ref().filter(|p| p.len() >= rows) else {
-                bail_arg!("a chained launch of {rows} rows without a launch of as many before it");
+            let prev = l.queue.back().filter(|p| l.chainable && p.len() >= rows);
+            let Some(prev) = prev else {
+                bail_arg!("a chained launch of {rows} rows does not follow a launch of as many");
             };
             l.tokens.clear();
             l.tokens.extend_from_slice(&prev[..rows]);
-            let fed = ForwardBatch {
+            fed = ForwardBatch {
                 tokens: &l.tokens,
                 ..*batch
             };
-            m.decoder
-                .forward_argmax(&m.pool, &fed, &mut self.storage, &mut self.ws, &mut ids)
+            &fed
         } else {
-            m.decoder
-                .forward_argmax(&m.pool, batch, &mut self.storage, &mut self.ws, &mut ids)
+            batch
         };
-        l.spare.extend(last);
-        result?;
-        l.last = Some(ids.clone());
-        l.queue.push_back(ids);
-        Ok(())
+        let mut ids = l.spare.pop().unwrap_or_default();
+        ids.clear();
+        ids.resize(batch.logits_rows.len(), 0);
+        let result =
+            m.decoder
+                .forward_argmax(&m.pool, batch, &mut self.storage, &mut self.ws, &mut ids);
+        l.chainable = result.is_ok();
+        match result {
+            Ok(()) => l.queue.push_back(ids),
+            Err(_) => l.spare.push(ids),
+        }
+        result
     }
     fn collect_ids(&mut self, ids: &mut [u32]) -> Result<()> {
         let l = &mut self.launches;

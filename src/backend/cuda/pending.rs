@@ -113,11 +113,7 @@ impl CudaDevice {
 }
 
 impl PendingIds {
-    /// Copies in flight.
-    pub fn len(&self) -> usize {
-        self.queue.len()
-    }
-
+    /// Whether no copy is in flight.
     pub fn is_empty(&self) -> bool {
         self.queue.is_empty()
     }
