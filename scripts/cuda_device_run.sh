@@ -30,7 +30,7 @@ for step in "$@"; do
         [ -f "$WORK/l8b/golden.json" ] || python3 scripts/cuda_bench_hf.py --golden "$WORK/l8b" ;;
     tests8b)
         NANOINFER_CUDA_FIXTURES="$WORK/fx" NANOINFER_CUDA_8B="$WORK/l8b" "$BIN/cuda" --test-threads 1 --nocapture \
-            eight_b 2>&1 | tail -12 ;;
+            eight_b 2>&1 | grep -E "^test |test result|panicked|8B" ;;
     profile)
         # Per-kernel GPU time (NANOINFER_CUDA_PROFILE: events around every launch, graphs off).
         for args in "-p 0 -n 64" "-p 512 -n 0"; do

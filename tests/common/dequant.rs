@@ -1,6 +1,6 @@
-//! Dense copies of int4 checkpoints: every int4 layer dequantized to F32,
-//! the same weights the int4 kernels multiply, for comparing against the
-//! dense code paths.
+//! Dense copies of int4 checkpoints: every int4 layer dequantized to F32
+//! (or BF16, for models too large to double in F32), the same weights the
+//! int4 kernels multiply, for comparing against the dense code paths.
 
 use nanoinfer::backend::cpu::Matrix;
 use nanoinfer::model::safetensors::WeightFiles;
@@ -16,11 +16,49 @@ pub fn rows_of(m: &Matrix) -> Vec<f32> {
     out
 }
 
+/// Element type of a dense copy's tensors.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum DenseDType {
+    F32,
+    /// Rounded to nearest even, as a BF16 load of the F32 copy rounds.
+    BF16,
+}
+
+impl DenseDType {
+    fn encode(self, values: &[f32]) -> Vec<u8> {
+        match self {
+            DenseDType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            DenseDType::BF16 => values
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
+                .collect(),
+        }
+    }
+
+    fn safetensors(self) -> safetensors::Dtype {
+        match self {
+            DenseDType::F32 => safetensors::Dtype::F32,
+            DenseDType::BF16 => safetensors::Dtype::BF16,
+        }
+    }
+}
+
 /// Writes the int4 checkpoint `dir` (format `method`, shapes from `c`) to
 /// `out` with every int4 layer dequantized to F32 and the other tensors
 /// widened to F32; config.json loses its `quantization_config`, tokenizer
 /// files are copied where present.
 pub fn dequantized_copy(dir: &Path, c: &ModelConfig, method: &dyn QuantMethod, out: &Path) {
+    dequantized_copy_as(dir, c, method, out, DenseDType::F32)
+}
+
+/// `dequantized_copy` with the dense tensors in `dtype`.
+pub fn dequantized_copy_as(
+    dir: &Path,
+    c: &ModelConfig,
+    method: &dyn QuantMethod,
+    out: &Path,
+    dtype: DenseDType,
+) {
     std::fs::create_dir_all(out).unwrap();
     for f in [
         "tokenizer.json",
@@ -58,16 +96,10 @@ pub fn dequantized_copy(dir: &Path, c: &ModelConfig, method: &dyn QuantMethod, o
             };
             let wname = format!("{p}.weight");
             let m = method.load(&files, &wname, rows, cols).unwrap();
-            let bytes = rows_of(&m).iter().flat_map(|v| v.to_le_bytes()).collect();
-            tensors.push((wname, vec![rows, cols], bytes));
+            tensors.push((wname, vec![rows, cols], dtype.encode(&rows_of(&m))));
         } else {
             let v = files.get(name).unwrap();
-            let bytes = v
-                .to_f32()
-                .unwrap()
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect();
+            let bytes = dtype.encode(&v.to_f32().unwrap());
             tensors.push((name.to_string(), v.shape.to_vec(), bytes));
         }
     }
@@ -76,8 +108,7 @@ pub fn dequantized_copy(dir: &Path, c: &ModelConfig, method: &dyn QuantMethod, o
         .map(|(n, s, b)| {
             (
                 n.clone(),
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
-                    .unwrap(),
+                safetensors::tensor::TensorView::new(dtype.safetensors(), s.clone(), b).unwrap(),
             )
         })
         .collect();
