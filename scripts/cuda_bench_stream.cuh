@@ -1,20 +1,12 @@
 // What the streaming benchmarks of scripts/ (cuda_boundary_bench.cu,
-// cuda_l2_prefetch_bench.cu) share: error checks, the int4 decode step's
-// bytes, the 16-byte loads the decode kernels stream weights with, a grid's even
-// split of a phase, programmatic launches and timing a step as one graph.
+// cuda_l2_prefetch_bench.cu) share: the int4 decode step's bytes, the
+// 16-byte loads the decode kernels stream weights with, a grid's even split
+// of a phase, programmatic launches and timing a step as one graph.
 #pragma once
 #include <cstdio>
 #include <cstdlib>
 #include <cuda_runtime.h>
-
-#define CHECK(x)                                                                                     \
-    do {                                                                                             \
-        cudaError_t e = (x);                                                                         \
-        if (e != cudaSuccess) {                                                                      \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));        \
-            exit(1);                                                                                 \
-        }                                                                                            \
-    } while (0)
+#include "cuda_check.cuh"
 
 // The int4 Llama-3-8B decode step: 32 layers of five phases, MB each: QKV,
 // attention, o, gate/up, down (3.7 GB in all, so nothing comes from L2),

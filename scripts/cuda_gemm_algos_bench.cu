@@ -15,16 +15,7 @@
 #include <cuda_bf16.h>
 #include <curand.h>
 #include <vector>
-#include "cuda_bench_stream.cuh"
-
-#define BL(x)                                                                        \
-    do {                                                                             \
-        cublasStatus_t s_ = (x);                                                     \
-        if (s_ != CUBLAS_STATUS_SUCCESS) {                                           \
-            fprintf(stderr, "%s:%d %s: cuBLAS %d\n", __FILE__, __LINE__, #x, (int)s_); \
-            exit(1);                                                                 \
-        }                                                                            \
-    } while (0)
+#include "cuda_check.cuh"
 
 constexpr size_t WORKSPACE = 32 << 20;
 constexpr int REPS = 10, ROUNDS = 5;

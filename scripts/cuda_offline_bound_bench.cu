@@ -18,40 +18,9 @@
 // Build and run on the GPU machine:
 //   nvcc -O3 -arch=sm_90a -o /tmp/bound scripts/cuda_offline_bound_bench.cu -lcuda -lcublas && /tmp/bound
 #include <chrono>
-#include <cstdio>
-#include <cstdlib>
-#include <cublas_v2.h>
-#include <cuda.h>
 #include <cuda_bf16.h>
-#include <cuda_runtime.h>
 #include <vector>
-
-#define CU(x)                                                                             \
-    do {                                                                                  \
-        CUresult err_ = (x);                                                              \
-        if (err_ != CUDA_SUCCESS) {                                                       \
-            const char* s = "?";                                                          \
-            cuGetErrorString(err_, &s);                                                   \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s);                 \
-            exit(1);                                                                      \
-        }                                                                                 \
-    } while (0)
-#define RT(x)                                                                             \
-    do {                                                                                  \
-        cudaError_t err_ = (x);                                                           \
-        if (err_ != cudaSuccess) {                                                        \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(err_)); \
-            exit(1);                                                                      \
-        }                                                                                 \
-    } while (0)
-#define BLAS(x)                                                                           \
-    do {                                                                                  \
-        cublasStatus_t st_ = (x);                                                         \
-        if (st_ != CUBLAS_STATUS_SUCCESS) {                                               \
-            fprintf(stderr, "%s:%d %s: status %d\n", __FILE__, __LINE__, #x, (int)st_);   \
-            exit(1);                                                                      \
-        }                                                                                 \
-    } while (0)
+#include "cuda_green.cuh"
 
 constexpr int LAYERS = 32, HIDDEN = 4096, INTER = 14336, QKV = 6144, VOCAB = 128256;
 constexpr int SCALE = 8;                   // the workload is divided by this
@@ -61,7 +30,6 @@ constexpr int DECODE_ROWS = 1024;          // 1 000 sequences, padded
 constexpr int DECODE_STEPS = 32;           // 255 / SCALE, rounded
 constexpr double KV_BYTES = 10.7e12 / SCALE;
 constexpr double OUTPUT_TOKENS = 256000.0 / SCALE;
-constexpr int UNROLL = 8;
 
 __global__ void fill_random(__nv_bfloat16* p, size_t n, unsigned seed) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -71,52 +39,19 @@ __global__ void fill_random(__nv_bfloat16* p, size_t n, unsigned seed) {
     }
 }
 
-// Reads `words` 16-byte words, going round a buffer of `ring` words (a
-// power of two).
-__global__ void stream_read(const uint4* p, size_t ring, size_t words, unsigned* sink) {
-    uint4 acc = make_uint4(0, 0, 0, 0);
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < words; i += UNROLL * stride) {
-        uint4 v[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
-            const size_t j = i + u * stride;
-            v[u] = j < words ? __ldcg(p + (j & (ring - 1))) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; u++) acc.x ^= v[u].x, acc.y ^= v[u].y, acc.z ^= v[u].z, acc.w ^= v[u].w;
-    }
-    if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) atomicAdd(sink, 1u);
-}
-
-struct Lane {
-    CUcontext ctx;
-    CUstream stream;
-    cublasHandle_t blas;
-    int sms;
-};
-
-static Lane make_lane(CUcontext ctx, CUstream stream, int sms) {
-    Lane l{ctx, stream, nullptr, sms};
-    CU(cuCtxSetCurrent(ctx));
-    BLAS(cublasCreate(&l.blas));
-    BLAS(cublasSetStream(l.blas, (cudaStream_t)stream));
-    return l;
-}
-
 struct Model {
     std::vector<__nv_bfloat16*> w;  // per layer: qkv, o, gate/up, down
     __nv_bfloat16* head;
     __nv_bfloat16 *x, *y;           // activations, big enough for any product
     uint4* kv;
-    size_t kv_ring;
+    size_t kv_mask;  // the KV buffer is kv_mask + 1 words, read round and round
     unsigned* sink;
 };
 
 // y[rows, n] = x[rows, k] · w[n, k]ᵀ.
 static void gemm(const Lane& l, const __nv_bfloat16* w, const Model& m, int rows, int n, int k) {
     const float one = 1.f, zero = 0.f;
-    BLAS(cublasGemmEx(l.blas, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, &one, w, CUDA_R_16BF, k, m.x, CUDA_R_16BF, k,
+    BL(cublasGemmEx(l.blas, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, &one, w, CUDA_R_16BF, k, m.x, CUDA_R_16BF, k,
                       &zero, m.y, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
@@ -139,9 +74,7 @@ static void decode_gemms(const Lane& l, const Model& m) {
 }
 
 static void kv_stream(const Lane& l, const Model& m) {
-    CU(cuCtxSetCurrent(l.ctx));
-    stream_read<<<l.sms * 4, 256, 0, (cudaStream_t)l.stream>>>(m.kv, m.kv_ring, (size_t)(KV_BYTES / 16), m.sink);
-    RT(cudaGetLastError());
+    stream_on(l, m.kv, m.kv_mask, (size_t)(KV_BYTES / 16), m.sink);
 }
 
 template <typename F>
@@ -157,14 +90,14 @@ int main() {
     CU(cuInit(0));
     CUdevice dev;
     CU(cuDeviceGet(&dev, 0));
-    RT(cudaSetDevice(0));
-    RT(cudaFree(nullptr));
+    CHECK(cudaSetDevice(0));
+    CHECK(cudaFree(nullptr));
     CUcontext primary;
     CU(cuCtxGetCurrent(&primary));
     int sms = 0;
-    RT(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     cudaDeviceProp prop;
-    RT(cudaGetDeviceProperties(&prop, 0));
+    CHECK(cudaGetDeviceProperties(&prop, 0));
 
     Model m;
     const size_t per_layer[4] = {(size_t)QKV * HIDDEN, (size_t)HIDDEN * HIDDEN, (size_t)2 * INTER * HIDDEN,
@@ -172,21 +105,22 @@ int main() {
     unsigned seed = 1;
     auto random = [&](size_t n) {
         __nv_bfloat16* p;
-        RT(cudaMalloc(&p, n * 2));
+        CHECK(cudaMalloc(&p, n * 2));
         fill_random<<<4 * sms, 256>>>(p, n, seed++ * 0x9e3779b9u);
-        RT(cudaGetLastError());
+        CHECK(cudaGetLastError());
         return p;
     };
     for (int layer = 0; layer < LAYERS; layer++)
         for (size_t n : per_layer) m.w.push_back(random(n));
     m.head = random((size_t)VOCAB * HIDDEN);
     m.x = random((size_t)PROMPT_CHUNK * INTER);
-    RT(cudaMalloc(&m.y, (size_t)PROMPT_CHUNK * 2 * INTER * 2));
-    m.kv_ring = (4ull << 30) / 16;
-    RT(cudaMalloc(&m.kv, m.kv_ring * 16));
-    RT(cudaMemset(m.kv, 1, m.kv_ring * 16));
-    RT(cudaMalloc(&m.sink, 4));
-    RT(cudaDeviceSynchronize());
+    CHECK(cudaMalloc(&m.y, (size_t)PROMPT_CHUNK * 2 * INTER * 2));
+    const size_t kv_words = (4ull << 30) / 16;
+    m.kv_mask = kv_words - 1;
+    CHECK(cudaMalloc(&m.kv, kv_words * 16));
+    CHECK(cudaMemset(m.kv, 1, kv_words * 16));
+    CHECK(cudaMalloc(&m.sink, 4));
+    CHECK(cudaDeviceSynchronize());
 
     CUstream s1, s2;
     CU(cuStreamCreate(&s1, CU_STREAM_NON_BLOCKING));
@@ -213,37 +147,15 @@ int main() {
     printf("| KV bytes beside the prompt GEMMs, two plain streams, then decode GEMMs | %.3f | %.0f |\n",
            t_both + t_decode, tok_s(t_both + t_decode));
 
-    CUdevResource all;
-    CU(cuDeviceGetDevResource(dev, &all, CU_DEV_RESOURCE_TYPE_SM));
     for (int want : {8, 16, 24}) {
-        CUdevResource part, rest;
-        unsigned groups = 1;
-        CU(cuDevSmResourceSplitByCount(&part, &groups, &all, &rest, 0, want));
-        CUdevResourceDesc dpart, drest;
-        CU(cuDevResourceGenerateDesc(&dpart, &part, 1));
-        CU(cuDevResourceGenerateDesc(&drest, &rest, 1));
-        CUgreenCtx gpart, grest;
-        CU(cuGreenCtxCreate(&gpart, dpart, dev, CU_GREEN_CTX_DEFAULT_STREAM));
-        CU(cuGreenCtxCreate(&grest, drest, dev, CU_GREEN_CTX_DEFAULT_STREAM));
-        CUcontext cpart, crest;
-        CU(cuCtxFromGreenCtx(&cpart, gpart));
-        CU(cuCtxFromGreenCtx(&crest, grest));
-        CUstream spart, srest;
-        CU(cuGreenCtxStreamCreate(&spart, gpart, CU_STREAM_NON_BLOCKING, 0));
-        CU(cuGreenCtxStreamCreate(&srest, grest, CU_STREAM_NON_BLOCKING, 0));
-        const Lane kv = make_lane(cpart, spart, part.sm.smCount), g = make_lane(crest, srest, rest.sm.smCount);
+        GreenSplit split = green_split(dev, want);
+        const Lane &kv = split.part, &g = split.rest;
         prompt_gemms(g, m);  // the partition's own heuristics
         const double t_under = seconds([&] { prompt_gemms(g, m), kv_stream(kv, m); }, {&g, &kv});
         const double t_g = seconds([&] { prompt_gemms(g, m); }, {&g});
         printf("| KV bytes on %d SMs under the prompt GEMMs on %d (those alone: %.3f s), then decode GEMMs | %.3f | %.0f |\n",
                kv.sms, g.sms, t_g, t_under + t_decode, tok_s(t_under + t_decode));
-        CU(cuCtxSetCurrent(primary));
-        BLAS(cublasDestroy(kv.blas));
-        BLAS(cublasDestroy(g.blas));
-        CU(cuStreamDestroy(spart));
-        CU(cuStreamDestroy(srest));
-        CU(cuGreenCtxDestroy(gpart));
-        CU(cuGreenCtxDestroy(grest));
+        destroy(split, primary);
     }
     return 0;
 }

@@ -17,79 +17,14 @@
 // Build and run on the GPU machine:
 //   nvcc -O3 -arch=sm_90a -o /tmp/overlap scripts/cuda_overlap_bench.cu -lcuda -lcublas && /tmp/overlap
 #include <chrono>
-#include <cstdio>
-#include <cstdlib>
-#include <cublas_v2.h>
-#include <cuda.h>
-#include <cuda_runtime.h>
-
-#define CU(x)                                                                  \
-    do {                                                                       \
-        CUresult err_ = (x);                                                      \
-        if (err_ != CUDA_SUCCESS) {                                               \
-            const char* s = "?";                                               \
-            cuGetErrorString(err_, &s);                                           \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s);      \
-            exit(1);                                                           \
-        }                                                                      \
-    } while (0)
-#define RT(x)                                                                  \
-    do {                                                                       \
-        cudaError_t err_ = (x);                                                   \
-        if (err_ != cudaSuccess) {                                                \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(err_)); \
-            exit(1);                                                           \
-        }                                                                      \
-    } while (0)
-#define BL(x)                                                                  \
-    do {                                                                       \
-        cublasStatus_t err_ = (x);                                                \
-        if (err_ != CUBLAS_STATUS_SUCCESS) {                                      \
-            fprintf(stderr, "%s:%d %s: status %d\n", __FILE__, __LINE__, #x, (int)err_); \
-            exit(1);                                                           \
-        }                                                                      \
-    } while (0)
-
-// Each thread keeps UNROLL 16-byte loads in flight (a warp 4 KB, like a
-// decode attention warp with its ring): with one at a time an SM pulls only
-// ~40 GB/s, and a partition of a few SMs could not show what it can do.
-constexpr int UNROLL = 8;
-__global__ void stream_read(const uint4* p, size_t n, unsigned* sink) {
-    uint4 acc = make_uint4(0, 0, 0, 0);
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += UNROLL * stride) {
-        uint4 v[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; u++)
-            v[u] = i + u * stride < n ? __ldcg(p + i + u * stride) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int u = 0; u < UNROLL; u++) acc.x ^= v[u].x, acc.y ^= v[u].y, acc.z ^= v[u].z, acc.w ^= v[u].w;
-    }
-    if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) atomicAdd(sink, 1u);
-}
-
-// One place work runs: a context (primary or green), its stream, a cuBLAS
-// handle bound to that stream, and how many SMs it has.
-struct Lane {
-    CUcontext ctx;
-    CUstream stream;
-    cublasHandle_t blas;
-    int sms;
-};
-
-static Lane make_lane(CUcontext ctx, CUstream stream, int sms) {
-    Lane l{ctx, stream, nullptr, sms};
-    CU(cuCtxSetCurrent(ctx));
-    BL(cublasCreate(&l.blas));
-    BL(cublasSetStream(l.blas, (cudaStream_t)stream));
-    return l;
-}
+#include "cuda_green.cuh"
 
 struct Work {
     int m, n, k;
     void *a, *b, *c;  // bf16 [m, k], [n, k], [m, n]
     const uint4* buf;
     size_t words;  // 16-byte words streamed
+    size_t mask;   // cover_mask(words): each word read once
     unsigned* sink;
 };
 
@@ -102,11 +37,7 @@ static void gemm(const Lane& l, const Work& w) {
                     CUBLAS_GEMM_DEFAULT));
 }
 
-static void stream(const Lane& l, const Work& w) {
-    CU(cuCtxSetCurrent(l.ctx));
-    stream_read<<<l.sms * 4, 256, 0, (cudaStream_t)l.stream>>>(w.buf, w.words, w.sink);
-    RT(cudaGetLastError());
-}
+static void stream(const Lane& l, const Work& w) { stream_on(l, w.buf, w.mask, w.words, w.sink); }
 
 // Mean µs per iteration of `body`, after two warm-up iterations.
 template <typename F>
@@ -131,25 +62,26 @@ int main(int argc, char** argv) {
     CU(cuInit(0));
     CUdevice dev;
     CU(cuDeviceGet(&dev, 0));
-    RT(cudaSetDevice(0));
-    RT(cudaFree(nullptr));  // the primary context
+    CHECK(cudaSetDevice(0));
+    CHECK(cudaFree(nullptr));  // the primary context
     CUcontext primary;
     CU(cuCtxGetCurrent(&primary));
     int sms = 0;
-    RT(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
 
     Work w{m, n, k};
-    RT(cudaMalloc(&w.a, (size_t)m * k * 2));
-    RT(cudaMalloc(&w.b, (size_t)n * k * 2));
-    RT(cudaMalloc(&w.c, (size_t)m * n * 2));
-    RT(cudaMemset(w.a, 0x3c, (size_t)m * k * 2));
-    RT(cudaMemset(w.b, 0x3c, (size_t)n * k * 2));
+    CHECK(cudaMalloc(&w.a, (size_t)m * k * 2));
+    CHECK(cudaMalloc(&w.b, (size_t)n * k * 2));
+    CHECK(cudaMalloc(&w.c, (size_t)m * n * 2));
+    CHECK(cudaMemset(w.a, 0x3c, (size_t)m * k * 2));
+    CHECK(cudaMemset(w.b, 0x3c, (size_t)n * k * 2));
     w.words = (size_t)(mb * 1e6 / 16);
+    w.mask = cover_mask(w.words);
     void* buf;
-    RT(cudaMalloc(&buf, w.words * 16));
-    RT(cudaMemset(buf, 1, w.words * 16));
+    CHECK(cudaMalloc(&buf, w.words * 16));
+    CHECK(cudaMemset(buf, 1, w.words * 16));
     w.buf = (const uint4*)buf;
-    RT(cudaMalloc(&w.sink, 4));
+    CHECK(cudaMalloc(&w.sink, 4));
     const double flops = 2.0 * m * n * k, bytes = w.words * 16.0;
 
     CUstream s1, s2;
@@ -168,26 +100,9 @@ int main(int argc, char** argv) {
     printf("%-34s %10s %10s %12.1f %10.2f\n", "whole GPU, two streams at once", "", "", both,
            (tg + tr) / both);
 
-    CUdevResource all;
-    CU(cuDeviceGetDevResource(dev, &all, CU_DEV_RESOURCE_TYPE_SM));
     for (int want : {16, 24, 32, 48, 64}) {
-        CUdevResource part, rest;
-        unsigned groups = 1;
-        CU(cuDevSmResourceSplitByCount(&part, &groups, &all, &rest, 0, want));
-        CUdevResourceDesc dpart, drest;
-        CU(cuDevResourceGenerateDesc(&dpart, &part, 1));
-        CU(cuDevResourceGenerateDesc(&drest, &rest, 1));
-        CUgreenCtx gpart, grest;
-        CU(cuGreenCtxCreate(&gpart, dpart, dev, CU_GREEN_CTX_DEFAULT_STREAM));
-        CU(cuGreenCtxCreate(&grest, drest, dev, CU_GREEN_CTX_DEFAULT_STREAM));
-        CUcontext cpart, crest;
-        CU(cuCtxFromGreenCtx(&cpart, gpart));
-        CU(cuCtxFromGreenCtx(&crest, grest));
-        CUstream spart, srest;
-        CU(cuGreenCtxStreamCreate(&spart, gpart, CU_STREAM_NON_BLOCKING, 0));
-        CU(cuGreenCtxStreamCreate(&srest, grest, CU_STREAM_NON_BLOCKING, 0));
-        const Lane r = make_lane(cpart, spart, part.sm.smCount),
-                   g = make_lane(crest, srest, rest.sm.smCount);
+        GreenSplit split = green_split(dev, want);
+        const Lane &r = split.part, &g = split.rest;
         const double tg1 = time_us([&] { gemm(g, w); }, &g, nullptr);
         const double tr1 = time_us([&] { stream(r, w); }, &r, nullptr);
         const double pair = time_us([&] { gemm(g, w), stream(r, w); }, &g, &r);
@@ -195,13 +110,7 @@ int main(int argc, char** argv) {
         snprintf(label, sizeof label, "green: stream %d SMs, GEMM %d", r.sms, g.sms);
         printf("%-34s %10.1f %10.1f %12.1f %10.2f   (%.0f TFLOP/s, %.2f TB/s alone)\n", label, tg1,
                tr1, pair, (tg + tr) / pair, flops / tg1 / 1e6, bytes / tr1 / 1e6);
-        CU(cuCtxSetCurrent(primary));
-        BL(cublasDestroy(r.blas));
-        BL(cublasDestroy(g.blas));
-        CU(cuStreamDestroy(spart));
-        CU(cuStreamDestroy(srest));
-        CU(cuGreenCtxDestroy(gpart));
-        CU(cuGreenCtxDestroy(grest));
+        destroy(split, primary);
     }
     return 0;
 }
