@@ -300,10 +300,9 @@ fn int4_eight_b_shape_matches_the_same_weights_dequantized() {
     assert_eq!(int4.decoder.weight_dtype_name(), "int4");
     let method = int4.config().quantization.expect("an int4 checkpoint");
     let dense_dir = tmp.join("dense");
-    let c = int4.config();
     dequantized_copy_as(
         &q,
-        c,
+        int4.config(),
         &method as &dyn QuantMethod,
         &dense_dir,
         DenseDType::BF16,
