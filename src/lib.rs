@@ -9,6 +9,7 @@ pub mod engine;
 pub mod error;
 pub mod ffi;
 pub mod kv;
+pub mod limits;
 pub mod memory;
 pub mod model;
 pub mod sampling;

@@ -18,7 +18,8 @@ pub type ProgressFn<'a> = &'a mut dyn FnMut(f32) -> bool;
 #[derive(Debug, Clone)]
 pub struct ModelParams {
     pub dtype: WeightDType,
-    /// Threads for the kernels; 0 = all available cores.
+    /// Threads for the kernels; 0 = all available cores. At most
+    /// `limits::max_threads()` (4 × the available cores, 16 to 1024).
     pub threads: usize,
     /// Quantize dense weights at load (a quantized checkpoint loads quantized regardless).
     pub quant: QuantMode,
@@ -78,18 +79,10 @@ impl Model {
         report(0.1)?;
         let decoder: Arc<dyn DeviceDecoder> = match params.device {
             Device::Cpu => {
+                // Threads first: a bad count fails before the weights load.
+                let pool = ThreadPool::try_new(crate::limits::resolve_threads(params.threads)?)?;
                 let decoder = Decoder::load(config, &weights, params.dtype, params.quant)?;
-                let threads = if params.threads == 0 {
-                    std::thread::available_parallelism()
-                        .map(|n| n.get())
-                        .unwrap_or(1)
-                } else {
-                    params.threads
-                };
-                Arc::new(CpuDecoder {
-                    decoder,
-                    pool: ThreadPool::new(threads),
-                })
+                Arc::new(CpuDecoder { decoder, pool })
             }
             Device::Cuda(ordinal) => crate::model::cuda_decoder::load(
                 ordinal,

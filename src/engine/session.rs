@@ -18,9 +18,12 @@ use super::policy::{create_policy, RankInput, SchedulePolicy, SchedulePolicyKind
 use super::request::{Event, FinishReason, RequestId, RequestParams};
 use crate::backend::cpu::attention::AttnSeq;
 use crate::backend::Device;
-use crate::kv::{create_kv_backend, KvBackendKind, KvCacheBackend, KvCacheDType, KvStats};
+use crate::kv::{
+    create_kv_backend, physical_slots, KvBackendKind, KvCacheBackend, KvCacheDType, KvStats,
+};
 use crate::memory::{
-    utilization_kv_bytes, BudgetSource, DeviceMemory, MemoryBudget, MemoryPoolKind,
+    check_fits, utilization_kv_bytes, zeroed_f32, BudgetSource, DeviceMemory, MemoryBudget,
+    MemoryPoolKind,
 };
 use crate::model::{ContextShape, ForwardContext, WorkspaceStats};
 use crate::sampling::{DeviceSampling, Rng, Sampler, StopMatcher};
@@ -328,6 +331,12 @@ impl Session {
         if params.block_size == 0 || params.block_size > 1024 {
             bail_arg!("block_size must be in 1..=1024, got {}", params.block_size);
         }
+        crate::limits::check_step_shape(
+            params.max_batched_tokens,
+            params.max_seqs,
+            params.prefill_chunk_size,
+        )?;
+        crate::limits::check_kv_capacity_tokens(params.kv_capacity_tokens)?;
         let per_token = model.decoder.kv_bytes_per_slot(params.kv_cache_dtype)?;
         if !(params.gpu_memory_utilization > 0.0 && params.gpu_memory_utilization <= 1.0) {
             bail_arg!(
@@ -382,8 +391,15 @@ impl Session {
                     ),
                 ));
             }
-            (source, tokens)
+            (source, tokens.min(crate::limits::MAX_KV_CAPACITY_TOKENS))
         };
+        let slots = physical_slots(params.kv_backend, capacity_tokens, params.block_size);
+        let requested = match source {
+            BudgetSource::Tokens => format!("kv_capacity_tokens {capacity_tokens}"),
+            BudgetSource::Bytes => format!("kv_memory_bytes {}", params.kv_memory_bytes),
+            _ => format!("the {} KV budget", source.as_str()),
+        };
+        check_fits(&mem, &requested, slots.checked_mul(per_token))?;
         let (kv, slots) = create_kv_backend(
             params.kv_backend,
             capacity_tokens,
@@ -392,7 +408,10 @@ impl Session {
         );
         shape.kv_slots = slots;
         let ctx = model.decoder.clone().new_context(&shape)?;
-        let logits = vec![0.0; params.max_seqs * c.vocab_size];
+        let logits = zeroed_f32(
+            params.max_seqs * c.vocab_size,
+            "the logits rows of max_seqs",
+        )?;
         let budget = budget_report(
             &mem,
             &shape,

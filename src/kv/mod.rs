@@ -136,13 +136,25 @@ pub trait KvCacheBackend: Send {
 /// included). Paged: `ceil(capacity / block_size)` blocks plus the null block;
 /// a zero `block_size` is treated as 1. Token: `capacity_tokens` slots plus
 /// the dummy slot (`block_size` is ignored).
+/// Physical slots (reserved ones included) of a manager built by
+/// [`create_kv_backend`] with these arguments: what its storage costs.
+pub fn physical_slots(kind: KvBackendKind, capacity_tokens: usize, block_size: usize) -> usize {
+    match kind {
+        KvBackendKind::Paged => {
+            let block_size = block_size.max(1);
+            (capacity_tokens.div_ceil(block_size) + 1).saturating_mul(block_size)
+        }
+        KvBackendKind::Token => capacity_tokens.saturating_add(1),
+    }
+}
+
 pub fn create_kv_backend(
     kind: KvBackendKind,
     capacity_tokens: usize,
     block_size: usize,
     prefix_caching: bool,
 ) -> (Box<dyn KvCacheBackend>, usize) {
-    match kind {
+    let made: (Box<dyn KvCacheBackend>, usize) = match kind {
         KvBackendKind::Paged => {
             let block_size = block_size.max(1);
             let kv = PagedKv::new(
@@ -158,5 +170,7 @@ pub fn create_kv_backend(
             let slots = kv.physical_slots();
             (Box::new(kv), slots)
         }
-    }
+    };
+    debug_assert_eq!(made.1, physical_slots(kind, capacity_tokens, block_size));
+    made
 }

@@ -2,6 +2,9 @@
 //! Slot 0 is reserved (the paged backend's null block starts there, the token
 //! backend's dummy slot is slot 0), so managers never hand it out.
 
+use crate::memory::zeroed_f32;
+use crate::{Error, ErrorKind, Result};
+
 pub struct KvStorage {
     pub num_layers: usize,
     pub num_slots: usize,
@@ -12,16 +15,32 @@ pub struct KvStorage {
 }
 
 impl KvStorage {
-    pub fn new(num_layers: usize, num_slots: usize, kv_heads: usize, head_dim: usize) -> Self {
-        let per_layer = num_slots * kv_heads * head_dim;
-        KvStorage {
+    /// Zeroed storage. Its size comes from the caller's KV budget, so the
+    /// allocation is fallible: too large is `OutOfMemory`, not an abort.
+    pub fn new(
+        num_layers: usize,
+        num_slots: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Self> {
+        let per_layer = num_slots
+            .checked_mul(kv_heads)
+            .and_then(|n| n.checked_mul(head_dim))
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::OutOfMemory,
+                    format!("a KV cache of {num_slots} slots overflows the address space"),
+                )
+            })?;
+        let layer = || zeroed_f32(per_layer, "the KV cache");
+        Ok(KvStorage {
             num_layers,
             num_slots,
             kv_heads,
             head_dim,
-            keys: (0..num_layers).map(|_| vec![0.0; per_layer]).collect(),
-            values: (0..num_layers).map(|_| vec![0.0; per_layer]).collect(),
-        }
+            keys: (0..num_layers).map(|_| layer()).collect::<Result<_>>()?,
+            values: (0..num_layers).map(|_| layer()).collect::<Result<_>>()?,
+        })
     }
 
     /// Floats in one slot of one layer (kv_heads * head_dim).

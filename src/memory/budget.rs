@@ -184,6 +184,32 @@ pub fn utilization_kv_bytes(mem: &DeviceMemory, utilization: f32) -> Result<(usi
     })
 }
 
+/// Refuses a session whose KV cache (`kv_bytes`, None when its size
+/// overflows) and step workspace together exceed the memory available now
+/// (`mem.available_bytes`; on the host the least of `MemAvailable`, the
+/// cgroup limit minus usage and RLIMIT_AS minus the address space in use:
+/// see `crate::sysinfo`). Without the check an explicit size is accepted
+/// and fails later, in the allocator or under the OOM killer. `requested`
+/// names what the caller set. Unknown available memory (0) checks nothing.
+pub fn check_fits(mem: &DeviceMemory, requested: &str, kv_bytes: Option<usize>) -> Result<()> {
+    let need = kv_bytes.and_then(|kv| kv.checked_add(mem.workspace_bytes));
+    let available = mem.available_bytes;
+    if available == 0 || need.is_some_and(|n| n <= available) {
+        return Ok(());
+    }
+    let kv = kv_bytes.map_or_else(|| "more than usize::MAX".to_string(), |b| b.to_string());
+    Err(Error::new(
+        ErrorKind::OutOfMemory,
+        format!(
+            "{requested} needs {kv} bytes of KV cache plus {} bytes of step workspace, more than \
+             the {available} bytes of memory available to this process (on the host: the least \
+             of MemAvailable, the cgroup memory limit minus usage and RLIMIT_AS minus the address \
+             space in use); lower it",
+            mem.workspace_bytes
+        ),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -238,6 +264,24 @@ mod tests {
             utilization_kv_bytes(&unknown, 0.5).unwrap_err().kind,
             ErrorKind::Unsupported
         );
+    }
+
+    #[test]
+    fn a_session_larger_than_the_available_memory_is_refused() {
+        let m = mem(8 * GIB, 2 * GIB, GIB, GIB / 2);
+        check_fits(&m, "kv_capacity_tokens 9", Some(GIB)).unwrap();
+        for kv in [Some(2 * GIB), Some(usize::MAX), None] {
+            let e = check_fits(&m, "kv_capacity_tokens 9", kv).unwrap_err();
+            assert_eq!(e.kind, ErrorKind::OutOfMemory);
+            assert!(
+                e.message.starts_with("kv_capacity_tokens 9 needs"),
+                "{}",
+                e.message
+            );
+            assert!(e.message.contains(&(2 * GIB).to_string()), "{}", e.message);
+        }
+        // Unknown available memory: nothing to check against.
+        check_fits(&mem(0, 0, 0, 0), "x", None).unwrap();
     }
 
     #[test]

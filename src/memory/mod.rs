@@ -33,6 +33,7 @@ pub mod buddy;
 mod budget;
 pub mod counting_alloc;
 mod device_pool;
+mod fallible;
 mod slab;
 mod system;
 mod workspace;
@@ -48,8 +49,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::{Error, ErrorKind, Result};
 
 pub use arena::CpuArena;
-pub use budget::{utilization_kv_bytes, BudgetSource, DeviceMemory, MemoryBudget};
+pub use budget::{check_fits, utilization_kv_bytes, BudgetSource, DeviceMemory, MemoryBudget};
 pub use device_pool::{DeviceAllocation, DevicePool};
+pub use fallible::{try_with_capacity, zeroed_f32};
 pub use slab::CpuSlab;
 pub use system::SystemPool;
 pub use workspace::{Workspace, Zeroable, WORKSPACE_ALIGN};

@@ -476,7 +476,7 @@ pub fn load(
     };
     let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
     let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
-    let pool = ThreadPool::new(std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let pool = ThreadPool::try_new(crate::limits::resolve_threads(0)?)?;
     let mut layers = Vec::with_capacity(c.num_layers);
     for first in (0..c.num_layers).step_by(LOAD_LAYERS_AT_ONCE) {
         let span = first..(first + LOAD_LAYERS_AT_ONCE).min(c.num_layers);

@@ -226,11 +226,7 @@ fn calibrated_tensors(
     calib: &Calibration,
     opts: &QuantizeOptions,
 ) -> Result<HashMap<String, (Vec<ExportTensor>, bool)>> {
-    let threads = match opts.threads {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        n => n,
-    };
-    let pool = ThreadPool::new(threads);
+    let pool = ThreadPool::try_new(crate::limits::resolve_threads(opts.threads)?)?;
     let fwd = CalibForward::new(config, &pool, calib);
     let mut h = fwd.embed(files, calib)?;
     let awq = matches!(format.format, Int4Format::Awq);

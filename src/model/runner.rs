@@ -314,7 +314,7 @@ impl DeviceDecoder for CpuDecoder {
         shape.memory_pool.check_device(false, "cpu")?;
         check_cpu_kv_dtype(shape.kv_dtype)?;
         let c = &self.decoder.config;
-        let storage = KvStorage::new(c.num_layers, shape.kv_slots, c.num_kv_heads, c.head_dim);
+        let storage = KvStorage::new(c.num_layers, shape.kv_slots, c.num_kv_heads, c.head_dim)?;
         let ws = ForwardWorkspace::new(shape.memory_pool, self.workspace_plan(shape))?;
         let max_positions = shape.kv_slots.min(c.max_position_embeddings);
         reserve_decode_scratch(&self.pool, &attn_shape(c), max_positions);

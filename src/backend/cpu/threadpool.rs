@@ -11,6 +11,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::{Error, ErrorKind, Result};
+
 type Job = dyn Fn(usize) + Sync;
 
 struct Shared {
@@ -46,7 +48,18 @@ const SPIN_BEFORE_PARK: Duration = Duration::from_micros(200);
 
 impl ThreadPool {
     /// A pool using `threads` threads in total (the caller counts as one).
+    /// Panics when a worker cannot be spawned: for fixed small pools (tests,
+    /// tools); a count from a caller goes through [`ThreadPool::try_new`].
     pub fn new(threads: usize) -> ThreadPool {
+        ThreadPool::try_new(threads).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// A pool using `threads` threads in total (the caller counts as one).
+    /// When the system refuses a thread (RLIMIT_NPROC, memory for its
+    /// stack), the workers already started are stopped and joined, and the
+    /// error says how many threads were asked for. The count is the
+    /// caller's to bound (`crate::limits::resolve_threads`).
+    pub fn try_new(threads: usize) -> Result<ThreadPool> {
         let threads = threads.max(1);
         let shared = Arc::new(Shared {
             generation: AtomicU64::new(0),
@@ -59,20 +72,36 @@ impl ThreadPool {
             sleep_lock: Mutex::new(()),
             wake: Condvar::new(),
         });
-        let workers = (1..threads)
-            .map(|i| {
-                let shared = shared.clone();
-                std::thread::Builder::new()
-                    .name(format!("nanoinfer-worker-{i}"))
-                    .spawn(move || worker_loop(&shared))
-                    .expect("spawning a worker thread")
-            })
-            .collect();
-        ThreadPool {
+        let mut pool = ThreadPool {
             shared,
-            workers,
+            workers: Vec::new(),
             run_lock: Mutex::new(()),
+        };
+        if pool.workers.try_reserve_exact(threads - 1).is_err() {
+            return Err(Error::new(
+                ErrorKind::OutOfMemory,
+                format!("no memory for the handles of {threads} kernel threads"),
+            ));
         }
+        for i in 1..threads {
+            let shared = pool.shared.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("nanoinfer-worker-{i}"))
+                .spawn(move || worker_loop(&shared));
+            match spawned {
+                Ok(handle) => pool.workers.push(handle),
+                // Dropping `pool` shuts down and joins the workers started so far.
+                Err(e) => {
+                    return Err(Error::new(
+                        ErrorKind::OutOfMemory,
+                        format!(
+                            "cannot start kernel thread {i} of {threads} ({e}); lower n_threads"
+                        ),
+                    ))
+                }
+            }
+        }
+        Ok(pool)
     }
 
     /// Total threads including the caller.
@@ -262,5 +291,14 @@ mod tests {
             let distinct: std::collections::HashSet<_> = ids.into_iter().collect();
             assert_eq!(distinct.len(), threads, "once per thread");
         }
+    }
+
+    #[test]
+    fn an_impossible_count_is_an_error() {
+        let pool = ThreadPool::try_new(3).unwrap();
+        assert_eq!(pool.threads(), 3);
+        // Fails reserving the handles, before any spawn.
+        let e = ThreadPool::try_new(usize::MAX).err().unwrap();
+        assert_eq!(e.kind, ErrorKind::OutOfMemory);
     }
 }
