@@ -92,6 +92,13 @@ pub fn perplexity(model: &Model, ids: &[u32]) -> Result<f64> {
     if ids.len() < 2 {
         bail_arg!("perplexity needs at least 2 tokens, got {}", ids.len());
     }
+    let context = model.config().max_position_embeddings;
+    if ids.len() > context {
+        bail_arg!(
+            "perplexity over {} tokens exceeds the model's context length {context}",
+            ids.len()
+        );
+    }
     let vocab = model.config().vocab_size;
     let mut cache = SingleSequence::new(model, ids.len(), CHUNK)?;
     let mut logits = Vec::new();

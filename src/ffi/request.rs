@@ -4,6 +4,7 @@
 use super::args;
 use super::boundary::ffi_value;
 use crate::engine::{Model, RequestParams};
+use crate::sampling::params::{MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES};
 use crate::sampling::SamplingParams;
 use crate::{bail_arg, Result};
 use std::ffi::c_char;
@@ -32,11 +33,14 @@ pub struct ni_logit_bias {
 pub struct ni_request_params {
     /// `sizeof(ni_request_params)`, set by `ni_request_params_init`.
     pub struct_size: u32,
-    /// Prompt token ids (NULL with `n_prompt_tokens` 0 when `prompt_text` is used).
+    /// Prompt token ids (NULL with `n_prompt_tokens` 0 when `prompt_text` is
+    /// used); at most the model's context length.
     pub prompt_tokens: *const u32,
     pub n_prompt_tokens: usize,
     /// Prompt text, `prompt_text_len` bytes of UTF-8 (no NUL needed); NULL
-    /// when `prompt_tokens` is used.
+    /// when `prompt_tokens` is used. Text longer than the context length ×
+    /// the tokenizer's longest token in bytes cannot fit and is refused
+    /// before it is tokenized.
     pub prompt_text: *const c_char,
     pub prompt_text_len: usize,
     /// Tokenize `prompt_text` with the tokenizer's special tokens (e.g. BOS).
@@ -60,7 +64,8 @@ pub struct ni_request_params {
     pub presence_penalty: f32,
     /// OpenAI frequency penalty in [-2, 2]; 0 = off (default).
     pub frequency_penalty: f32,
-    /// Per-token logit biases (distinct ids in the vocabulary).
+    /// Per-token logit biases (distinct ids in the vocabulary, so at most
+    /// `vocab_size` entries).
     pub logit_bias: *const ni_logit_bias,
     pub n_logit_bias: usize,
     /// Seed of the request's own random stream when `use_seed` is true, so the
@@ -68,7 +73,8 @@ pub struct ni_request_params {
     /// Otherwise (default) the stream is seeded from the session's seed.
     pub seed: u64,
     pub use_seed: bool,
-    /// Token ids that end generation (the stop token is emitted).
+    /// Token ids that end generation (the stop token is emitted); at most
+    /// `vocab_size` entries.
     pub stop_token_ids: *const u32,
     pub n_stop_token_ids: usize,
     /// NUL-terminated UTF-8 stop strings (at most 16, each 1-256 bytes). A
@@ -144,13 +150,33 @@ pub unsafe extern "C" fn ni_request_params_init(params: *mut ni_request_params) 
 /// # Safety
 /// Every pointer in `p` must honour its documented contract.
 pub(crate) unsafe fn to_engine(p: &ni_request_params, model: &Model) -> Result<RequestParams> {
+    let context = model.config().max_position_embeddings;
+    let vocab = model.config().vocab_size;
+    // Counts are checked before anything is copied or tokenized; the
+    // engine's own checks (ranges, duplicates, prompt + max_tokens against
+    // the context and the KV capacity) follow on the copies.
+    for (name, n, max) in [
+        ("n_prompt_tokens", p.n_prompt_tokens, context),
+        ("n_logit_bias", p.n_logit_bias, vocab),
+        ("n_stop_token_ids", p.n_stop_token_ids, vocab),
+        ("n_stop_strings", p.n_stop_strings, MAX_STOP_STRINGS),
+    ] {
+        if n > max {
+            bail_arg!("request.{name} is {n}, more than the limit of {max}");
+        }
+    }
     let prompt = if !p.prompt_text.is_null() {
         if p.n_prompt_tokens != 0 || !p.prompt_tokens.is_null() {
             bail_arg!("request: set either prompt_tokens or prompt_text, not both");
         }
         // SAFETY: forwarded contract.
         let text = unsafe { args::text(p.prompt_text, p.prompt_text_len, "request.prompt_text")? };
-        model.tokenizer()?.encode(text, p.add_special_tokens)?
+        model.tokenizer()?.encode_bounded(
+            text,
+            p.add_special_tokens,
+            context,
+            "request.prompt_text",
+        )?
     } else {
         // SAFETY: forwarded contract.
         unsafe { args::slice(p.prompt_tokens, p.n_prompt_tokens, "request.prompt_tokens")? }
@@ -171,9 +197,17 @@ pub(crate) unsafe fn to_engine(p: &ni_request_params, model: &Model) -> Result<R
         unsafe { args::slice(p.stop_strings, p.n_stop_strings, "request.stop_strings")? };
     let mut stop_strings = Vec::with_capacity(stop_ptrs.len());
     for (i, &s) in stop_ptrs.iter().enumerate() {
+        let what = format!("request.stop_strings[{i}]");
         // SAFETY: each entry is a NUL-terminated string (contract).
-        stop_strings
-            .push(unsafe { args::cstr(s, &format!("request.stop_strings[{i}]"))? }.to_string());
+        let bytes = unsafe { args::cstr_bytes(s, &what)? };
+        if bytes.len() > MAX_STOP_STRING_BYTES {
+            bail_arg!(
+                "{what} is {} bytes long, at most {MAX_STOP_STRING_BYTES} allowed",
+                bytes.len()
+            );
+        }
+        // SAFETY: as above.
+        stop_strings.push(unsafe { args::cstr(s, &what)? }.to_string());
     }
     Ok(RequestParams {
         prompt,

@@ -38,7 +38,11 @@ fn write_string(s: &str, out_text: *mut *mut c_char, out_len: *mut usize) -> cra
 ///
 /// On success `*out_tokens` receives an array of `*out_count` ids, to be
 /// freed with `ni_tokens_free` (NULL when the count is 0). Fails with
-/// `NI_ERR_INVALID_ARGUMENT` for invalid UTF-8 or a model without tokenizer.
+/// `NI_ERR_INVALID_ARGUMENT` for invalid UTF-8, a model without tokenizer,
+/// or text that cannot fit in the model's context: longer than
+/// `context_length` × the tokenizer's longest token in bytes (refused
+/// before tokenizing, which costs about a hundred bytes of memory per byte
+/// of text; split longer documents).
 /// Thread-safety: any thread, concurrently with any other use of the model.
 #[no_mangle]
 pub unsafe extern "C" fn ni_tokenize(
@@ -56,7 +60,11 @@ pub unsafe extern "C" fn ni_tokenize(
         let text = unsafe { args::text(text, text_len, "text")? };
         let out = args::out_ptr(out_tokens, "out_tokens")?;
         let out_n = args::out_ptr(out_count, "out_count")?;
-        let ids = m.model.tokenizer()?.encode(text, add_special_tokens)?;
+        let context = m.model.config().max_position_embeddings;
+        let ids = m
+            .model
+            .tokenizer()?
+            .encode_bounded(text, add_special_tokens, context, "text")?;
         let ptr = alloc_tokens(&ids)?;
         // SAFETY: both out-parameters were checked.
         unsafe {

@@ -138,6 +138,12 @@ impl SamplingParams {
     }
 
     fn validate_logit_bias(&self, vocab_size: usize) -> Result<()> {
+        if self.logit_bias.len() > vocab_size {
+            bail_arg!(
+                "logit_bias has {} entries, more than the {vocab_size} distinct ids of the vocabulary",
+                self.logit_bias.len()
+            );
+        }
         for &(id, bias) in &self.logit_bias {
             if id as usize >= vocab_size {
                 bail_arg!("logit_bias: token id {id} is out of range (vocab size {vocab_size})");

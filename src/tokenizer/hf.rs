@@ -47,6 +47,8 @@ pub struct Tokenizer {
     /// BOS/EOS that the config asks for but the post-processor does not add.
     extra_bos: Option<u32>,
     extra_eos: Option<u32>,
+    /// The most bytes of text one token can stand for (see `min_tokens`).
+    max_bytes_per_token: usize,
     chat: ChatSlot,
 }
 
@@ -124,6 +126,17 @@ impl Tokenizer {
             None
         };
 
+        // Vocabulary strings spell the text they cover at least as long as
+        // it is (byte-level: one char per byte; metaspace: "▁" for " ";
+        // byte fallback: "<0x41>" for one byte). A normalizer may shorten
+        // text before the model sees it (NFC composition, NFKC's fullwidth
+        // forms): at most 3 bytes become 1, so allow 4.
+        let longest = vocab.keys().map(String::len).max().unwrap_or(1).max(1);
+        let max_bytes_per_token = if inner.get_normalizer().is_some() {
+            longest.saturating_mul(4)
+        } else {
+            longest
+        };
         let chat = match config.chat_template {
             TemplateSource::None => ChatSlot::None,
             TemplateSource::NoDefault { names } => ChatSlot::NoDefault(names),
@@ -146,6 +159,7 @@ impl Tokenizer {
             eos_id,
             extra_bos,
             extra_eos,
+            max_bytes_per_token,
             chat,
         })
     }
@@ -166,6 +180,46 @@ impl Tokenizer {
         out.extend_from_slice(ids);
         out.extend(self.extra_eos);
         Ok(out)
+    }
+
+    /// The most bytes of text one token of this tokenizer covers: text of
+    /// `n` bytes encodes to at least `ceil(n / max_bytes_per_token)` tokens.
+    /// (A tokenizer that drops input, such as a whitespace pre-tokenizer,
+    /// can beat the bound; the causal LM tokenizers this engine loads keep
+    /// every byte.)
+    pub fn max_bytes_per_token(&self) -> usize {
+        self.max_bytes_per_token
+    }
+
+    /// The longest text (in bytes) that may encode to `max_tokens` tokens or fewer.
+    pub fn max_text_bytes(&self, max_tokens: usize) -> usize {
+        max_tokens.saturating_mul(self.max_bytes_per_token)
+    }
+
+    /// `encode`, refusing up front (without tokenizing) text too long to
+    /// encode to `max_tokens` tokens or fewer: tokenizing costs time and
+    /// about a hundred bytes of memory per byte of text, so a prompt far
+    /// beyond the context must not be tokenized just to be refused. `what`
+    /// names the text in the error.
+    pub fn encode_bounded(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        max_tokens: usize,
+        what: &str,
+    ) -> Result<Vec<u32>> {
+        if text.len() > self.max_text_bytes(max_tokens) {
+            bail_arg!(
+                "{what} is {} bytes long: at least {} tokens (a token of this tokenizer covers at \
+                 most {} bytes), more than the limit of {max_tokens} tokens (the model's context \
+                 length; at most {} bytes of text)",
+                text.len(),
+                text.len().div_ceil(self.max_bytes_per_token),
+                self.max_bytes_per_token,
+                self.max_text_bytes(max_tokens)
+            );
+        }
+        self.encode(text, add_special_tokens)
     }
 
     /// Text of `ids`; every id must be in the vocabulary.

@@ -60,6 +60,10 @@ pub fn expand_short_options(argv: &[String]) -> Vec<String> {
         .collect()
 }
 
+/// Most repetitions of each measurement: enough for stable figures, and a
+/// typo cannot keep the command running for days.
+const MAX_REPETITIONS: usize = 1000;
+
 #[derive(Debug)]
 struct Settings {
     n_prompt: usize,
@@ -81,8 +85,11 @@ fn settings(a: &Args) -> Result<Settings, String> {
         repetitions: a.parse_or("repetitions", 3)?,
         seed: a.parse_or("seed", 1234)?,
     };
-    if s.repetitions == 0 {
-        return Err("--repetitions must be at least 1".into());
+    if s.repetitions == 0 || s.repetitions > MAX_REPETITIONS {
+        return Err(format!(
+            "--repetitions must be in 1..={MAX_REPETITIONS}, got {}",
+            s.repetitions
+        ));
     }
     Ok(s)
 }
@@ -95,7 +102,7 @@ pub fn run(a: &Args) -> Result<(), String> {
     let s = settings(a)?;
     let model = load_model(a)?;
     let c = model.config();
-    let longest = s.n_prompt.max(s.n_depth + s.n_gen);
+    let longest = s.n_prompt.max(s.n_depth.saturating_add(s.n_gen));
     if longest > c.max_position_embeddings {
         return Err(format!(
             "-p/-n of {longest} tokens exceeds the model's context length {}",

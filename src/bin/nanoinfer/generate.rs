@@ -180,9 +180,16 @@ fn prompt_ids(a: &Args, model: &nanoinfer::engine::Model) -> Result<Vec<Vec<u32>
         return Err("give --prompt TEXT, --prompts-file PATH or --prompt-ids".into());
     }
     let tok = model.tokenizer().map_err(|e| e.to_string())?;
+    let context = model.config().max_position_embeddings;
     texts
         .iter()
         .map(|t| {
+            if t.len() > tok.max_text_bytes(context) {
+                // Refused before the template copies it and the tokenizer reads it.
+                return tok
+                    .encode_bounded(t, true, context, "--prompt")
+                    .map_err(|e| e.to_string());
+            }
             if a.flag("chat") {
                 let msgs = [ChatMessage {
                     role: "user".into(),
@@ -191,9 +198,11 @@ fn prompt_ids(a: &Args, model: &nanoinfer::engine::Model) -> Result<Vec<Vec<u32>
                 let rendered = tok
                     .apply_chat_template(&msgs, true)
                     .map_err(|e| e.to_string())?;
-                tok.encode(&rendered, false).map_err(|e| e.to_string())
+                tok.encode_bounded(&rendered, false, context, "--prompt (chat-rendered)")
+                    .map_err(|e| e.to_string())
             } else {
-                tok.encode(t, true).map_err(|e| e.to_string())
+                tok.encode_bounded(t, true, context, "--prompt")
+                    .map_err(|e| e.to_string())
             }
         })
         .collect()

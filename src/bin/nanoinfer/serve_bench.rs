@@ -18,6 +18,9 @@ use std::time::Instant;
 
 pub const OPTS: &[&str] = &["num-requests", "input-len", "output-len", "concurrency"];
 
+/// Most requests of one run: their prompts are all made up front.
+const MAX_REQUESTS: usize = 100_000;
+
 struct Settings {
     requests: usize,
     input_len: usize,
@@ -45,8 +48,22 @@ pub fn run(a: &Args) -> Result<(), String> {
     if s.requests == 0 || s.input_len == 0 || s.output_len == 0 {
         return Err("--num-requests, --input-len and --output-len must be at least 1".into());
     }
+    if s.requests > MAX_REQUESTS {
+        return Err(format!(
+            "--num-requests {} exceeds the limit of {MAX_REQUESTS}",
+            s.requests
+        ));
+    }
     let model = load_model(a)?;
     let vocab = model.config().vocab_size;
+    let context = model.config().max_position_embeddings;
+    // Every prompt is made up front: refuse lengths no request could have first.
+    if s.input_len.saturating_add(s.output_len as usize) > context {
+        return Err(format!(
+            "--input-len {} + --output-len {} exceeds the model's context length {context}",
+            s.input_len, s.output_len
+        ));
+    }
     let mut session = Session::new(model.clone(), session_params(a)?).map_err(|e| e.to_string())?;
     let mut rng = SplitMix64::new(s.seed);
     let prompts: Vec<Vec<u32>> = (0..s.requests)
