@@ -119,7 +119,11 @@ typedef struct ni_model_params {
      */
     ni_dtype dtype;
     /**
-     * Threads for the CPU kernels; 0 (default) = all available cores.
+     * Threads for the CPU kernels; 0 (default) = all available cores. At
+     * most 4 × the cores available to the process (never less than 16,
+     * never more than 1024): more is `NI_ERR_INVALID_ARGUMENT`, refused
+     * before the weights load. A thread the system refuses to start is
+     * `NI_ERR_OUT_OF_MEMORY`, the threads already started being stopped.
      */
     uint32_t n_threads;
     /**
@@ -263,11 +267,16 @@ typedef struct ni_session_params {
      */
     uint32_t block_size;
     /**
-     * KV capacity in tokens; 0 = use the byte budget.
+     * KV capacity in tokens; 0 = use the byte budget. At most 2^31 - 1
+     * (`NI_ERR_INVALID_ARGUMENT` beyond).
      */
     uint64_t kv_capacity_tokens;
     /**
-     * KV budget in bytes; 0 = use the fraction.
+     * KV budget in bytes; 0 = use the fraction. An explicit capacity or
+     * budget whose KV cache plus step workspace exceeds the memory the
+     * process may use now (the least of MemAvailable, its cgroup's memory
+     * limit minus usage and RLIMIT_AS minus its address space) fails
+     * `ni_session_create` with `NI_ERR_OUT_OF_MEMORY`, naming the field.
      */
     uint64_t kv_memory_bytes;
     /**
@@ -276,17 +285,17 @@ typedef struct ni_session_params {
     float kv_memory_fraction;
     /**
      * Token budget of one step (prefill chunks + decode tokens). 0 (the
-     * default) = automatic: 512 on the CPU, 8192 on a GPU.
+     * default) = automatic: 512 on the CPU, 8192 on a GPU. At most 2^20.
      */
     uint32_t max_batched_tokens;
     /**
      * Most requests in one step. 0 (the default) = automatic: 64 on the
-     * CPU, 256 on a GPU.
+     * CPU, 256 on a GPU. At most 65536.
      */
     uint32_t max_seqs;
     /**
      * Longest prefill piece of one request in one step. 0 (the default) =
-     * the step's token budget.
+     * the step's token budget. At most 2^20.
      */
     uint32_t prefill_chunk_size;
     /**
@@ -355,13 +364,16 @@ typedef struct ni_request_params {
      */
     uint32_t struct_size;
     /**
-     * Prompt token ids (NULL with `n_prompt_tokens` 0 when `prompt_text` is used).
+     * Prompt token ids (NULL with `n_prompt_tokens` 0 when `prompt_text` is
+     * used); at most the model's context length.
      */
     const uint32_t *prompt_tokens;
     size_t n_prompt_tokens;
     /**
      * Prompt text, `prompt_text_len` bytes of UTF-8 (no NUL needed); NULL
-     * when `prompt_tokens` is used.
+     * when `prompt_tokens` is used. Text longer than the context length ×
+     * the tokenizer's longest token in bytes cannot fit and is refused
+     * before it is tokenized.
      */
     const char *prompt_text;
     size_t prompt_text_len;
@@ -407,7 +419,8 @@ typedef struct ni_request_params {
      */
     float frequency_penalty;
     /**
-     * Per-token logit biases (distinct ids in the vocabulary).
+     * Per-token logit biases (distinct ids in the vocabulary, so at most
+     * `vocab_size` entries).
      */
     const struct ni_logit_bias *logit_bias;
     size_t n_logit_bias;
@@ -419,7 +432,8 @@ typedef struct ni_request_params {
     uint64_t seed;
     bool use_seed;
     /**
-     * Token ids that end generation (the stop token is emitted).
+     * Token ids that end generation (the stop token is emitted); at most
+     * `vocab_size` entries.
      */
     const uint32_t *stop_token_ids;
     size_t n_stop_token_ids;
@@ -1001,7 +1015,11 @@ ni_status ni_model_get_info(const struct ni_model *model, struct ni_model_info *
  *
  * On success `*out_tokens` receives an array of `*out_count` ids, to be
  * freed with `ni_tokens_free` (NULL when the count is 0). Fails with
- * `NI_ERR_INVALID_ARGUMENT` for invalid UTF-8 or a model without tokenizer.
+ * `NI_ERR_INVALID_ARGUMENT` for invalid UTF-8, a model without tokenizer,
+ * or text that cannot fit in the model's context: longer than
+ * `context_length` × the tokenizer's longest token in bytes (refused
+ * before tokenizing, which costs about a hundred bytes of memory per byte
+ * of text; split longer documents).
  * Thread-safety: any thread, concurrently with any other use of the model.
  */
 ni_status ni_tokenize(const struct ni_model *model,
@@ -1059,7 +1077,9 @@ void ni_session_params_init(struct ni_session_params *params);
  *
  * On success `*out_session` receives a handle to free with
  * `ni_session_free`. Fails with `NI_ERR_OUT_OF_MEMORY` when the KV budget
- * cannot hold one context.
+ * cannot hold one context, or when an explicit KV size does not fit in the
+ * memory available to the process (see `kv_memory_bytes`), and with
+ * `NI_ERR_INVALID_ARGUMENT` for a size beyond its documented limit.
  * Thread-safety: any thread; several sessions may share one model and be
  * driven from different threads at once.
  */

@@ -59,7 +59,11 @@ pub struct ni_model_params {
     pub device_index: i32,
     /// `NI_DTYPE_*`; default `NI_DTYPE_AUTO`.
     pub dtype: ni_dtype,
-    /// Threads for the CPU kernels; 0 (default) = all available cores.
+    /// Threads for the CPU kernels; 0 (default) = all available cores. At
+    /// most 4 × the cores available to the process (never less than 16,
+    /// never more than 1024): more is `NI_ERR_INVALID_ARGUMENT`, refused
+    /// before the weights load. A thread the system refuses to start is
+    /// `NI_ERR_OUT_OF_MEMORY`, the threads already started being stopped.
     pub n_threads: u32,
     /// Optional progress callback; default NULL.
     pub progress: ni_progress_callback,

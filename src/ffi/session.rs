@@ -90,20 +90,25 @@ pub struct ni_session_params {
     pub memory_pool: ni_memory_pool,
     /// Tokens per KV block (paged backend), 1-1024. Default 16.
     pub block_size: u32,
-    /// KV capacity in tokens; 0 = use the byte budget.
+    /// KV capacity in tokens; 0 = use the byte budget. At most 2^31 - 1
+    /// (`NI_ERR_INVALID_ARGUMENT` beyond).
     pub kv_capacity_tokens: u64,
-    /// KV budget in bytes; 0 = use the fraction.
+    /// KV budget in bytes; 0 = use the fraction. An explicit capacity or
+    /// budget whose KV cache plus step workspace exceeds the memory the
+    /// process may use now (the least of MemAvailable, its cgroup's memory
+    /// limit minus usage and RLIMIT_AS minus its address space) fails
+    /// `ni_session_create` with `NI_ERR_OUT_OF_MEMORY`, naming the field.
     pub kv_memory_bytes: u64,
     /// KV budget as a fraction (0, 1] of the memory available now; 0 = automatic.
     pub kv_memory_fraction: f32,
     /// Token budget of one step (prefill chunks + decode tokens). 0 (the
-    /// default) = automatic: 512 on the CPU, 8192 on a GPU.
+    /// default) = automatic: 512 on the CPU, 8192 on a GPU. At most 2^20.
     pub max_batched_tokens: u32,
     /// Most requests in one step. 0 (the default) = automatic: 64 on the
-    /// CPU, 256 on a GPU.
+    /// CPU, 256 on a GPU. At most 65536.
     pub max_seqs: u32,
     /// Longest prefill piece of one request in one step. 0 (the default) =
-    /// the step's token budget.
+    /// the step's token budget. At most 2^20.
     pub prefill_chunk_size: u32,
     /// `NI_SCHEDULE_*`; default FCFS.
     pub policy: ni_schedule_policy,
@@ -309,7 +314,9 @@ pub unsafe extern "C" fn ni_session_params_init(params: *mut ni_session_params) 
 ///
 /// On success `*out_session` receives a handle to free with
 /// `ni_session_free`. Fails with `NI_ERR_OUT_OF_MEMORY` when the KV budget
-/// cannot hold one context.
+/// cannot hold one context, or when an explicit KV size does not fit in the
+/// memory available to the process (see `kv_memory_bytes`), and with
+/// `NI_ERR_INVALID_ARGUMENT` for a size beyond its documented limit.
 /// Thread-safety: any thread; several sessions may share one model and be
 /// driven from different threads at once.
 #[no_mangle]
