@@ -271,7 +271,7 @@ fn huge_request_sizes_are_refused_before_copying() {
     let (status, msg) = add(s, &r);
     assert_eq!(status, NI_ERR_INVALID_ARGUMENT);
     assert!(
-        msg.contains("n_prompt_tokens is 8193") && msg.contains("limit of 8192"),
+        msg.contains("n_prompt_tokens is 8193") && msg.contains("context length 8192"),
         "{msg}"
     );
 

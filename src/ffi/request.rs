@@ -155,14 +155,29 @@ pub(crate) unsafe fn to_engine(p: &ni_request_params, model: &Model) -> Result<R
     // Counts are checked before anything is copied or tokenized; the
     // engine's own checks (ranges, duplicates, prompt + max_tokens against
     // the context and the KV capacity) follow on the copies.
-    for (name, n, max) in [
-        ("n_prompt_tokens", p.n_prompt_tokens, context),
-        ("n_logit_bias", p.n_logit_bias, vocab),
-        ("n_stop_token_ids", p.n_stop_token_ids, vocab),
-        ("n_stop_strings", p.n_stop_strings, MAX_STOP_STRINGS),
+    for (name, n, limit, max) in [
+        (
+            "n_prompt_tokens",
+            p.n_prompt_tokens,
+            "the model's context length",
+            context,
+        ),
+        ("n_logit_bias", p.n_logit_bias, "the vocabulary size", vocab),
+        (
+            "n_stop_token_ids",
+            p.n_stop_token_ids,
+            "the vocabulary size",
+            vocab,
+        ),
+        (
+            "n_stop_strings",
+            p.n_stop_strings,
+            "the limit of",
+            MAX_STOP_STRINGS,
+        ),
     ] {
         if n > max {
-            bail_arg!("request.{name} is {n}, more than the limit of {max}");
+            bail_arg!("request.{name} is {n}, more than {limit} {max}");
         }
     }
     let prompt = if !p.prompt_text.is_null() {
