@@ -260,7 +260,7 @@ fn huge_request_sizes_are_refused_before_copying() {
         vocab + 1
     ];
     let stop = CString::new("x").unwrap();
-    let many_stops = vec![stop.as_ptr(); 17];
+    let many_stops = [stop.as_ptr(); 17];
     let long_stop = CString::new("y".repeat(1 << 20)).unwrap();
     let long_stops = [long_stop.as_ptr()];
     let prompt = [1u32, 2, 3];
