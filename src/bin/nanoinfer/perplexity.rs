@@ -5,7 +5,9 @@
 use crate::args::Args;
 use crate::session_opts::{load_model, MODEL_OPTS};
 use nanoinfer::engine::eval::perplexity;
+use nanoinfer::untrusted_file;
 use serde_json::json;
+use std::path::Path;
 
 pub const FLAGS: &[&str] = &["json"];
 
@@ -13,8 +15,8 @@ pub fn run(a: &Args) -> Result<(), String> {
     a.check_known(&[MODEL_OPTS, FLAGS, &["file", "max-tokens"]].concat())?;
     let path = a.get("file").ok_or("--file PATH is required")?;
     let max_tokens: usize = a.parse_or("max-tokens", 1024)?;
-    let text =
-        std::fs::read_to_string(path).map_err(|e| format!("cannot read --file {path}: {e}"))?;
+    let text = untrusted_file::read_text(Path::new(path), untrusted_file::MAX_INPUT_TEXT_BYTES)
+        .map_err(|e| format!("--file: {e}"))?;
     let model = load_model(a)?;
     let mut ids = model
         .tokenizer()
