@@ -16,5 +16,6 @@ pub mod sampling;
 pub mod sysinfo;
 pub mod tensor;
 pub mod tokenizer;
+pub mod untrusted_file;
 
 pub use error::{Error, ErrorKind, Result};

@@ -7,7 +7,7 @@ use crate::backend::Device;
 use crate::model::config::token_ids;
 use crate::model::{CpuDecoder, Decoder, DeviceDecoder, ModelConfig, QuantMode, WeightDType};
 use crate::tokenizer::Tokenizer;
-use crate::{Error, Result};
+use crate::{untrusted_file, Error, Result};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -128,11 +128,15 @@ impl Model {
 }
 
 fn eos_ids(dir: &Path, config: &ModelConfig, tokenizer: Option<&Tokenizer>) -> Vec<u32> {
-    let from_gen = std::fs::read_to_string(dir.join("generation_config.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-        .map(|v| token_ids(v.get("eos_token_id")))
-        .unwrap_or_default();
+    // An unreadable generation config only loses its EOS ids, as a missing one does.
+    let from_gen = untrusted_file::read_text(
+        &dir.join("generation_config.json"),
+        untrusted_file::MAX_CONFIG_BYTES,
+    )
+    .ok()
+    .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+    .map(|v| token_ids(v.get("eos_token_id")))
+    .unwrap_or_default();
     if !from_gen.is_empty() {
         return from_gen;
     }

@@ -1,7 +1,7 @@
 //! `config.json` of a HuggingFace causal LM, validated into `ModelConfig`.
 
 use super::quant_int4::Int4;
-use crate::{bail_model, Error, Result};
+use crate::{bail_model, untrusted_file, Error, Result};
 use serde_json::Value;
 use std::path::Path;
 
@@ -160,7 +160,7 @@ fn parse_rope_scaling(v: Option<&Value>) -> Result<RopeScaling> {
 impl ModelConfig {
     pub fn from_dir(dir: &Path) -> Result<ModelConfig> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(path.display(), e))?;
+        let text = untrusted_file::read_text(&path, untrusted_file::MAX_CONFIG_BYTES)?;
         Self::from_json(&text)
     }
 

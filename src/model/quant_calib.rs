@@ -13,7 +13,7 @@ use crate::backend::cpu::{matmul, Matrix, MatrixData, ThreadPool};
 use crate::kv::KvMapping;
 use crate::tensor::HostSlice;
 use crate::tokenizer::Tokenizer;
-use crate::{bail_arg, Error, Result};
+use crate::{bail_arg, untrusted_file, Error, Result};
 use std::path::Path;
 
 /// Calibration tokens used unless told otherwise (`--calib-tokens`).
@@ -49,12 +49,7 @@ impl Calibration {
     /// [`Calibration::from_text`] of a UTF-8 text file, tokenized with the
     /// tokenizer of `model_dir`.
     pub fn from_file(model_dir: &Path, path: &Path, max_tokens: usize) -> Result<Calibration> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            Error::io(
-                format!("cannot read calibration file {}", path.display()),
-                e,
-            )
-        })?;
+        let text = untrusted_file::read_text(path, untrusted_file::MAX_INPUT_TEXT_BYTES)?;
         if text.trim().is_empty() {
             bail_arg!("calibration file {} is empty", path.display());
         }

@@ -13,7 +13,7 @@ use super::quant_int4::{Int4, Int4Format};
 use super::safetensors::WeightFiles;
 use crate::backend::cpu::ThreadPool;
 use crate::tensor::DType;
-use crate::{bail_arg, Error, Result};
+use crate::{bail_arg, untrusted_file, Error, Result};
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -274,7 +274,7 @@ fn write_quantization_config(
     qc: serde_json::Value,
 ) -> Result<()> {
     let src = model_dir.join("config.json");
-    let text = std::fs::read_to_string(&src).map_err(|e| Error::io(src.display(), e))?;
+    let text = untrusted_file::read_text(&src, untrusted_file::MAX_CONFIG_BYTES)?;
     let mut v: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| Error::invalid_model(format!("config.json is not valid JSON: {e}")))?;
     let obj = v

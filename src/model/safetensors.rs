@@ -22,7 +22,7 @@ use super::safetensors_header::{parse_header, Header, HEADER_LEN_BYTES, MAX_HEAD
 use super::safetensors_json::{first_duplicate_key, Json};
 pub use super::safetensors_view::{MappedTensor, TensorView};
 use crate::tensor::dtype::SafetensorsDType;
-use crate::{bail_model, Error, ErrorKind, Result};
+use crate::{bail_model, untrusted_file, Error, ErrorKind, Result};
 
 pub const SINGLE_FILE: &str = "model.safetensors";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -308,7 +308,7 @@ impl WeightFiles {
 /// Reads and validates a file's header, then maps the file.
 fn open_shard(path: &Path) -> Result<(Shard, Header)> {
     let p = path.display();
-    let file = File::open(path).map_err(|e| Error::io(format!("cannot open {p}"), e))?;
+    let file = untrusted_file::open(path)?;
     let file_len = file
         .metadata()
         .map_err(|e| Error::io(format!("cannot stat {p}"), e))?
@@ -396,7 +396,7 @@ fn read_weight_map(index_path: &Path) -> Result<BTreeMap<String, String>> {
     if len > MAX_INDEX_BYTES {
         bail_model!("{ix}: index file is {len} bytes, over the {MAX_INDEX_BYTES}-byte limit");
     }
-    let bytes = std::fs::read(index_path).map_err(|e| Error::io(format!("cannot read {ix}"), e))?;
+    let bytes = untrusted_file::read(index_path, MAX_INDEX_BYTES)?;
     let root =
         Json::parse(&bytes).map_err(|e| Error::invalid_model(format!("{ix}: index is {e}")))?;
     let Json::Object(top) = root else {

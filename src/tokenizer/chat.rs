@@ -8,10 +8,16 @@
 //! configures minijinja to behave the same, including Python's way of printing values.
 
 use super::pyfmt::{self, JsonOptions};
+use super::sandbox::{self, RenderScope};
 use super::SpecialTokens;
 use crate::{Error, Result};
+use minijinja::machinery::{
+    make_string_output, CompiledTemplate, Instructions, TemplateConfig, Vm, WhitespaceConfig,
+};
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{AutoEscape, Environment, ErrorKind, Value};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 const TEMPLATE_NAME: &str = "chat_template";
 
@@ -31,9 +37,13 @@ impl ChatMessage {
     }
 }
 
-/// A compiled chat template plus the special tokens it is rendered with.
+/// A chat template plus the special tokens it is rendered with. It is compiled
+/// when created (syntax errors surface then) and again, with the sandbox's
+/// checks woven in, for each render (see `sandbox`).
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The template text after the `{% generation %}` rewrite and `sandbox::prepare`.
+    source: String,
     /// Where the template came from, for error messages (e.g. "tokenizer_config.json").
     origin: String,
     special: SpecialTokens,
@@ -50,36 +60,50 @@ impl std::fmt::Debug for ChatTemplate {
 impl ChatTemplate {
     /// Compiles `source`; `origin` names where it came from in error messages.
     pub fn new(source: &str, origin: &str, special: SpecialTokens) -> Result<Self> {
+        if source.len() > sandbox::MAX_SOURCE_BYTES {
+            return Err(Error::invalid_model(format!(
+                "chat template from {origin} is {} bytes, over the limit of {} bytes",
+                source.len(),
+                sandbox::MAX_SOURCE_BYTES
+            )));
+        }
         let mut env = Environment::new();
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        env.set_keep_trailing_newline(false);
-        env.set_auto_escape_callback(|_| AutoEscape::None);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        sandbox::install(&mut env);
         env.set_formatter(|out, _state, value| {
-            out.write_str(&pyfmt::python_str(value))
-                .map_err(minijinja::Error::from)
+            sandbox::reserve_print(value)?;
+            let text = pyfmt::python_str(value);
+            sandbox::charge_text(&text, "output")?;
+            out.write_str(&text).map_err(minijinja::Error::from)
         });
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
-        env.add_template_owned(TEMPLATE_NAME, rewrite_generation_tags(source))
-            .map_err(|e| {
-                Error::invalid_model(format!(
-                    "chat template from {origin} does not compile: {}",
-                    describe(&e)
-                ))
+        let source =
+            sandbox::prepare(&rewrite_generation_tags(source), WS_CONFIG).map_err(|e| {
+                Error::invalid_model(format!("chat template from {origin} is too complex: {e}"))
             })?;
-        Ok(ChatTemplate {
+        let template = ChatTemplate {
             env,
+            source,
             origin: origin.to_string(),
             special,
-        })
+        };
+        compile(&template.source).map_err(|e| {
+            Error::invalid_model(format!(
+                "chat template from {origin} does not compile: {}",
+                describe(&e)
+            ))
+        })?;
+        Ok(template)
     }
 
     /// Renders `messages`; with `add_generation_prompt` the text ends with the
     /// assistant's turn header so the model continues as the assistant.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        let input_bytes: usize = messages
+            .iter()
+            .map(|m| m.role.len() + m.content.len())
+            .sum();
         let messages: Vec<Value> = messages
             .iter()
             .map(|m| {
@@ -104,34 +128,49 @@ impl ChatTemplate {
                 Value::from(self.special.additional.clone()),
             ));
         }
-        let template = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| Error::internal(format!("compiled chat template is missing: {e}")))?;
         let ctx = Value::from_iter(ctx);
+        let _budget = RenderScope::enter(input_bytes);
+        let mut out = String::new();
         // minijinja 2.24 (and 3.0) panics on reverse slices of empty sequences, e.g.
         // `messages[::-1]` with no messages; the environment is only read here, so
         // nothing is left inconsistent by unwinding out of it.
-        let rendered =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| template.render(ctx)))
-                .map_err(|panic| {
-                    let what = panic
-                        .downcast_ref::<String>()
-                        .map(String::as_str)
-                        .or_else(|| panic.downcast_ref::<&str>().copied())
-                        .unwrap_or("unknown panic");
-                    Error::invalid_arg(format!(
-                        "chat template from {} failed to render: template engine error: {what}",
-                        self.origin
-                    ))
-                })?;
+        let rendered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let compiled = compile(&self.source)?;
+            let instructions = sandbox::harden(&compiled.instructions);
+            let blocks: BTreeMap<&str, Instructions<'_>> = compiled
+                .blocks
+                .iter()
+                .map(|(name, block)| (*name, sandbox::harden(block)))
+                .collect();
+            Vm::new(&self.env)
+                .eval(
+                    &instructions,
+                    ctx,
+                    &blocks,
+                    &mut make_string_output(&mut out),
+                    AutoEscape::None,
+                )
+                .map(drop)
+        }))
+        .map_err(|panic| {
+            let what = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("unknown panic");
+            Error::invalid_arg(format!(
+                "chat template from {} failed to render: template engine error: {what}",
+                self.origin
+            ))
+        })?;
         rendered.map_err(|e| {
             Error::invalid_arg(format!(
                 "chat template from {} failed to render: {}",
                 self.origin,
                 describe(&e)
             ))
-        })
+        })?;
+        Ok(out)
     }
 
     pub fn origin(&self) -> &str {
@@ -139,9 +178,36 @@ impl ChatTemplate {
     }
 }
 
-/// The error and its causes on one line.
+/// transformers' whitespace settings.
+const WS_CONFIG: WhitespaceConfig = WhitespaceConfig {
+    keep_trailing_newline: false,
+    lstrip_blocks: true,
+    trim_blocks: true,
+};
+
+/// Compiles with transformers' settings (see `WS_CONFIG`), without auto-escaping.
+fn compile(source: &str) -> std::result::Result<CompiledTemplate<'_>, minijinja::Error> {
+    let config = TemplateConfig {
+        syntax_config: Default::default(),
+        ws_config: WS_CONFIG,
+        default_auto_escape: Arc::new(|_: &str| AutoEscape::None),
+    };
+    CompiledTemplate::new(TEMPLATE_NAME, source, &config)
+}
+
+/// The error and its causes on one line, with the limit named when one was hit.
 fn describe(err: &minijinja::Error) -> String {
-    let mut msg = err.to_string();
+    let mut msg = match err.kind() {
+        ErrorKind::OutOfFuel => format!(
+            "step limit of {} instructions exceeded: {err}",
+            sandbox::FUEL
+        ),
+        _ if err.to_string().contains("recursion limit") => format!(
+            "recursion limit of {} exceeded: {err}",
+            sandbox::MAX_RECURSION
+        ),
+        _ => err.to_string(),
+    };
     let mut source = std::error::Error::source(err);
     while let Some(cause) = source {
         msg.push_str(": ");
@@ -240,7 +306,17 @@ fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<String, minijinj
         separators,
         sort_keys.unwrap_or(false),
     );
-    pyfmt::json_dumps(value, &opts)
+    // Separators and indentation are added per item, the indentation once per level.
+    let per_item = opts.item_separator.len()
+        + opts.key_separator.len()
+        + opts
+            .indent
+            .as_ref()
+            .map_or(0, |i| i.len() * sandbox::MAX_DEPTH + 1);
+    sandbox::reserve_json(value, per_item)?;
+    let json = pyfmt::json_dumps(value, &opts)?;
+    sandbox::charge_text(&json, "tojson")?;
+    Ok(json)
 }
 
 /// `datetime.now().strftime(format)`: local time through the C library, as CPython does.
@@ -364,6 +440,103 @@ mod tests {
         let date = render("{{ strftime_now('%d %b %Y') }}", &[], false).unwrap();
         assert_eq!(date.len(), 11, "{date}");
         assert_eq!(render("{{ strftime_now('') }}", &[], false).unwrap(), "");
+    }
+
+    /// Each hostile template fails quickly with an error naming the origin and the limit.
+    #[test]
+    fn hostile_templates_hit_limits() {
+        let msgs = [ChatMessage::new("user", "hi")];
+        let cases = [
+            ("{{ '%999999999999999s' | format('x') }}", "format width"),
+            ("{{ '{:>999999999}'.format('x') }}", "format width"),
+            ("{{ 'x' | indent(1000000000000) }}", "indent width"),
+            ("{{ 'x' * 1000000000000000000 }}", "render budget"),
+            ("{{ ([1] * 1000000000) | list | length }}", "100000 items"),
+            ("{{ [1] | batch(1000000000000, 0) | list }}", "100000 items"),
+            (
+                "{% set ns = namespace(s='xxxxxxxx') %}{% for i in range(64) %}\
+                 {% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}",
+                "render budget",
+            ),
+            (
+                "{% set ns = namespace(s='xxxxxxxx') %}{% for i in range(64) %}\
+                 {% set ns.s = ns.s + ns.s %}{% endfor %}",
+                "render budget",
+            ),
+            (
+                "{% set ns = namespace(s='ab') %}{% for i in range(64) %}\
+                 {% set ns.s = ns.s.replace('a', ns.s) %}{% endfor %}",
+                "render budget",
+            ),
+            (
+                "{% set ns = namespace(s=['ab']) %}{% for i in range(64) %}\
+                 {% set ns.s = [ns.s, ns.s] | join %}{% endfor %}",
+                "render budget",
+            ),
+            (
+                "{% set ns = namespace(x=1) %}{% for i in range(1000) %}\
+                 {% set ns.x = [ns.x] %}{% endfor %}",
+                "nested deeper",
+            ),
+            (
+                "{% for a in range(100000) %}{% for b in range(100000) %}\
+                 {% endfor %}{% endfor %}",
+                "step limit",
+            ),
+            (
+                "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+                "recursion limit",
+            ),
+            (
+                "{% macro d(s) %}{{ s }}{{ s }}{% endmacro %}{% set ns = namespace(s='x') %}\
+                 {% for i in range(64) %}{% set ns.s = d(ns.s) %}{% endfor %}",
+                "render budget",
+            ),
+            (
+                "{% for i in range(100000) %}{% for j in range(100000) %}\
+                 0123456789012345678901234567890123456789012345678901234567890123\
+                 {% endfor %}{% endfor %}",
+                "step limit",
+            ),
+            (
+                "{% set big = 'x' * 10000 %}{% for i in range(100000) %}{{ big }}{% endfor %}",
+                "render budget",
+            ),
+        ];
+        for (source, limit) in cases {
+            let started = std::time::Instant::now();
+            let err = ChatTemplate::new(source, "hostile.jinja", SpecialTokens::default())
+                .and_then(|t| t.render(&msgs, true))
+                .unwrap_err();
+            assert!(
+                err.message.contains("hostile.jinja") && err.message.contains(limit),
+                "{source}: {}",
+                err.message
+            );
+            assert!(
+                started.elapsed().as_secs() < 5,
+                "{source} took {:?}",
+                started.elapsed()
+            );
+        }
+    }
+
+    #[test]
+    fn oversized_and_deeply_nested_sources_do_not_compile() {
+        let big = "x".repeat(sandbox::MAX_SOURCE_BYTES + 1);
+        let err = ChatTemplate::new(&big, "big.jinja", SpecialTokens::default()).unwrap_err();
+        assert!(err.message.contains("big.jinja") && err.message.contains("limit"));
+        let deep = format!("{{{{ {}1{} }}}}", "(".repeat(100_000), ")".repeat(100_000));
+        let chain = format!("{{{{ x{} }}}}", "~1".repeat(100_000));
+        for source in [deep, chain] {
+            let err = ChatTemplate::new(&source, "deep.jinja", SpecialTokens::default());
+            assert!(err.unwrap_err().message.contains("deep.jinja"));
+        }
+        // Constant repetition is not folded at compile time, where no budget applies.
+        let folded = format!("{{{{ 'x' * 99999999{} }}}}", " ~ 'x' * 99999999".repeat(50));
+        let t = ChatTemplate::new(&folded, "fold.jinja", SpecialTokens::default()).unwrap();
+        let err = t.render(&[], false).unwrap_err();
+        assert!(err.message.contains("render budget"), "{}", err.message);
     }
 
     #[test]

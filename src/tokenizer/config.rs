@@ -1,6 +1,6 @@
 //! `tokenizer_config.json` and the chat template files next to it.
 
-use crate::{bail_model, Error, Result};
+use crate::{bail_model, untrusted_file, Error, Result};
 use serde_json::Value as Json;
 use std::path::Path;
 
@@ -63,11 +63,12 @@ pub struct TokenizerConfig {
 }
 
 fn read_text(path: &Path) -> Result<Option<String>> {
-    match std::fs::read_to_string(path) {
-        Ok(text) => Ok(Some(text)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(Error::io(format!("cannot read {}", path.display()), e)),
-    }
+    let cap = if path.extension().is_some_and(|e| e == "jinja") {
+        untrusted_file::MAX_TEMPLATE_BYTES
+    } else {
+        untrusted_file::MAX_CONFIG_BYTES
+    };
+    untrusted_file::read_text_if_exists(path, cap)
 }
 
 fn parse_json(path: &Path, text: &str) -> Result<Json> {

@@ -2,7 +2,7 @@
 
 use super::chat::{ChatMessage, ChatTemplate};
 use super::config::{SpecialTokens, TemplateSource, TokenizerConfig};
-use crate::{bail_arg, Error, Result};
+use crate::{bail_arg, untrusted_file, Error, Result};
 use std::collections::HashSet;
 use std::path::Path;
 use tokenizers::PostProcessor;
@@ -67,8 +67,7 @@ impl Tokenizer {
     /// `tokenizer_config.json`, `chat_template.json` and `chat_template.jinja` are optional.
     pub fn from_dir(dir: &Path) -> Result<Tokenizer> {
         let path = dir.join(TOKENIZER_FILE);
-        let bytes = std::fs::read(&path)
-            .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+        let bytes = untrusted_file::read(&path, untrusted_file::MAX_TOKENIZER_BYTES)?;
         let inner = contain(|| tokenizers::Tokenizer::from_bytes(&bytes))
             .and_then(|r| r.map_err(|e| e.to_string()))
             .map_err(|e| {

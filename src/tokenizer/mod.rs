@@ -12,6 +12,7 @@ mod chat;
 mod config;
 mod hf;
 mod pyfmt;
+mod sandbox;
 mod stream;
 
 pub use chat::{ChatMessage, ChatTemplate};

@@ -6,8 +6,10 @@ use crate::session_opts::{
 };
 use nanoinfer::engine::{Event, FinishReason, RequestParams, Session, TokenLogprob};
 use nanoinfer::tokenizer::ChatMessage;
+use nanoinfer::untrusted_file;
 use serde_json::json;
 use std::io::Write;
+use std::path::Path;
 use std::time::Instant;
 
 pub const FLAGS: &[&str] = &[
@@ -168,8 +170,8 @@ fn prompt_ids(a: &Args, model: &nanoinfer::engine::Model) -> Result<Vec<Vec<u32>
     }
     let mut texts: Vec<String> = a.all("prompt").to_vec();
     if let Some(path) = a.get("prompts-file") {
-        let body = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read --prompts-file {path}: {e}"))?;
+        let body = untrusted_file::read_text(Path::new(path), untrusted_file::MAX_INPUT_TEXT_BYTES)
+            .map_err(|e| format!("--prompts-file: {e}"))?;
         texts.extend(
             body.lines()
                 .filter(|l| !l.trim().is_empty())

@@ -5,9 +5,11 @@
 use crate::args::Args;
 use crate::session_opts::{load_model, MODEL_OPTS};
 use nanoinfer::engine::eval::perplexity;
+use nanoinfer::untrusted_file;
 use serde_json::json;
 use std::fs::File;
 use std::io::Read;
+use std::path::Path;
 
 pub const FLAGS: &[&str] = &["json"];
 
@@ -15,7 +17,9 @@ pub fn run(a: &Args) -> Result<(), String> {
     a.check_known(&[MODEL_OPTS, FLAGS, &["file", "max-tokens"]].concat())?;
     let path = a.get("file").ok_or("--file PATH is required")?;
     let max_tokens: usize = a.parse_or("max-tokens", 1024)?;
-    let file = File::open(path).map_err(|e| format!("cannot read --file {path}: {e}"))?;
+    // Opened as untrusted input (a FIFO or device is refused, not read);
+    // only the prefix that can matter is read below.
+    let file = untrusted_file::open(Path::new(path)).map_err(|e| format!("--file: {e}"))?;
     let model = load_model(a)?;
     let context = model.config().max_position_embeddings;
     if max_tokens > context {
