@@ -10,12 +10,11 @@
 //! (their errors are amplified by the attention softmax).
 
 use super::config::ModelConfig;
-use super::quant_calib::{dense_matrix, par_chunks, CalibForward, LayerWeights, Linear, Stage};
+use super::quant_calib::{par_chunks, CalibForward, LayerWeights, Linear, Stage};
 use super::quant_int4::{fake_quantize, Int4, Int4Weights};
-use super::quant_linalg::gram;
+use crate::backend::cpu::exact::{self, gram};
 use crate::backend::cpu::q4::groups_per_row;
-use crate::backend::cpu::vector::dot;
-use crate::backend::cpu::{matmul, Matrix, ThreadPool};
+use crate::backend::cpu::ThreadPool;
 use crate::{bail_arg, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -173,9 +172,14 @@ pub fn search_scales(
             Some(wm) => x_mean
                 .iter()
                 .zip(wm)
-                .map(|(&m, &w)| (m.powf(alpha) / (w.powf(1.0 - alpha) + 1e-4)).max(1e-4))
+                .map(|(&m, &w)| {
+                    (exact::powf(m, alpha) / (exact::powf(w, 1.0 - alpha) + 1e-4)).max(1e-4)
+                })
                 .collect(),
-            None => x_mean.iter().map(|&m| m.powf(alpha).max(1e-4)).collect(),
+            None => x_mean
+                .iter()
+                .map(|&m| exact::powf(m, alpha).max(1e-4))
+                .collect(),
         };
         let (lo, hi) = s
             .iter()
@@ -183,16 +187,11 @@ pub fn search_scales(
         let norm = (lo * hi).sqrt();
         s.iter_mut().for_each(|v| *v /= norm);
         // δ = W − Q(W·diag(s))·diag(1/s) for each linear; loss = ‖X δᵀ‖².
-        let mut deltas = Vec::with_capacity(ws.len());
-        for &(w, rows) in ws {
-            deltas.push(dense_matrix(
-                rows,
-                cols,
-                &scaled_delta(pool, format, w, cols, &s)?,
-            ));
+        let mut deltas = Vec::with_capacity(out_width * cols);
+        for &(w, _) in ws {
+            deltas.extend(scaled_delta(pool, format, w, cols, &s)?);
         }
-        let refs: Vec<&Matrix> = deltas.iter().collect();
-        matmul(pool, &xs, n, &refs, &mut out);
+        exact::matmul(pool, &xs, cols, &deltas, &mut out);
         let loss: f64 = out.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / out.len() as f64;
         if k == 0 {
             rtn_loss = loss;
@@ -230,7 +229,6 @@ pub fn search_clip(
             .flat_map(|r| r[c0..c1].iter().copied())
             .collect();
         let hg = gram(pool, &xg, inputs.n, gs);
-        let hm = dense_matrix(gs, gs, &hg);
         let orig: Vec<f32> = w
             .chunks_exact(cols)
             .flat_map(|r| r[c0..c1].iter().copied())
@@ -258,9 +256,9 @@ pub fn search_clip(
                 }
                 Ok(())
             })?;
-            matmul(pool, &delta, rows, &[&hm], &mut hd);
+            exact::matmul(pool, &delta, gs, &hg, &mut hd);
             for (r, (d, e)) in delta.chunks_exact(gs).zip(hd.chunks_exact(gs)).enumerate() {
-                let err = dot(d, e) as f64;
+                let err = exact::dot(d, e);
                 if err < best[r].0 {
                     best[r] = (err, amax[r] * shrink);
                 }

@@ -7,10 +7,11 @@
 use super::config::ModelConfig;
 use super::decoder::attn_shape;
 use super::safetensors::WeightFiles;
-use crate::backend::cpu::attention::{attention, AttnSeq};
-use crate::backend::cpu::ops::{add_in_place, apply_rope, rms_norm, rms_norm_in_place, silu_mul};
-use crate::backend::cpu::{matmul, Matrix, MatrixData, ThreadPool};
-use crate::kv::KvMapping;
+use crate::backend::cpu::exact::{
+    self, attention, rms_norm, rms_norm_in_place, silu_mul, Heads, Span,
+};
+use crate::backend::cpu::ops::{add_in_place, apply_rope};
+use crate::backend::cpu::{Matrix, MatrixData, ThreadPool};
 use crate::tensor::HostSlice;
 use crate::tokenizer::Tokenizer;
 use crate::{bail_arg, untrusted_file, Error, Result};
@@ -49,7 +50,8 @@ impl Calibration {
     /// [`Calibration::from_text`] of a UTF-8 text file, tokenized with the
     /// tokenizer of `model_dir`.
     pub fn from_file(model_dir: &Path, path: &Path, max_tokens: usize) -> Result<Calibration> {
-        let text = untrusted_file::read_text(path, untrusted_file::MAX_INPUT_TEXT_BYTES)?;
+        let text = untrusted_file::read_text(path, untrusted_file::MAX_INPUT_TEXT_BYTES)
+            .map_err(|e| Error::invalid_arg(format!("calibration file: {}", e.message)))?;
         if text.trim().is_empty() {
             bail_arg!("calibration file {} is empty", path.display());
         }
@@ -251,8 +253,8 @@ pub struct CalibForward<'a> {
     /// `[tokens, head_dim/2]` RoPE tables of every row's position.
     cos: Vec<f32>,
     sin: Vec<f32>,
-    /// Row index of every token: its KV slot in the per-layer K/V arrays.
-    slots: Vec<u32>,
+    /// Calibration tokens in all sequences.
+    tokens: usize,
 }
 
 impl<'a> CalibForward<'a> {
@@ -267,10 +269,11 @@ impl<'a> CalibForward<'a> {
             spans.push((row, s.len()));
             for pos in 0..s.len() {
                 for (j, &f) in inv_freq.iter().enumerate() {
-                    // As the decoder computes it (f32 angle).
-                    let angle = f * pos as f32;
-                    cos[(row + pos) * half + j] = angle.cos();
-                    sin[(row + pos) * half + j] = angle.sin();
+                    // The decoder's f32 angle; its sine and cosine from the
+                    // reproducible kernels (the C library's vary by CPU).
+                    let (s, c) = exact::sin_cos(f64::from(f * pos as f32));
+                    cos[(row + pos) * half + j] = c as f32;
+                    sin[(row + pos) * half + j] = s as f32;
                 }
             }
             row += s.len();
@@ -281,12 +284,12 @@ impl<'a> CalibForward<'a> {
             spans,
             cos,
             sin,
-            slots: (0..n as u32).collect(),
+            tokens: n,
         }
     }
 
     pub fn tokens(&self) -> usize {
-        self.slots.len()
+        self.tokens
     }
 
     pub fn pool(&self) -> &ThreadPool {
@@ -316,16 +319,12 @@ impl<'a> CalibForward<'a> {
 
     /// `out = x · [w of each linear]ᵀ`, side by side.
     fn project(&self, l: &LayerWeights, linears: &[Linear], x: &[f32], out: &mut [f32]) {
-        let c = self.config;
-        let mats: Vec<Matrix> = linears
+        let cols = linears[0].shape(self.config).1;
+        let w: Vec<f32> = linears
             .iter()
-            .map(|&li| {
-                let (rows, cols) = li.shape(c);
-                dense_matrix(rows, cols, l.weight(li))
-            })
+            .flat_map(|&li| l.weight(li).iter().copied())
             .collect();
-        let refs: Vec<&Matrix> = mats.iter().collect();
-        matmul(self.pool, x, self.tokens(), &refs, out);
+        exact::matmul(self.pool, x, cols, &w, out);
     }
 
     /// Runs block `l` on `h` (`[tokens, hidden]`, replaced by the block's
@@ -378,20 +377,21 @@ impl<'a> CalibForward<'a> {
             keys[row * nkv..(row + 1) * nkv].copy_from_slice(k);
             values[row * nkv..(row + 1) * nkv].copy_from_slice(v);
         }
-        let seqs: Vec<AttnSeq<'_>> = self
+        let spans: Vec<Span> = self
             .spans
             .iter()
-            .map(|&(start, len)| AttnSeq {
-                start,
-                len,
-                context_len: 0,
-                kv: KvMapping::Slots(&self.slots[start..start + len]),
-            })
+            .map(|&(start, len)| Span { start, len })
             .collect();
         let shape = attn_shape(c);
+        let heads = Heads {
+            n_heads: shape.n_heads,
+            n_kv_heads: shape.n_kv_heads,
+            head_dim: shape.head_dim,
+            scale: shape.scale,
+        };
         let mut attn = vec![0f32; n * nq];
         attention(
-            self.pool, &shape, &seqs, &qkv, width, &keys, &values, &mut attn,
+            self.pool, &heads, &spans, &qkv, width, &keys, &values, &mut attn,
         );
         drop((qkv, keys, values));
 
@@ -500,7 +500,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            missing.contains("cannot read calibration file"),
+            missing.contains("calibration file") && missing.contains("no-such-calib.txt"),
             "{missing}"
         );
         let empty =

@@ -16,8 +16,8 @@
 use super::quant_calib::{CalibForward, LayerWeights, Stage};
 use super::quant_int4::{fake_quantize, quantize_value, Int4, Int4Weights};
 use super::quant_linalg::{gram, inverse_upper_cholesky};
+use crate::backend::cpu::exact::{axpy, multiversion};
 use crate::backend::cpu::q4::groups_per_row;
-use crate::backend::cpu::vector::axpy;
 use crate::backend::cpu::ThreadPool;
 use crate::{bail_arg, Result};
 use std::sync::Mutex;
@@ -74,21 +74,21 @@ pub fn gptq(
         (0..cols).collect()
     };
     // H and W with inputs in quantization order.
-    let mut hp = vec![0f32; cols * cols];
+    let mut hp = vec![0f64; cols * cols];
     for (i, &pi) in perm.iter().enumerate() {
         for (j, &pj) in perm.iter().enumerate() {
-            hp[i * cols + j] = h[pi * cols + pj];
+            hp[i * cols + j] = f64::from(h[pi * cols + pj]);
         }
         if dead[pi] {
             hp[i * cols + i] = 1.0;
         }
     }
-    let mean_diag = (0..cols).map(|i| hp[i * cols + i] as f64).sum::<f64>() / cols as f64;
+    let mean_diag = (0..cols).map(|i| hp[i * cols + i]).sum::<f64>() / cols as f64;
     let mut damp = opts.damp as f64 * mean_diag;
     let hinv = loop {
         let mut damped = hp.clone();
         for i in 0..cols {
-            damped[i * cols + i] += damp as f32;
+            damped[i * cols + i] += damp;
         }
         match inverse_upper_cholesky(&damped, cols) {
             Ok(u) => break u,
@@ -156,9 +156,16 @@ pub fn gptq(
     })
 }
 
-/// GPTQ of the rows of one tile (`w`: `[tile rows, cols]`, in quantization order).
+multiversion!(
+    /// GPTQ of the rows of one tile (`w`: `[tile rows, cols]`, in quantization order).
+    #[allow(clippy::too_many_arguments)]
+    fn quantize_tile(format: &Int4, cols: usize, group: usize, ng: usize, hinv: &[f32], w: &mut [f32], q: &mut [u8], zeros: &mut [u8], scales: &mut [u16]) -> Result<()> = quantize_tile_body
+);
+
+/// The body of [`quantize_tile`], compiled per vector width (the same bits on every CPU).
 #[allow(clippy::too_many_arguments)]
-fn quantize_tile(
+#[inline(always)]
+fn quantize_tile_body(
     format: &Int4,
     cols: usize,
     group: usize,

@@ -1,38 +1,32 @@
 //! Small dense linear algebra for the calibrated quantizers: Gram matrices
-//! of activations, Cholesky factors and the upper Cholesky factor of an
-//! inverse (GPTQ's `Hinv`). Row-major f32 throughout, like GPTQ itself.
+//! of activations (from the reproducible kernels), Cholesky factors and the
+//! upper Cholesky factor of an inverse (GPTQ's `Hinv`). Row-major; the
+//! factorizations run in f64 in a fixed order, so they give the same bits on
+//! every CPU.
 
-use super::quant_calib::dense_matrix;
-use crate::backend::cpu::vector::{axpy, dot};
-use crate::backend::cpu::{matmul, ThreadPool};
+pub use crate::backend::cpu::exact::gram;
+use crate::backend::cpu::exact::{dot64, multiversion};
 use crate::{bail_arg, Result};
 
-/// `xᵀ x` of `x` (`[n, cols]`), `[cols, cols]`.
-pub fn gram(pool: &ThreadPool, x: &[f32], n: usize, cols: usize) -> Vec<f32> {
-    let xt = transpose(x, n, cols);
-    let m = dense_matrix(cols, n, &xt);
-    let mut out = vec![0f32; cols * cols];
-    matmul(pool, &xt, cols, &[&m], &mut out);
-    out
-}
-
-/// `[rows, cols]` → `[cols, rows]`.
-pub fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut t = vec![0f32; rows * cols];
-    for r in 0..rows {
-        for c in 0..cols {
-            t[c * rows + r] = x[r * cols + c];
-        }
+/// `y[i] += alpha · x[i]` in f64.
+#[inline(always)]
+fn axpy64(alpha: f64, x: &[f64], y: &mut [f64]) {
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi += alpha * xi;
     }
-    t
 }
 
-/// Lower `L` with `L Lᵀ = a` (`a` symmetric positive definite, `[n, n]`).
-pub fn cholesky(a: &[f32], n: usize) -> Result<Vec<f32>> {
-    let mut l = vec![0f32; n * n];
+multiversion!(
+    /// Lower `L` with `L Lᵀ = a` (`a` symmetric positive definite, `[n, n]`), in f64.
+    pub fn cholesky(a: &[f64], n: usize) -> Result<Vec<f64>> = cholesky_body
+);
+
+#[inline(always)]
+fn cholesky_body(a: &[f64], n: usize) -> Result<Vec<f64>> {
+    let mut l = vec![0f64; n * n];
     for i in 0..n {
         for j in 0..=i {
-            let s = a[i * n + j] - dot(&l[i * n..i * n + j], &l[j * n..j * n + j]);
+            let s = a[i * n + j] - dot64(&l[i * n..i * n + j], &l[j * n..j * n + j]);
             if i == j {
                 if s.is_nan() || s <= 0.0 {
                     bail_arg!("matrix is not positive definite (pivot {i} is {s})");
@@ -46,16 +40,21 @@ pub fn cholesky(a: &[f32], n: usize) -> Result<Vec<f32>> {
     Ok(l)
 }
 
-/// The inverse of lower-triangular `l` (`[n, n]`), lower triangular.
-pub fn invert_lower(l: &[f32], n: usize) -> Vec<f32> {
-    let mut x = vec![0f32; n * n];
-    let mut acc = vec![0f32; n];
+multiversion!(
+    /// The inverse of lower-triangular `l` (`[n, n]`), lower triangular, in f64.
+    pub fn invert_lower(l: &[f64], n: usize) -> Vec<f64> = invert_lower_body
+);
+
+#[inline(always)]
+fn invert_lower_body(l: &[f64], n: usize) -> Vec<f64> {
+    let mut x = vec![0f64; n * n];
+    let mut acc = vec![0f64; n];
     for i in 0..n {
         acc[..i].fill(0.0);
         for k in 0..i {
             let lik = l[i * n + k];
             if lik != 0.0 {
-                axpy(lik, &x[k * n..k * n + k + 1], &mut acc[..k + 1]);
+                axpy64(lik, &x[k * n..k * n + k + 1], &mut acc[..k + 1]);
             }
         }
         let inv = 1.0 / l[i * n + i];
@@ -71,8 +70,13 @@ pub fn invert_lower(l: &[f32], n: usize) -> Vec<f32> {
 /// `cholesky(cholesky_inverse(cholesky(H)), upper=True)`), by one Cholesky
 /// and one triangular inverse: with `J` the reversal, `J h J = L Lᵀ` gives
 /// `h = (J L J)(J L J)ᵀ`, so `U = (J L J)⁻¹ = J L⁻¹ J`.
-pub fn inverse_upper_cholesky(h: &[f32], n: usize) -> Result<Vec<f32>> {
-    let mut rev = vec![0f32; n * n];
+///
+/// In f64: a Hessian of calibration activations damped by 1 % of its mean
+/// diagonal has a condition number up to ~100 × its order, so an f32
+/// factorization carries errors of ~1 % in `U`, and those errors (different
+/// for every summation order) decide which way GPTQ rounds each weight.
+pub fn inverse_upper_cholesky(h: &[f64], n: usize) -> Result<Vec<f32>> {
+    let mut rev = vec![0f64; n * n];
     for i in 0..n {
         for j in 0..n {
             rev[i * n + j] = h[(n - 1 - i) * n + (n - 1 - j)];
@@ -82,7 +86,7 @@ pub fn inverse_upper_cholesky(h: &[f32], n: usize) -> Result<Vec<f32>> {
     let mut u = vec![0f32; n * n];
     for i in 0..n {
         for j in i..n {
-            u[i * n + j] = linv[(n - 1 - i) * n + (n - 1 - j)];
+            u[i * n + j] = linv[(n - 1 - i) * n + (n - 1 - j)] as f32;
         }
     }
     Ok(u)
@@ -91,8 +95,9 @@ pub fn inverse_upper_cholesky(h: &[f32], n: usize) -> Result<Vec<f32>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cpu::ThreadPool;
 
-    fn random_spd(n: usize, seed: u64) -> Vec<f32> {
+    fn random_spd(n: usize, seed: u64) -> Vec<f64> {
         let mut state = seed;
         let mut rnd = || {
             state = state
@@ -107,7 +112,7 @@ mod tests {
         for i in 0..n {
             g[i * n + i] += 0.1;
         }
-        g
+        g.into_iter().map(f64::from).collect()
     }
 
     #[test]
@@ -142,7 +147,7 @@ mod tests {
                     let hinv_ik: f64 = (0..n)
                         .map(|m| u[m * n + i] as f64 * u[m * n + k] as f64)
                         .sum();
-                    v += hinv_ik * h[k * n + j] as f64;
+                    v += hinv_ik * h[k * n + j];
                 }
                 let want = if i == j { 1.0 } else { 0.0 };
                 assert!((v - want).abs() < 1e-3, "({i},{j}): {v}");

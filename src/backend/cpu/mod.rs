@@ -10,6 +10,7 @@ pub mod bf16_dot;
 pub mod bf16_hw;
 pub mod bf16_kernels;
 pub mod elem;
+pub mod exact;
 pub mod f16_packed;
 pub mod f32_packed;
 mod gemm;
