@@ -171,7 +171,9 @@ typedef struct ni_model_info {
      */
     uint32_t vocab_size;
     /**
-     * Longest sequence (prompt + generated tokens) the model supports.
+     * Longest sequence (prompt + generated tokens) the model supports;
+     * `UINT32_MAX` when config.json gives more (every size field here
+     * saturates at `UINT32_MAX` instead of wrapping).
      */
     uint32_t context_length;
     uint32_t n_layers;
@@ -900,7 +902,9 @@ typedef struct ni_event {
 #define NI_FINISH_CANCELLED 5
 
 /**
- * The request failed; `error_message` says why.
+ * The request failed; `error_message` says why (e.g. "non-finite logits:
+ * ..." when the model's weights overflow to NaN or infinity for this
+ * request; it ends without emitting a token for that step).
  */
 #define NI_FINISH_ERROR 6
 
@@ -1002,6 +1006,8 @@ void ni_model_free(struct ni_model *model);
 /**
  * Fills `*out_info` (whose `struct_size` the caller has set to
  * `sizeof(ni_model_info)`). Pointers inside stay valid until `ni_model_free`.
+ * A size above `UINT32_MAX` (a context length config.json sets past 2^32)
+ * reads as `UINT32_MAX`, never as a truncated value.
  *
  * Thread-safety: any thread, concurrently with any other use of the model.
  */

@@ -122,7 +122,9 @@ pub struct ni_model_info {
     pub architecture: *const c_char,
     /// Rows of the embedding / logits: one past the largest token id.
     pub vocab_size: u32,
-    /// Longest sequence (prompt + generated tokens) the model supports.
+    /// Longest sequence (prompt + generated tokens) the model supports;
+    /// `UINT32_MAX` when config.json gives more (every size field here
+    /// saturates at `UINT32_MAX` instead of wrapping).
     pub context_length: u32,
     pub n_layers: u32,
     pub hidden_size: u32,
@@ -138,6 +140,11 @@ pub struct ni_model_info {
     pub has_tokenizer: bool,
     /// Whether the tokenizer has a usable chat template.
     pub has_chat_template: bool,
+}
+
+/// A size as `ni_model_info` reports it: saturated, not truncated.
+fn saturate(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 fn weight_dtype(d: ni_dtype) -> Result<WeightDType> {
@@ -301,6 +308,8 @@ pub unsafe extern "C" fn ni_model_free(model: *mut ni_model) {
 
 /// Fills `*out_info` (whose `struct_size` the caller has set to
 /// `sizeof(ni_model_info)`). Pointers inside stay valid until `ni_model_free`.
+/// A size above `UINT32_MAX` (a context length config.json sets past 2^32)
+/// reads as `UINT32_MAX`, never as a truncated value.
 ///
 /// Thread-safety: any thread, concurrently with any other use of the model.
 #[no_mangle]
@@ -318,13 +327,13 @@ pub unsafe extern "C" fn ni_model_get_info(
         let info = ni_model_info {
             struct_size: size_of::<ni_model_info>() as u32,
             architecture: m.architecture.as_ptr(),
-            vocab_size: c.vocab_size as u32,
-            context_length: c.max_position_embeddings as u32,
-            n_layers: c.num_layers as u32,
-            hidden_size: c.hidden_size as u32,
-            n_heads: c.num_heads as u32,
-            n_kv_heads: c.num_kv_heads as u32,
-            head_dim: c.head_dim as u32,
+            vocab_size: saturate(c.vocab_size),
+            context_length: saturate(c.max_position_embeddings),
+            n_layers: saturate(c.num_layers),
+            hidden_size: saturate(c.hidden_size),
+            n_heads: saturate(c.num_heads),
+            n_kv_heads: saturate(c.num_kv_heads),
+            head_dim: saturate(c.head_dim),
             bos_token_id: c
                 .bos_token_id
                 .or_else(|| tok.and_then(|t| t.bos_token_id()))

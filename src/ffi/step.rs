@@ -22,7 +22,9 @@ pub const NI_FINISH_STOP_STRING: ni_finish_reason = 3;
 pub const NI_FINISH_LENGTH: ni_finish_reason = 4;
 /// The request was cancelled with `ni_session_cancel`.
 pub const NI_FINISH_CANCELLED: ni_finish_reason = 5;
-/// The request failed; `error_message` says why.
+/// The request failed; `error_message` says why (e.g. "non-finite logits:
+/// ..." when the model's weights overflow to NaN or infinity for this
+/// request; it ends without emitting a token for that step).
 pub const NI_FINISH_ERROR: ni_finish_reason = 6;
 
 /// One of the top alternatives at a generated position.

@@ -65,14 +65,33 @@ pub struct ModelConfig {
     pub quantization: Option<Int4>,
 }
 
+/// Bounds on config.json's sizes, far above any released model (the widest
+/// have hidden_size 16k-25k, 128 heads of 256, 160 layers, 256k tokens) and
+/// far below what overflows the arithmetic that sizes buffers from them.
+pub const MAX_WIDTH: usize = 1 << 20;
+pub const MAX_HEADS: usize = 1 << 14;
+pub const MAX_HEAD_DIM: usize = 1 << 14;
+pub const MAX_LAYERS: usize = 1 << 14;
+/// Token ids are 32-bit.
+pub const MAX_VOCAB: usize = 1 << 28;
+/// Nothing is allocated per position of the context (the KV capacity is the
+/// session's), so only the arithmetic on positions needs a bound.
+pub const MAX_POSITIONS: usize = 1 << 48;
+/// 4.4 T weights: more than any host's memory at one byte each.
+pub const MAX_PARAMETERS: usize = 1 << 42;
+
 fn get_usize(v: &Value, key: &str) -> Result<Option<usize>> {
     match v.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(x) => x.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
-            Error::invalid_model(format!(
-                "config.json: `{key}` must be a non-negative integer, got {x}"
-            ))
-        }),
+        Some(x) => x
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| {
+                Error::invalid_model(format!(
+                    "config.json: `{key}` must be a non-negative integer, got {x}"
+                ))
+            }),
     }
 }
 
@@ -139,8 +158,14 @@ fn parse_rope_scaling(v: Option<&Value>) -> Result<RopeScaling> {
         "default" => RopeScaling::None,
         "linear" => RopeScaling::Linear { factor: factor()? },
         "llama3" => {
+            // Each is a divisor of the scaled wavelengths: zero or negative
+            // turns the frequencies into NaN or flips their sign.
             let need = |k: &str| -> Result<f32> {
-                get_f32(obj, k)?.ok_or_else(|| Error::invalid_model(format!("config.json: llama3 rope scaling needs `{k}`")))
+                match get_f32(obj, k)? {
+                    Some(f) if f > 0.0 => Ok(f),
+                    Some(f) => bail_model!("config.json: llama3 rope scaling `{k}` must be positive, got {f}"),
+                    None => bail_model!("config.json: llama3 rope scaling needs `{k}`"),
+                }
             };
             let (low, high) = (need("low_freq_factor")?, need("high_freq_factor")?);
             if high <= low {
@@ -233,7 +258,12 @@ impl ModelConfig {
         let rope_scaling = parse_rope_scaling(rope_params.or(v.get("rope_scaling")))?;
         let attention_bias = get_bool(&v, "attention_bias")?.unwrap_or(false);
         let eps = get_f32(&v, "rms_norm_eps")?.unwrap_or(1e-6);
-        Ok(ModelConfig {
+        // RMSNorm divides by sqrt(mean(x²) + eps): zero makes an all-zero
+        // row NaN, negative makes small rows NaN.
+        if eps <= 0.0 {
+            bail_model!("config.json: rms_norm_eps must be positive, got {eps}");
+        }
+        let config = ModelConfig {
             architecture,
             vocab_size: req_usize(&v, "vocab_size")?,
             hidden_size,
@@ -253,7 +283,93 @@ impl ModelConfig {
             bos_token_id: token_ids(v.get("bos_token_id")).first().copied(),
             eos_token_ids: token_ids(v.get("eos_token_id")),
             quantization,
-        })
+        };
+        config.check_sizes()?;
+        config.check_token_ids()?;
+        // Extreme but finite settings (a subnormal rope_theta) still
+        // overflow the frequencies.
+        if let Some(f) = config
+            .rope_inv_freq()
+            .iter()
+            .find(|f| !f.is_finite() || **f <= 0.0)
+        {
+            bail_model!(
+                "config.json: rope_theta {rope_theta} and rope scaling {:?} give a rotary frequency of {f}",
+                config.rope_scaling
+            );
+        }
+        Ok(config)
+    }
+
+    /// Refuses sizes no machine could hold before anything is allocated by
+    /// them: each within its bound, and the parameter count computed
+    /// without overflow.
+    fn check_sizes(&self) -> Result<()> {
+        let bounds = [
+            ("hidden_size", self.hidden_size, MAX_WIDTH),
+            ("intermediate_size", self.intermediate_size, MAX_WIDTH),
+            ("num_attention_heads", self.num_heads, MAX_HEADS),
+            ("num_key_value_heads", self.num_kv_heads, MAX_HEADS),
+            ("head_dim", self.head_dim, MAX_HEAD_DIM),
+            ("num_hidden_layers", self.num_layers, MAX_LAYERS),
+            ("vocab_size", self.vocab_size, MAX_VOCAB),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                MAX_POSITIONS,
+            ),
+        ];
+        for (key, value, max) in bounds {
+            if value > max {
+                bail_model!("config.json: `{key}` is {value}, above the limit of {max}");
+            }
+        }
+        if self.max_position_embeddings == 0 {
+            bail_model!("config.json: `max_position_embeddings` must be positive");
+        }
+        match self.parameter_count() {
+            Some(n) if n <= MAX_PARAMETERS => Ok(()),
+            n => bail_model!(
+                "config.json: hidden_size {}, intermediate_size {}, {} heads of head_dim {}, \
+                 {} layers and vocab_size {} make {} parameters, above the limit of {MAX_PARAMETERS}",
+                self.hidden_size,
+                self.intermediate_size,
+                self.num_heads,
+                self.head_dim,
+                self.num_layers,
+                self.vocab_size,
+                n.map_or("more than 2^64".to_string(), |n| n.to_string())
+            ),
+        }
+    }
+
+    /// Weights the configuration implies (projections and embedding tables;
+    /// norms and biases are negligible), `None` on overflow.
+    pub fn parameter_count(&self) -> Option<usize> {
+        let d = self.hidden_size;
+        let nq = self.num_heads.checked_mul(self.head_dim)?;
+        let nkv = self.num_kv_heads.checked_mul(self.head_dim)?;
+        let attn = nq.checked_mul(2)?.checked_add(nkv.checked_mul(2)?)?;
+        let mlp = self.intermediate_size.checked_mul(3)?;
+        let per_layer = d.checked_mul(attn.checked_add(mlp)?)?;
+        let tables = if self.tie_word_embeddings { 1 } else { 2 };
+        let embed = self.vocab_size.checked_mul(d)?.checked_mul(tables)?;
+        per_layer.checked_mul(self.num_layers)?.checked_add(embed)
+    }
+
+    /// Special ids that name no row of the embedding would index past it.
+    fn check_token_ids(&self) -> Result<()> {
+        let vocab = self.vocab_size;
+        let ids = self.bos_token_id.iter().map(|&id| ("bos_token_id", id));
+        let ids = ids.chain(self.eos_token_ids.iter().map(|&id| ("eos_token_id", id)));
+        for (key, id) in ids {
+            if id as usize >= vocab {
+                bail_model!(
+                    "config.json: `{key}` {id} is outside the vocabulary (vocab_size {vocab})"
+                );
+            }
+        }
+        Ok(())
     }
 
     /// Inverse frequencies of the rotary embedding, scaled as configured
@@ -350,6 +466,112 @@ mod tests {
             c.eos_token_ids,
             vec![2],
             "an id past u32 must not wrap to 2"
+        );
+    }
+
+    #[test]
+    fn rejects_values_that_make_garbage() {
+        let cases = [
+            (
+                "\"rms_norm_eps\":1e-5",
+                "\"rms_norm_eps\":0",
+                "rms_norm_eps",
+            ),
+            (
+                "\"rms_norm_eps\":1e-5",
+                "\"rms_norm_eps\":-1",
+                "rms_norm_eps",
+            ),
+            (
+                "\"rms_norm_eps\":1e-5",
+                "\"rms_norm_eps\":1e39",
+                "rms_norm_eps",
+            ),
+            ("100000.0", "-5", "rope_theta"),
+            ("100000.0", "1e-44", "rope_theta"),
+            ("\"hidden_size\":576", "\"hidden_size\":0", "hidden_size"),
+            (
+                "\"hidden_size\":576",
+                "\"hidden_size\":18446744073709551615",
+                "hidden_size",
+            ),
+            (
+                "\"vocab_size\":49152",
+                "\"vocab_size\":4294967296",
+                "vocab_size",
+            ),
+            ("\"vocab_size\":49152", "\"vocab_size\":0", "vocab_size"),
+            (
+                "\"num_hidden_layers\":30",
+                "\"num_hidden_layers\":16385",
+                "num_hidden_layers",
+            ),
+            (
+                "\"num_hidden_layers\":30",
+                // A later duplicate key wins.
+                "\"num_hidden_layers\":10000,\"intermediate_size\":1048576",
+                "parameters",
+            ),
+            (
+                "\"max_position_embeddings\":8192",
+                "\"max_position_embeddings\":0",
+                "max_position_embeddings",
+            ),
+            (
+                "\"max_position_embeddings\":8192",
+                "\"max_position_embeddings\":1e20",
+                "max_position_embeddings",
+            ),
+            (
+                "\"eos_token_id\":2",
+                "\"eos_token_id\":49152",
+                "eos_token_id",
+            ),
+            (
+                "\"bos_token_id\":1",
+                "\"bos_token_id\":[60000]",
+                "bos_token_id",
+            ),
+            (
+                "\"num_key_value_heads\":3",
+                "\"num_key_value_heads\":0",
+                "num_key_value_heads",
+            ),
+        ];
+        for (from, to, field) in cases {
+            let text = SMOL.replace(from, to);
+            assert_ne!(text, SMOL, "{from}");
+            let e = ModelConfig::from_json(&text).unwrap_err();
+            assert!(
+                e.message.contains("config.json") && e.message.contains(field),
+                "{to}: {e}"
+            );
+        }
+        let scaled = |inner: &str| {
+            SMOL.replace(
+                "\"rope_theta\":100000.0,",
+                &format!("\"rope_theta\":100000.0,\"rope_scaling\":{{{inner}}},"),
+            )
+        };
+        for bad in [
+            r#""rope_type":"linear","factor":0"#,
+            r#""rope_type":"linear","factor":-2"#,
+            r#""rope_type":"llama3","factor":8,"low_freq_factor":0,"high_freq_factor":4,"original_max_position_embeddings":8192"#,
+            r#""rope_type":"llama3","factor":8,"low_freq_factor":1,"high_freq_factor":4,"original_max_position_embeddings":-1"#,
+        ] {
+            let e = ModelConfig::from_json(&scaled(bad)).unwrap_err();
+            assert!(
+                e.message.contains("config.json") && e.message.contains("rope"),
+                "{bad}: {e}"
+            );
+        }
+        // A long context is not refused: nothing is sized by it.
+        let long = SMOL.replace("8192}", "1099511627776}");
+        assert_eq!(
+            ModelConfig::from_json(&long)
+                .unwrap()
+                .max_position_embeddings,
+            1 << 40
         );
     }
 

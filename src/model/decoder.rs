@@ -4,13 +4,14 @@
 
 use super::config::ModelConfig;
 use super::quant::{QuantMethod, QuantMode};
-use super::runner::validate_batch;
+use super::runner::{validate_batch, NON_FINITE_ROW};
 use super::weights::{WeightDType, WeightSource};
 use super::workspace::{ForwardWorkspace, StepBuffers};
 use crate::backend::cpu::attention::{attention, AttnSeq, AttnShape};
 use crate::backend::cpu::ops::{add_in_place, apply_rope, rms_norm, rms_norm_in_place, silu_mul};
 use crate::backend::cpu::{matmul, Matrix, MatrixData, ThreadPool};
 use crate::kv::KvStorage;
+use crate::tensor::finite::first_non_finite;
 use crate::{bail_arg, Result};
 
 /// What the engine hands the model for one step.
@@ -232,7 +233,8 @@ impl Decoder {
     }
 
     /// Like `forward`, for plain greedy decoding: writes `ids[i]` = the
-    /// first index of the largest logit of `batch.logits_rows[i]`. The
+    /// first index of the largest logit of `batch.logits_rows[i]`, or
+    /// [`NON_FINITE_ROW`] when that row holds a NaN or infinity. The
     /// logits stay in the workspace.
     pub fn forward_argmax(
         &self,
@@ -255,7 +257,10 @@ impl Decoder {
         let logits = std::mem::take(&mut b.logits);
         self.run(pool, batch, kv, &mut b, logits);
         for (id, row) in ids.iter_mut().zip(logits.chunks_exact(vocab)) {
-            *id = first_argmax(row);
+            *id = match first_non_finite(row) {
+                Some(_) => NON_FINITE_ROW,
+                None => first_argmax(row),
+            };
         }
         Ok(())
     }

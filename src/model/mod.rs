@@ -26,6 +26,8 @@ pub use quant::{QuantMethod, QuantMode};
 pub use quant_checkpoint::{
     quantize_checkpoint, quantize_checkpoint_with, QuantizeOptions, QuantizeReport,
 };
-pub use runner::{ContextShape, CpuDecoder, DeviceDecoder, ForwardContext, KvBudget};
+pub use runner::{
+    ContextShape, CpuDecoder, DeviceDecoder, ForwardContext, KvBudget, NON_FINITE_ROW,
+};
 pub use weights::{WeightDType, WeightSource};
 pub use workspace::{ForwardWorkspace, StepBuffers, WorkspacePlan, WorkspaceStats};

@@ -106,6 +106,9 @@ pub trait DeviceDecoder: Send + Sync {
 }
 
 /// One session's device state.
+/// The id `forward_argmax` reports for a logits row that is not finite.
+pub const NON_FINITE_ROW: u32 = u32::MAX;
+
 pub trait ForwardContext: Send {
     /// Runs the batch, writes its keys/values into the KV storage and the
     /// logits of `batch.logits_rows` into `logits` (`[logits_rows.len(), vocab]`).
@@ -113,7 +116,8 @@ pub trait ForwardContext: Send {
     /// Like `forward`, for callers that need only each logits row's argmax
     /// (plain greedy decoding): writes `ids[i]` = the first index of the
     /// largest logit of `batch.logits_rows[i]`. A GPU never copies the
-    /// logits to the host for this.
+    /// logits to the host for this. The CPU writes [`NON_FINITE_ROW`] for a
+    /// row holding a NaN or infinity; a GPU does not check.
     fn forward_argmax(&mut self, batch: &ForwardBatch<'_>, ids: &mut [u32]) -> Result<()>;
     /// Whether the engine should launch a decode step's successor before
     /// the step's ids reach the host (`launch` with `chained`). A device
@@ -392,7 +396,13 @@ impl ForwardContext for CpuContext {
                 bail_arg!("a chained launch of {rows} rows does not follow a launch of as many");
             };
             l.tokens.clear();
-            l.tokens.extend_from_slice(&prev[..rows]);
+            // A non-finite row's request is ended when its ids land; its
+            // chained row only needs a valid placeholder meanwhile.
+            l.tokens.extend(
+                prev[..rows]
+                    .iter()
+                    .map(|&t| if t == NON_FINITE_ROW { 0 } else { t }),
+            );
             fed = ForwardBatch {
                 tokens: &l.tokens,
                 ..*batch

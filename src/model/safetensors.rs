@@ -244,8 +244,9 @@ impl WeightFiles {
         })
     }
 
-    /// Tensor `name`, which must exist, have a supported dtype and have
-    /// exactly `expected_shape`.
+    /// Tensor `name`, which must exist, have a supported dtype, have
+    /// exactly `expected_shape` and hold no NaN or infinity (every weight
+    /// the loaders read comes through here).
     pub fn require(&self, name: &str, expected_shape: &[usize]) -> Result<TensorView<'_>> {
         let Some(info) = self.info(name) else {
             bail_model!("tensor '{name}' not found in {}", self.source.display());
@@ -257,7 +258,7 @@ impl WeightFiles {
                 info.shape
             );
         }
-        self.get(name).ok_or_else(|| {
+        let view = self.get(name).ok_or_else(|| {
             Error::new(
                 ErrorKind::Unsupported,
                 format!(
@@ -265,7 +266,9 @@ impl WeightFiles {
                     info.dtype
                 ),
             )
-        })
+        })?;
+        view.check_finite()?;
+        Ok(view)
     }
 
     pub fn contains(&self, name: &str) -> bool {

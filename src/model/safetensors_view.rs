@@ -14,6 +14,7 @@ use std::sync::Arc;
 use half::{bf16, f16, slice::HalfBitsSliceExt, slice::HalfFloatSliceExt};
 use memmap2::Mmap;
 
+use crate::tensor::finite::{first_non_finite, first_non_finite_bf16, first_non_finite_f16};
 use crate::tensor::DType;
 use crate::{bail_model, Result};
 
@@ -78,6 +79,26 @@ impl<'a> TensorView<'a> {
         match self.dtype {
             DType::I32 => Ok(cast_or_copy::<i32>(self.bytes)),
             _ => self.wrong_dtype("I32"),
+        }
+    }
+
+    /// Refuses float data holding a NaN or infinity: such a weight makes
+    /// every logit NaN. Integer data passes.
+    pub fn check_finite(&self) -> Result<()> {
+        let bad = match self.dtype {
+            DType::F32 => first_non_finite(&self.to_f32()?),
+            DType::BF16 => first_non_finite_bf16(&self.as_u16()?),
+            DType::F16 => first_non_finite_f16(&self.as_u16()?),
+            DType::I8 | DType::I32 => None,
+        };
+        match bad {
+            None => Ok(()),
+            Some(i) => bail_model!(
+                "{}: tensor '{}' holds a non-finite value ({}) at element {i}",
+                self.file.display(),
+                self.name,
+                self.to_f32()?[i]
+            ),
         }
     }
 

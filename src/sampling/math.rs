@@ -115,6 +115,28 @@ pub fn log_sum_exp(xs: &[f32]) -> f32 {
     (m as f64 + sum_exp(xs, m).ln()) as f32
 }
 
+/// Refuses a logits row with a NaN or infinity: sampling it would pick
+/// an arbitrary token (NaN never compares greater) with NaN logprobs.
+pub fn check_finite_logits(row: &[f32]) -> crate::Result<()> {
+    match crate::tensor::finite::first_non_finite(row) {
+        None => Ok(()),
+        Some(i) => Err(non_finite_logits(Some((i, row[i])))),
+    }
+}
+
+/// The error that ends a request whose logits are not finite, naming the
+/// first bad id and value when known.
+pub fn non_finite_logits(at: Option<(usize, f32)>) -> crate::Error {
+    let what = match at {
+        Some((i, x)) => format!("{x} for token id {i}"),
+        None => "NaN or infinity".to_string(),
+    };
+    crate::Error::invalid_model(format!(
+        "non-finite logits: the model computed {what} (its weights or activations \
+         overflowed); the request was stopped"
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

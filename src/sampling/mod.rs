@@ -18,6 +18,7 @@ pub mod stop;
 pub use candidates::CandidateSet;
 pub use device::{DeviceSampling, RowSampling};
 pub use history::TokenHistory;
+pub use math::{check_finite_logits, non_finite_logits};
 pub use params::{SamplingParams, SamplingPlan};
 pub use rng::Rng;
 pub use sampler::{SampledToken, Sampler};

@@ -2,6 +2,7 @@
 
 pub mod buffer;
 pub mod dtype;
+pub mod finite;
 
 pub use buffer::HostSlice;
 pub use dtype::DType;

@@ -262,6 +262,15 @@ impl Tokenizer {
         self.vocab_size
     }
 
+    /// How many ids from 0 up all have a token: the ids below this decode
+    /// to text, the first one past it does not.
+    pub fn covered_ids(&self) -> usize {
+        match &self.valid_ids {
+            None => self.vocab_size,
+            Some(valid) => valid.iter().position(|&v| !v).unwrap_or(valid.len()),
+        }
+    }
+
     /// Id of a token string (vocabulary or added token), e.g. `"<|im_end|>"`.
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)

@@ -4,7 +4,8 @@ use super::{Request, Session, TokensFrom};
 use crate::backend::cpu::attention::AttnSeq;
 use crate::engine::request::{Event, FinishReason, RequestId, TokenLogprob};
 use crate::model::ForwardBatch;
-use crate::sampling::SampledToken;
+use crate::model::NON_FINITE_ROW;
+use crate::sampling::{check_finite_logits, non_finite_logits, SampledToken};
 use crate::Error;
 use std::time::Instant;
 
@@ -163,11 +164,10 @@ impl Session {
                 host_rows_done += 1;
                 self.sample(id, &mut logits[row * vocab..(row + 1) * vocab])
             } else {
-                Ok(SampledToken {
-                    token: self.scratch.device_tokens[logits_row],
-                    logprob: f32::NAN,
-                    top_logprobs: Vec::new(),
-                })
+                device_token(
+                    self.scratch.device_tokens[logits_row],
+                    self.model.sample_vocab,
+                )
             };
             logits_row += 1;
             match sampled {
@@ -188,9 +188,12 @@ impl Session {
             .requests
             .get_mut(&id)
             .expect("scheduled request exists");
+        check_finite_logits(logits)?;
         let suppress = &mut self.scratch.suppress;
         suppression(req, &self.model.eos_token_ids, suppress);
         let (prompt, output) = req.tokens.split_at(req.prompt_len);
+        // Rows past the tokenizer are left out: they have no text.
+        let logits = &mut logits[..self.model.sample_vocab];
         req.sampler.sample(logits, prompt, output, suppress)
     }
 
@@ -268,6 +271,25 @@ impl Session {
         event.finish = Some(reason);
         events.push(event);
     }
+}
+
+/// A token the device chose; one the host could not have sampled (a
+/// non-finite logits row, an id the tokenizer lacks) fails the request.
+fn device_token(token: u32, sample_vocab: usize) -> crate::Result<SampledToken> {
+    if token == NON_FINITE_ROW {
+        return Err(non_finite_logits(None));
+    }
+    if token as usize >= sample_vocab {
+        return Err(Error::invalid_model(format!(
+            "the model generated token id {token}, which has no token in tokenizer.json \
+             (it covers ids below {sample_vocab}); the request was stopped"
+        )));
+    }
+    Ok(SampledToken {
+        token,
+        logprob: f32::NAN,
+        top_logprobs: Vec::new(),
+    })
 }
 
 /// Reuses an empty vector of batch sequences under another lifetime, so the
