@@ -12,6 +12,8 @@ echo "== cargo fmt --check" >&2
 cargo fmt --all -- --check
 echo "== cargo test --release" >&2
 cargo test --release
+echo "== numeric tests under every other instruction-set path this CPU has (scripts/test_isa.sh)" >&2
+bash scripts/test_isa.sh
 echo "== one-minute soak through the C ABI (scripts/soak.sh for the full one)" >&2
 NANOINFER_SOAK_SECS=60 NANOINFER_SOAK_RSS_CSV="${TMPDIR:-/tmp}/nanoinfer-ci-soak-rss.csv" \
   cargo test --release --test engine_soak soak_timed_through_the_c_abi -- --ignored --nocapture

@@ -24,13 +24,19 @@ fn ppl_of(dir: &Path, text: &str, add_special: bool, max_tokens: usize) -> f64 {
     perplexity(&model, &tokens).unwrap()
 }
 
-/// Measured here (2 threads): F32 28.825; AWQ g128 round-to-nearest 36.153
-/// (+25.4 %), calibrated on 512 tokens 32.57 (+13 %); GPTQ symmetric g128
-/// round-to-nearest 39.011 (+35.3 %), GPTQ with act-order on the 1757
-/// tokens of the calibration text 34.720 (+20.5 %). The 5 % target for
-/// AWQ is not met (see BENCHMARKS.md "CPU int4": the checkpoint's weights
-/// are the dequantized Q4_1 GGUF, already on a group-32 4-bit grid). The
-/// bounds guard the measured figures with a small margin.
+/// The calibrated quantizers run on the reproducible kernels, so these
+/// figures are the same on every CPU and `NANOINFER_ISA` (checked by
+/// `calibrated_checkpoints_are_the_same_on_every_isa`): F32 28.825; AWQ g128
+/// round-to-nearest 36.153 (+25.4 %), calibrated on 512 tokens 32.5 (+13 %);
+/// GPTQ symmetric g128 round-to-nearest 39.011 (+35.3 %), GPTQ with
+/// act-order on the 1757 tokens of the calibration text 35.425 (+22.9 %).
+/// GPTQ's result is chaotic in its inputs: perturbing the damping by ±1 %
+/// moves it anywhere in 34.6–38.8 (docs/quantization-determinism.md), which is
+/// why the serving kernels' ISA-dependent sums once gave 34.7 on AVX-512 and
+/// 38.7 on AVX2. The 5 % target for AWQ is not met (see
+/// BENCHMARKS.md "CPU int4": the checkpoint's weights are the dequantized
+/// Q4_1 GGUF, already on a group-32 4-bit grid). The bounds guard the
+/// figures with a small margin.
 #[test]
 fn smollm2_calibrated_g128_perplexity() {
     let g = golden("smollm2.json");
@@ -62,7 +68,7 @@ fn smollm2_calibrated_g128_perplexity() {
             },
             2048,
             true,
-            1.23,
+            1.25,
         ),
     ] {
         let rtn_dir = scratch_dir(&format!("calib-{label}-rtn"));
@@ -153,5 +159,94 @@ fn calibration_options_are_checked() {
         let prompt: Vec<u32> = (0..20).map(|i| (i * 37 + 5) % 200).collect();
         assert!(perplexity(&model, &prompt).unwrap().is_finite());
         std::fs::remove_dir_all(&out).unwrap();
+    }
+}
+
+/// The same calibrated checkpoint, byte for byte, under every instruction
+/// set this CPU has: the quantizer's arithmetic must not depend on the
+/// kernels `NANOINFER_ISA` picks. The ISA is chosen once per process, so
+/// each path runs `quantize_tiny_in_this_process` in a child process.
+#[test]
+fn calibrated_checkpoints_are_the_same_on_every_isa() {
+    let mut isas = vec!["scalar"];
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        isas.push("avx2");
+    }
+    if std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+    {
+        isas.push("avx512");
+    }
+    let mut first: Option<(&str, Vec<Vec<u8>>)> = None;
+    for isa in isas {
+        let out = scratch_dir(&format!("calib-isa-{isa}"));
+        let child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "quantize_tiny_in_this_process", "--ignored"])
+            .env("NANOINFER_ISA", isa)
+            .env("NANOINFER_CALIB_ISA_OUT", &out)
+            .output()
+            .unwrap();
+        assert!(
+            child.status.success(),
+            "under {isa}: {}",
+            String::from_utf8_lossy(&child.stdout)
+        );
+        let files: Vec<Vec<u8>> = ["gptq", "awq"]
+            .iter()
+            .map(|m| std::fs::read(out.join(m).join("model.safetensors")).unwrap())
+            .collect();
+        std::fs::remove_dir_all(&out).unwrap();
+        match &first {
+            None => first = Some((isa, files)),
+            Some((isa0, f0)) => {
+                for (m, (a, b)) in ["gptq", "awq"].iter().zip(f0.iter().zip(&files)) {
+                    assert!(
+                        a == b,
+                        "{m}: the checkpoint under {isa} differs from the one under {isa0}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The child of `calibrated_checkpoints_are_the_same_on_every_isa`: GPTQ
+/// (act-order) and AWQ (with clipping) of the tiny Llama under this
+/// process's `NANOINFER_ISA`, into `$NANOINFER_CALIB_ISA_OUT/{gptq,awq}`.
+#[test]
+#[ignore = "run as a child process by calibrated_checkpoints_are_the_same_on_every_isa"]
+fn quantize_tiny_in_this_process() {
+    let out = std::path::PathBuf::from(std::env::var("NANOINFER_CALIB_ISA_OUT").unwrap());
+    let src = repo_path("tests/data/tiny-llama3");
+    let calib = Calibration {
+        seqs: (0..3)
+            .map(|s| (0..150).map(|i| (i * 37 + s * 11 + 3) % 256).collect())
+            .collect(),
+    };
+    for (name, mode) in [
+        (
+            "gptq",
+            QuantMode::Gptq {
+                group_size: 32,
+                sym: true,
+                lm_head: false,
+            },
+        ),
+        (
+            "awq",
+            QuantMode::Awq {
+                group_size: 32,
+                lm_head: false,
+            },
+        ),
+    ] {
+        let mut opts = QuantizeOptions {
+            calibration: Some(calib.clone()),
+            threads: 2,
+            ..Default::default()
+        };
+        opts.gptq.act_order = true;
+        opts.awq.clip = true;
+        quantize_checkpoint_with(&src, &out.join(name), mode, &opts).unwrap();
     }
 }
