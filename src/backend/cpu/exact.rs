@@ -18,6 +18,10 @@
 use super::ThreadPool;
 use std::sync::Mutex;
 
+/// ln 2 in two parts: the high part has 32 significant bits, so `k·LN2_HI`
+/// is exact for every exponent `k` (fdlibm's split).
+const LN2_HI: f64 = 0.693_147_180_369_123_8;
+const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
 /// Partial sums per reduction.
 const LANES: usize = 8;
 /// Rows of `x` and of `w` per matmul tile (2 × 4 accumulators of `LANES`).
@@ -140,8 +144,8 @@ pub fn widen(v: &[f32]) -> Vec<f64> {
 /// `out = x · wᵀ` (`x`: `[m, k]`, `w`: `[n, k]`, `out`: `[m, n]`), the same
 /// bits on every CPU and for any number of threads.
 pub fn matmul(pool: &ThreadPool, x: &[f32], k: usize, w: &[f32], out: &mut [f32]) {
-    let m = if k == 0 { 0 } else { x.len() / k };
-    let n = if k == 0 { 0 } else { w.len() / k };
+    let m = x.len().checked_div(k).unwrap_or(0);
+    let n = w.len().checked_div(k).unwrap_or(0);
     assert!(
         x.len() == m * k && w.len() == n * k && out.len() == m * n,
         "exact matmul: [{m}, {k}] · [{n}, {k}]ᵀ does not fit the buffers"
@@ -241,9 +245,7 @@ pub fn exp(x: f64) -> f64 {
     if x < -745.0 {
         return 0.0;
     }
-    // x = k·ln 2 + r, |r| ≤ ln 2 / 2; ln 2 split so that k·LN2_HI is exact.
-    const LN2_HI: f64 = 6.931_471_803_691_238_2e-1;
-    const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
+    // x = k·ln 2 + r, |r| ≤ ln 2 / 2.
     let k = (x * std::f64::consts::LOG2_E).round();
     let r = (x - k * LN2_HI) - k * LN2_LO;
     // Taylor to r¹³/13!: the remainder is below 2⁻⁵⁵ for |r| ≤ 0.35.
@@ -304,8 +306,6 @@ pub fn ln(x: f64) -> f64 {
     for d in (1..=23).rev().step_by(2) {
         p = p * s2 + 1.0 / d as f64;
     }
-    const LN2_HI: f64 = 6.931_471_803_691_238_2e-1;
-    const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
     let e = e as f64;
     (e * LN2_HI + 2.0 * s * p) + e * LN2_LO
 }
