@@ -62,18 +62,9 @@ fn rust_load(dir: &Path) -> nanoinfer::Result<Model> {
 }
 
 fn ffi_load(dir: &Path) -> (ni_status, String) {
-    let path = CString::new(dir.to_str().unwrap()).unwrap();
+    let dir = dir.to_path_buf();
     bounded("ni_model_load", move || {
-        let mut params = std::mem::MaybeUninit::<ni_model_params>::uninit();
-        let mut model = std::ptr::null_mut();
-        // SAFETY: valid pointers; params is initialised by ni_model_params_init.
-        let status = unsafe {
-            ni_model_params_init(params.as_mut_ptr());
-            let mut params = params.assume_init();
-            params.n_threads = 2;
-            ni_model_load(path.as_ptr(), &params, &mut model)
-        };
-        let msg = ffi_common::last_error();
+        let (status, msg, model) = ffi_common::try_load_model_at(&dir);
         // SAFETY: model is null on failure or a handle from ni_model_load.
         unsafe { ni_model_free(model) };
         (status, msg)

@@ -17,7 +17,6 @@ use nanoinfer::ffi::*;
 use nanoinfer::sampling::SamplingParams;
 use serde_json::Value;
 use std::collections::BTreeMap;
-use std::ffi::CString;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -88,21 +87,6 @@ fn rust_load(dir: &Path) -> nanoinfer::Result<Model> {
     r
 }
 
-/// `ni_model_load`: (status, last error, model handle or null).
-fn ffi_load(dir: &Path) -> (ni_status, String, *mut ni_model) {
-    let path = CString::new(dir.to_str().unwrap()).unwrap();
-    let mut params = std::mem::MaybeUninit::<ni_model_params>::uninit();
-    let mut model = std::ptr::null_mut();
-    // SAFETY: valid pointers; params is initialised by ni_model_params_init.
-    let status = unsafe {
-        ni_model_params_init(params.as_mut_ptr());
-        let mut params = params.assume_init();
-        params.n_threads = 2;
-        ni_model_load(path.as_ptr(), &params, &mut model)
-    };
-    (status, ffi_common::last_error(), model)
-}
-
 /// `nanoinfer generate` on token ids: (exit code, stdout, stderr).
 fn cli_generate(dir: &Path, ids: &str) -> (i32, String, String) {
     let start = Instant::now();
@@ -141,7 +125,7 @@ fn assert_refused(dir: &Path, needles: &[&str]) {
         err.message
     );
     check(&err.message, "Rust API");
-    let (status, msg, model) = ffi_load(dir);
+    let (status, msg, model) = ffi_common::try_load_model_at(dir);
     assert!(model.is_null());
     assert_eq!(status, NI_ERR_INVALID_MODEL, "{msg}");
     check(&msg, "C ABI");
@@ -308,7 +292,7 @@ fn overflow_at_run_time_ends_only_the_affected_requests() {
     assert_eq!(terminal(&out[1]), &FinishReason::Length);
 
     // The C ABI: one NI_FINISH_ERROR event with the message, the other completes.
-    let (status, msg, m) = ffi_load(&dir);
+    let (status, msg, m) = ffi_common::try_load_model_at(&dir);
     assert_eq!(status, NI_OK, "{msg}");
     let s = ffi_common::create_session(m);
     let bad = ffi_common::add_tokens(s, &poisoned, 4);
@@ -347,7 +331,7 @@ fn context_length_past_u32_saturates_in_model_info() {
     let out = run(&model, &[request(&[1, 2, 3], 0.0, 0)]);
     assert_eq!(terminal(&out[0]), &FinishReason::Length);
 
-    let (status, msg, m) = ffi_load(&dir);
+    let (status, msg, m) = ffi_common::try_load_model_at(&dir);
     assert_eq!(status, NI_OK, "{msg}");
     // SAFETY: all-zero is a valid ni_model_info; struct_size set as documented.
     let mut info: ni_model_info = unsafe { std::mem::zeroed() };
@@ -416,7 +400,7 @@ fn tokenizer_that_does_not_cover_the_model() {
     for n in ["tokenizer.json", "20000", "49152"] {
         assert!(err.message.contains(n), "{}", err.message);
     }
-    let (status, msg, m) = ffi_load(&dir);
+    let (status, msg, m) = ffi_common::try_load_model_at(&dir);
     assert!(m.is_null());
     assert_eq!(status, NI_ERR_INVALID_MODEL, "{msg}");
     std::fs::remove_dir_all(&dir).unwrap();

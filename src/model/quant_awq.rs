@@ -10,9 +10,9 @@
 //! (their errors are amplified by the attention softmax).
 
 use super::config::ModelConfig;
-use super::quant_calib::{par_chunks, CalibForward, LayerWeights, Linear, Stage};
+use super::quant_calib::{CalibForward, LayerWeights, Linear, Stage};
 use super::quant_int4::{fake_quantize, Int4, Int4Weights};
-use crate::backend::cpu::exact::{self, gram};
+use crate::backend::cpu::exact::{self, gram, par_chunks};
 use crate::backend::cpu::q4::groups_per_row;
 use crate::backend::cpu::ThreadPool;
 use crate::{bail_arg, Result};

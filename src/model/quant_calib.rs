@@ -11,8 +11,7 @@ use crate::backend::cpu::exact::{
     self, attention, rms_norm, rms_norm_in_place, silu_mul, Heads, Span,
 };
 use crate::backend::cpu::ops::{add_in_place, apply_rope};
-use crate::backend::cpu::{Matrix, MatrixData, ThreadPool};
-use crate::tensor::HostSlice;
+use crate::backend::cpu::ThreadPool;
 use crate::tokenizer::Tokenizer;
 use crate::{bail_arg, untrusted_file, Error, Result};
 use std::path::Path;
@@ -208,40 +207,6 @@ impl LayerWeights {
 /// What [`CalibForward::layer`] calls before each stage: `(stage, its
 /// input [tokens, in], the block's weights)`.
 pub type StageHook<'h> = dyn FnMut(Stage, &[f32], &mut LayerWeights) -> Result<()> + 'h;
-
-/// Calls `f(i, chunk)` for the `chunk_len`-long chunks of `out` on the
-/// pool's threads; the first error wins.
-pub fn par_chunks(
-    pool: &ThreadPool,
-    out: &mut [f32],
-    chunk_len: usize,
-    f: &(dyn Fn(usize, &mut [f32]) -> Result<()> + Sync),
-) -> Result<()> {
-    let chunks: Vec<std::sync::Mutex<&mut [f32]>> = out
-        .chunks_mut(chunk_len.max(1))
-        .map(std::sync::Mutex::new)
-        .collect();
-    let failure = std::sync::Mutex::new(None);
-    pool.run(chunks.len(), &|i| {
-        let mut chunk = chunks[i].lock().unwrap_or_else(|e| e.into_inner());
-        if let Err(e) = f(i, &mut chunk) {
-            *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
-        }
-    });
-    match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
-}
-
-/// An f32 `Matrix` of `w` (`[rows, cols]`) for the CPU matmul.
-pub fn dense_matrix(rows: usize, cols: usize, w: &[f32]) -> Matrix {
-    Matrix {
-        rows,
-        cols,
-        data: MatrixData::F32(HostSlice::from_vec(w.to_vec())),
-    }
-}
 
 /// The f32 forward of decoder blocks over all calibration sequences at once
 /// (`[tokens, hidden]` activations, each sequence causal on its own).

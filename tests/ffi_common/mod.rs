@@ -54,18 +54,27 @@ pub fn load_model() -> *mut ni_model {
 
 /// The model in `dir` through `ni_model_load`, 2 kernel threads.
 pub fn load_model_at(dir: &std::path::Path) -> *mut ni_model {
+    let (status, _, model) = try_load_model_at(dir);
+    ok(status);
+    assert!(!model.is_null());
+    model
+}
+
+/// `ni_model_load` of `dir` with 2 kernel threads: (status, last error,
+/// model handle or null).
+#[allow(dead_code)]
+pub fn try_load_model_at(dir: &std::path::Path) -> (ni_status, String, *mut ni_model) {
     let path = CString::new(dir.to_str().unwrap()).unwrap();
     let mut params = std::mem::MaybeUninit::<ni_model_params>::uninit();
     let mut model = ptr::null_mut();
     // SAFETY: valid pointers; params is initialised by ni_model_params_init.
-    unsafe {
+    let status = unsafe {
         ni_model_params_init(params.as_mut_ptr());
         let mut params = params.assume_init();
         params.n_threads = 2;
-        ok(ni_model_load(path.as_ptr(), &params, &mut model));
-    }
-    assert!(!model.is_null());
-    model
+        ni_model_load(path.as_ptr(), &params, &mut model)
+    };
+    (status, last_error(), model)
 }
 
 struct SharedModel(*mut ni_model);

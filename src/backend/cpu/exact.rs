@@ -136,6 +136,31 @@ pub(crate) use multiversion;
 
 multiversion!(fn matmul_rows(x: &[f64], w: &[f64], k: usize, n: usize, out: &mut [f32]) -> () = matmul_rows_body);
 
+/// Calls `f(i, chunk)` for the `chunk_len`-long chunks of `out` on the
+/// pool's threads; the first error wins.
+pub fn par_chunks(
+    pool: &ThreadPool,
+    out: &mut [f32],
+    chunk_len: usize,
+    f: &(dyn Fn(usize, &mut [f32]) -> crate::Result<()> + Sync),
+) -> crate::Result<()> {
+    let chunks: Vec<std::sync::Mutex<&mut [f32]>> = out
+        .chunks_mut(chunk_len.max(1))
+        .map(std::sync::Mutex::new)
+        .collect();
+    let failure = std::sync::Mutex::new(None);
+    pool.run(chunks.len(), &|i| {
+        let mut chunk = chunks[i].lock().unwrap_or_else(|e| e.into_inner());
+        if let Err(e) = f(i, &mut chunk) {
+            *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+        }
+    });
+    match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
 /// `v` widened to f64.
 pub fn widen(v: &[f32]) -> Vec<f64> {
     v.iter().map(|&a| f64::from(a)).collect()

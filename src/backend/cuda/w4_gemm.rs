@@ -542,7 +542,7 @@ mod tests {
 
     #[test]
     fn plans_where_they_were_measured_fastest() {
-        // H100 (132 SMs), Llama-3-8B's products (w4_bench, session 22,
+        // H100 (132 SMs), Llama-3-8B's products (w4_bench,
         // BENCHMARKS; µs, the next fastest measured after).
         let auto = W4Gemm::Auto { stream_k: true };
         let (qkv, o, gate_up, down) = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336));
