@@ -22,6 +22,6 @@ for g in "${groups[@]}"; do args+=(--test "$g"); done
 for isa in "${isas[@]}"; do
   echo "== numeric tests under NANOINFER_ISA=$isa (${groups[*]})" >&2
   start=$(date +%s)
-  NANOINFER_ISA=$isa cargo test --release "${args[@]}"
+  NANOINFER_ISA=$isa cargo test --release --no-fail-fast "${args[@]}"
   echo "== NANOINFER_ISA=$isa: $(( $(date +%s) - start )) s" >&2
 done
