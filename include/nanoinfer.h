@@ -665,6 +665,17 @@ typedef struct ni_event {
 } ni_event;
 
 /**
+ * Polled by a running `ni_session_step` within every layer of the model
+ * (and before the step's forward pass); return true to abort the step.
+ * Called on the thread that steps, with the `user_data` given to
+ * `ni_session_set_abort_callback`. It must be fast (it runs a few times per
+ * layer), must not unwind (throw), and must not call into the session it
+ * belongs to except `ni_session_cancel` (other calls on that session fail
+ * with `NI_ERR_BUSY`).
+ */
+typedef bool (*ni_abort_callback)(void *user_data);
+
+/**
  * Success.
  */
 #define NI_OK 0
@@ -1118,12 +1129,19 @@ ni_status ni_session_add_request(struct ni_session *session,
 
 /**
  * Cancels a waiting or running request. Its terminal event (finish reason
- * `NI_FINISH_CANCELLED`) is delivered by the next `ni_session_step`, and its
- * KV is freed at once. An unknown, finished or already cancelled id fails
- * with `NI_ERR_INVALID_ARGUMENT` and changes nothing.
+ * `NI_FINISH_CANCELLED`) is delivered by the next `ni_session_step`. An
+ * unknown, finished or already cancelled id fails with
+ * `NI_ERR_INVALID_ARGUMENT` and changes nothing.
  *
- * Thread-safety: any thread; serialized with other calls on this session
- * (it waits for a running `ni_session_step`).
+ * Never waits for a running step. When no step is running the request's
+ * KV is freed before this returns. A step running now that computes the
+ * request stops within one layer of the model (milliseconds, also in a
+ * long prompt's prefill; the other requests of that step are computed
+ * again by the next step), and the step returns the terminal event. A
+ * request whose cancel succeeded always ends `NI_FINISH_CANCELLED`, even
+ * when the running step had completed it.
+ *
+ * Thread-safety: any thread, at any time, also from the abort callback.
  */
 ni_status ni_session_cancel(struct ni_session *session, uint64_t request_id);
 
@@ -1195,14 +1213,38 @@ const struct ni_event *ni_step_output_events(const struct ni_step_output *output
  * next step before it returns this one's events, so the device keeps
  * working between calls. The events are the same as without the overlap.
  *
- * On failure `output` keeps its previous contents.
+ * A step that the abort callback stops (`ni_session_set_abort_callback`)
+ * fails with `NI_ERR_CANCELLED`; a cancel of one of its requests stops it
+ * too, but the step then succeeds with the cancelled request's terminal
+ * event. On failure `output` keeps its previous contents.
  * Thread-safety: drive one session from one thread at a time (calls are
  * serialized; concurrent steps would only wait for each other).
- * `ni_session_cancel`, `ni_session_add_request` and
- * `ni_session_get_stats` may be called from other threads and wait until
- * the step ends. Different sessions may step in parallel.
+ * `ni_session_cancel` may be called from any thread and never waits;
+ * `ni_session_add_request` and `ni_session_get_stats` may be called from
+ * other threads and wait until the step ends. Different sessions may step
+ * in parallel.
  */
 ni_status ni_session_step(struct ni_session *session, struct ni_step_output *output);
+
+/**
+ * Installs `callback` (with `user_data`) as the session's abort check, or
+ * removes it when `callback` is NULL. While a step runs, the callback is
+ * polled within every layer; when it returns true the step stops at once
+ * and `ni_session_step` fails with `NI_ERR_CANCELLED`: no request advanced,
+ * and the events that step had gathered (e.g. of requests cancelled
+ * before it) are delivered by the next successful step. Stepping again
+ * redoes the same work, so return true only until the app has decided
+ * (e.g. cancelled requests or stopped stepping). The latency from the
+ * callback's true to the step's return is a fraction of one layer's time.
+ *
+ * `user_data` must stay valid until the callback is replaced or cleared,
+ * or the session is freed.
+ * Thread-safety: any thread; serialized with other calls on this session
+ * (it waits for a running `ni_session_step`).
+ */
+ni_status ni_session_set_abort_callback(struct ni_session *session,
+                                        ni_abort_callback callback,
+                                        void *user_data);
 
 /**
  * TESTING ONLY. With `NANOINFER_TEST_HOOKS=1` in the environment: when

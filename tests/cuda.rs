@@ -1605,6 +1605,7 @@ fn cached_kv(model: &Arc<Model>, tokens: &[u32], dtype: KvCacheDType) -> Vec<f32
             tokens: &tokens[start..start + len],
             seqs: &seqs,
             logits_rows: &[len - 1],
+            stop: None,
         };
         ctx.forward(&batch, &mut logits).unwrap();
     }

@@ -81,6 +81,7 @@ impl SingleSequence {
             tokens,
             seqs: &seqs,
             logits_rows: rows,
+            stop: None,
         };
         self.ctx.forward(&batch, logits)
     }

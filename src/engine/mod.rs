@@ -1,5 +1,6 @@
 //! The serving engine: models, sessions, scheduling, requests and events.
 
+pub mod cancel;
 pub mod eval;
 pub mod faults;
 pub mod model;
@@ -7,8 +8,9 @@ pub mod policy;
 pub mod request;
 pub mod session;
 
+pub use cancel::Canceller;
 pub use faults::{FaultCounts, FaultPlan};
 pub use model::{Model, ModelParams};
 pub use policy::SchedulePolicyKind;
 pub use request::{Event, FinishReason, RequestId, RequestParams, TokenLogprob};
-pub use session::{PreemptionMode, Session, SessionParams, SessionStats, StepShape};
+pub use session::{AbortCheck, PreemptionMode, Session, SessionParams, SessionStats, StepShape};

@@ -12,6 +12,7 @@ mod output;
 mod overlap;
 mod schedule;
 
+use super::cancel::Canceller;
 use super::faults::{FaultCounts, FaultPlan, FaultState};
 use super::model::Model;
 use super::policy::{create_policy, RankInput, SchedulePolicy, SchedulePolicyKind};
@@ -267,7 +268,15 @@ pub struct Session {
     overlap: bool,
     /// The step launched last, whose ids have not been collected.
     in_flight: Option<overlap::InFlight>,
+    /// Cancels from other threads, and the running forward's stop flag.
+    canceller: Canceller,
+    /// The app's abort check, polled by the running forward.
+    abort: Option<AbortCheck>,
 }
+
+/// An app's check that aborts a running step when it returns true (see
+/// [`Session::set_abort_check`]).
+pub type AbortCheck = Box<dyn Fn() -> bool + Send + Sync>;
 
 /// How a step turns its logits rows into tokens.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -305,6 +314,8 @@ struct StepScratch {
     tokens: Vec<u32>,
     logits_rows: Vec<usize>,
     suppress: Vec<u32>,
+    /// Cancels taken from the `Canceller`, being applied.
+    cancels: Vec<RequestId>,
 }
 
 impl Session {
@@ -431,6 +442,7 @@ impl Session {
         scratch.allow_device_sampling = params.device_sampling;
         scratch.tokens.reserve(params.max_batched_tokens);
         scratch.spare_events.reserve(params.max_seqs);
+        scratch.cancels.reserve(params.max_seqs);
         let overlap = params.overlap_steps.unwrap_or(ctx.overlaps_steps());
         Ok(Session {
             policy: create_policy(params.policy, params.aging_steps),
@@ -451,6 +463,8 @@ impl Session {
             faults: None,
             overlap,
             in_flight: None,
+            canceller: Canceller::default(),
+            abort: None,
             model,
             params,
         })
@@ -528,15 +542,60 @@ impl Session {
         self.next_arrival += 1;
         self.requests.insert(id, req);
         self.waiting.push(id);
+        self.canceller.admit(id);
         Ok(id)
     }
 
     /// Cancels a waiting or running request and frees its KV at once. Its
     /// terminal event (reason `Cancelled`) is reported by the next `step`.
     /// A request that already got its terminal event cannot be cancelled.
+    /// Another thread cancels through [`canceller`](Session::canceller).
     pub fn cancel(&mut self, id: RequestId) -> Result<()> {
-        let Some(req) = self.requests.remove(&id) else {
+        // `forget` fails when another thread's cancel was accepted first.
+        if !self.requests.contains_key(&id) || !self.canceller.forget(id) {
             bail_arg!("request {id} is not active (unknown, finished or already cancelled)");
+        }
+        self.end_cancelled(id);
+        Ok(())
+    }
+
+    /// A handle that cancels this session's requests from any thread
+    /// without waiting for a running step (which it interrupts when the
+    /// step holds the request). The session applies those cancels at its
+    /// next step, or at once through [`apply_cancels`](Session::apply_cancels).
+    pub fn canceller(&self) -> Canceller {
+        self.canceller.clone()
+    }
+
+    /// Applies the cancels accepted by the [`Canceller`] since the last
+    /// step: frees their KV and queues their terminal events.
+    pub fn apply_cancels(&mut self) {
+        if !self.canceller.has_pending() {
+            return;
+        }
+        let mut ids = std::mem::take(&mut self.scratch.cancels);
+        self.canceller.take_pending(&mut ids);
+        for &id in &ids {
+            // A request that finished while its cancel was queued already
+            // has its terminal event.
+            self.end_cancelled(id);
+        }
+        self.scratch.cancels = ids;
+    }
+
+    /// Sets (or, with `None`, clears) the check a running step polls within
+    /// every layer; when it returns true the step stops, no request
+    /// advances, and `step` fails with `ErrorKind::Cancelled`. Stepping
+    /// again runs the same work.
+    pub fn set_abort_check(&mut self, check: Option<AbortCheck>) {
+        self.abort = check;
+    }
+
+    /// Ends active request `id` as cancelled (its event queued in
+    /// `pending`); false when it is not active.
+    fn end_cancelled(&mut self, id: RequestId) -> bool {
+        let Some(req) = self.requests.remove(&id) else {
+            return false;
         };
         self.waiting.retain(|&r| r != id);
         self.running.retain(|&r| r != id);
@@ -546,7 +605,7 @@ impl Session {
         let mut event = self.new_event(id);
         event.finish = Some(FinishReason::Cancelled);
         self.pending.push(event);
-        Ok(())
+        true
     }
 
     /// True while a request is queued or running, or an event is pending.
@@ -644,9 +703,15 @@ impl Session {
     /// caller that passes the same vector every step lets a warm decode step
     /// run without heap allocations (greedy sampling, no detokenizer, no
     /// logprobs; see tests/engine_zero_alloc.rs).
+    ///
+    /// Fails only with `ErrorKind::Cancelled`, when the abort check stopped
+    /// the step (see [`set_abort_check`](Session::set_abort_check)): no
+    /// request advanced, and the events this step had gathered are
+    /// delivered by the next one.
     pub fn step_into(&mut self, events: &mut Vec<Event>) -> Result<()> {
         let started = Instant::now();
         self.scratch.spare_events.append(events);
+        self.apply_cancels();
         events.append(&mut self.pending);
         if let Some(f) = self.faults.as_mut() {
             f.begin_step(self.stats.steps);
@@ -654,9 +719,16 @@ impl Session {
         // A step launched by the last call is this call's step (a request
         // gets at most one event per call); the next one is launched behind
         // it when the running requests allow.
-        match self.in_flight.take() {
-            Some(flight) => self.advance(flight, events),
+        let ran = match self.in_flight.take() {
+            Some(flight) => {
+                self.advance(flight, events);
+                Ok(())
+            }
             None => self.schedule_and_run(events),
+        };
+        if let Err(aborted) = ran {
+            self.pending.append(events);
+            return Err(aborted);
         }
         self.stats.steps += 1;
         self.stats.step_time_ns += started.elapsed().as_nanos() as u64;
@@ -668,8 +740,10 @@ impl Session {
         Ok(())
     }
 
-    /// Plans a step and runs it (or launches it, then lands it).
-    fn schedule_and_run(&mut self, events: &mut Vec<Event>) {
+    /// Plans a step and runs it (or launches it, then lands it). A forward
+    /// stopped for a cancel is dropped (nobody advances) and the cancels are
+    /// applied; one stopped by the abort check fails the step.
+    fn schedule_and_run(&mut self, events: &mut Vec<Event>) -> Result<()> {
         self.schedule(events);
         if !self.scratch.plan.is_empty() {
             let injected = self.faults.as_mut().and_then(|f| {
@@ -681,8 +755,8 @@ impl Session {
                 }
                 error
             });
-            let result = match injected {
-                Some(e) => Err(e),
+            let (result, interrupted_by_cancel) = match injected {
+                Some(e) => (Err(e), false),
                 None => self.run_forward(),
             };
             match result {
@@ -691,9 +765,18 @@ impl Session {
                     let flight = self.launched();
                     self.advance(flight, events)
                 }
+                Err(e) if e.kind == ErrorKind::Cancelled => {
+                    self.scratch.plan.clear();
+                    if !interrupted_by_cancel {
+                        return Err(e);
+                    }
+                    self.apply_cancels();
+                    events.append(&mut self.pending);
+                }
                 Err(e) => self.fail_scheduled(&e, events),
             }
         }
+        Ok(())
     }
 
     /// TESTING ONLY: raises the faults of `plan` at the steps it names

@@ -50,10 +50,13 @@ mod request;
 
 mod step;
 
+mod abort;
+
 mod debug;
 
 mod args;
 
+pub use abort::*;
 pub use alloc::*;
 pub use boundary::ni_last_error;
 pub use debug::*;

@@ -6,7 +6,7 @@ use super::log::{emit, NI_LOG_INFO, NI_LOG_WARN};
 use super::model::ni_model;
 use super::request::{self, ni_request_params};
 use super::status::ni_status;
-use crate::engine::{Model, PreemptionMode, SchedulePolicyKind, Session, SessionParams};
+use crate::engine::{Canceller, Model, PreemptionMode, SchedulePolicyKind, Session, SessionParams};
 use crate::kv::{KvBackendKind, KvCacheDType};
 use crate::memory::{BudgetSource, MemoryPoolKind};
 use crate::{bail_arg, Error, Result};
@@ -258,6 +258,8 @@ fn to_engine(p: &ni_session_params) -> Result<SessionParams> {
 pub struct ni_session {
     /// The model, also reachable without the lock (for tokenizing prompts).
     pub(crate) model: Arc<Model>,
+    /// Cancels without the lock, so a cancel never waits for a step.
+    pub(crate) canceller: Canceller,
     pub(crate) state: Mutex<SessionState>,
 }
 
@@ -270,7 +272,10 @@ pub(crate) struct SessionState {
 impl ni_session {
     /// Locks the session. If an earlier call panicked while holding the lock,
     /// the session is reused only when its consistency checks pass.
+    /// Fails with `ErrorKind::Busy` on the thread running this session's
+    /// abort callback, whose step holds the lock.
     pub(crate) fn lock(&self) -> Result<MutexGuard<'_, SessionState>> {
+        super::abort::refuse_inside_callback()?;
         match self.state.lock() {
             Ok(guard) => Ok(guard),
             Err(poisoned) => {
@@ -354,6 +359,7 @@ pub unsafe extern "C" fn ni_session_create(
         );
         let handle = Box::new(ni_session {
             model: m.model.clone(),
+            canceller: session.canceller(),
             state: Mutex::new(SessionState {
                 session,
                 panic_next_step: false,
@@ -426,18 +432,31 @@ pub unsafe extern "C" fn ni_session_add_request(
 }
 
 /// Cancels a waiting or running request. Its terminal event (finish reason
-/// `NI_FINISH_CANCELLED`) is delivered by the next `ni_session_step`, and its
-/// KV is freed at once. An unknown, finished or already cancelled id fails
-/// with `NI_ERR_INVALID_ARGUMENT` and changes nothing.
+/// `NI_FINISH_CANCELLED`) is delivered by the next `ni_session_step`. An
+/// unknown, finished or already cancelled id fails with
+/// `NI_ERR_INVALID_ARGUMENT` and changes nothing.
 ///
-/// Thread-safety: any thread; serialized with other calls on this session
-/// (it waits for a running `ni_session_step`).
+/// Never waits for a running step. When no step is running the request's
+/// KV is freed before this returns. A step running now that computes the
+/// request stops within one layer of the model (milliseconds, also in a
+/// long prompt's prefill; the other requests of that step are computed
+/// again by the next step), and the step returns the terminal event. A
+/// request whose cancel succeeded always ends `NI_FINISH_CANCELLED`, even
+/// when the running step had completed it.
+///
+/// Thread-safety: any thread, at any time, also from the abort callback.
 #[no_mangle]
 pub unsafe extern "C" fn ni_session_cancel(session: *mut ni_session, request_id: u64) -> ni_status {
     ffi_call("ni_session_cancel", || {
         // SAFETY: per this function's contract.
         let s = unsafe { args::handle(session, "session")? };
-        s.lock()?.session.cancel(request_id)
+        s.canceller.cancel(request_id)?;
+        // Without a running step, free the request's KV now. A step that
+        // holds the lock applies the cancel itself.
+        if let Ok(mut state) = s.state.try_lock() {
+            state.session.apply_cancels();
+        }
+        Ok(())
     })
 }
 

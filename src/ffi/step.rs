@@ -255,12 +255,16 @@ fn step(session: &ni_session) -> Result<Vec<Event>> {
 /// next step before it returns this one's events, so the device keeps
 /// working between calls. The events are the same as without the overlap.
 ///
-/// On failure `output` keeps its previous contents.
+/// A step that the abort callback stops (`ni_session_set_abort_callback`)
+/// fails with `NI_ERR_CANCELLED`; a cancel of one of its requests stops it
+/// too, but the step then succeeds with the cancelled request's terminal
+/// event. On failure `output` keeps its previous contents.
 /// Thread-safety: drive one session from one thread at a time (calls are
 /// serialized; concurrent steps would only wait for each other).
-/// `ni_session_cancel`, `ni_session_add_request` and
-/// `ni_session_get_stats` may be called from other threads and wait until
-/// the step ends. Different sessions may step in parallel.
+/// `ni_session_cancel` may be called from any thread and never waits;
+/// `ni_session_add_request` and `ni_session_get_stats` may be called from
+/// other threads and wait until the step ends. Different sessions may step
+/// in parallel.
 #[no_mangle]
 pub unsafe extern "C" fn ni_session_step(
     session: *mut ni_session,

@@ -936,6 +936,7 @@ impl CudaDecoder {
             tokens: &tokens,
             seqs: &seqs,
             logits_rows: &logits_rows,
+            stop: None,
         };
         let mut logits = vec![0f32; logits_rows.len() * c.vocab_size];
         let failed = |e: Error| {

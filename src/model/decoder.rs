@@ -5,6 +5,7 @@
 use super::config::ModelConfig;
 use super::quant::{QuantMethod, QuantMode};
 use super::runner::{validate_batch, NON_FINITE_ROW};
+use super::stop::{check_stop, StepStop};
 use super::weights::{WeightDType, WeightSource};
 use super::workspace::{ForwardWorkspace, StepBuffers};
 use crate::backend::cpu::attention::{attention, AttnSeq, AttnShape};
@@ -23,6 +24,9 @@ pub struct ForwardBatch<'a> {
     /// Rows whose logits are wanted, in output order (usually each
     /// sequence's last row when its prompt is complete).
     pub logits_rows: &'a [usize],
+    /// Polled between and inside layers (CPU); a raised stop ends the
+    /// forward with `ErrorKind::Cancelled`. `None` runs to the end.
+    pub stop: Option<&'a StepStop<'a>>,
 }
 
 struct Layer {
@@ -228,8 +232,7 @@ impl Decoder {
     ) -> Result<()> {
         self.validate(batch, kv, logits.len())?;
         let mut b = ws.step(batch.tokens.len(), batch.logits_rows.len(), 0)?;
-        self.run(pool, batch, kv, &mut b, logits);
-        Ok(())
+        self.run(pool, batch, kv, &mut b, logits)
     }
 
     /// Like `forward`, for plain greedy decoding: writes `ids[i]` = the
@@ -255,7 +258,7 @@ impl Decoder {
         self.validate(batch, kv, n_out * vocab)?;
         let mut b = ws.step(batch.tokens.len(), n_out, n_out * vocab)?;
         let logits = std::mem::take(&mut b.logits);
-        self.run(pool, batch, kv, &mut b, logits);
+        self.run(pool, batch, kv, &mut b, logits)?;
         for (id, row) in ids.iter_mut().zip(logits.chunks_exact(vocab)) {
             *id = match first_non_finite(row) {
                 Some(_) => NON_FINITE_ROW,
@@ -266,6 +269,7 @@ impl Decoder {
     }
 
     /// The forward itself, on a validated batch and buffers sized for it.
+    /// Fails only when `batch.stop` is raised.
     fn run(
         &self,
         pool: &ThreadPool,
@@ -273,7 +277,7 @@ impl Decoder {
         kv: &mut KvStorage,
         ws: &mut StepBuffers<'_>,
         logits: &mut [f32],
-    ) {
+    ) -> Result<()> {
         let c = &self.config;
         let rows = batch.tokens.len();
         let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
@@ -288,6 +292,10 @@ impl Decoder {
 
         let shape = attn_shape(c);
         for (li, layer) in self.layers.iter().enumerate() {
+            // Polled three times a layer (attention, then the two halves of
+            // the MLP, are its costly parts) so a stop takes effect well
+            // within one layer's time.
+            check_stop(batch.stop)?;
             rms_norm(
                 &ws.hidden[..rows * d],
                 &layer.input_norm,
@@ -333,7 +341,9 @@ impl Decoder {
                 keys,
                 values,
                 &mut ws.attn[..rows * nq],
+                batch.stop.map(|s| s.cancel),
             );
+            check_stop(batch.stop)?;
             matmul(pool, ws.attn, rows, &[&layer.o], &mut ws.proj[..rows * d]);
             if let Some(b) = &layer.o_bias {
                 ws.proj[..rows * d]
@@ -361,6 +371,7 @@ impl Decoder {
                 inter,
                 &mut ws.act[..rows * inter],
             );
+            check_stop(batch.stop)?;
             matmul(pool, ws.act, rows, &[&layer.down], &mut ws.proj[..rows * d]);
             add_in_place(&mut ws.hidden[..rows * d], &ws.proj[..rows * d]);
         }
@@ -385,6 +396,7 @@ impl Decoder {
                 &mut logits[..n_out * c.vocab_size],
             );
         }
+        Ok(())
     }
 
     fn validate(&self, batch: &ForwardBatch<'_>, kv: &KvStorage, logits_len: usize) -> Result<()> {

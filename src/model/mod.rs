@@ -17,6 +17,7 @@ pub mod safetensors;
 mod safetensors_header;
 mod safetensors_json;
 mod safetensors_view;
+pub mod stop;
 pub mod weights;
 pub mod workspace;
 
@@ -29,5 +30,6 @@ pub use quant_checkpoint::{
 pub use runner::{
     ContextShape, CpuDecoder, DeviceDecoder, ForwardContext, KvBudget, NON_FINITE_ROW,
 };
+pub use stop::StepStop;
 pub use weights::{WeightDType, WeightSource};
 pub use workspace::{ForwardWorkspace, StepBuffers, WorkspacePlan, WorkspaceStats};

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 )
 
 // The default model: $NANOINFER_MODEL, else models/SmolLM2-135M-Instruct at
@@ -222,6 +223,41 @@ func TestCancelWithContext(t *testing.T) {
 	st, err := s.Stats()
 	if err != nil || st.Running+st.Waiting != 0 || st.KVUsedTokens != 0 || s.HasWork() {
 		t.Fatalf("session not idle after cancel: %+v %v", st, err)
+	}
+}
+
+// A deadline that passes during a long prompt's prefill stops the step
+// that is running, instead of waiting for the whole prefill.
+func TestDeadlineStopsALongPrefill(t *testing.T) {
+	s := session(t)
+	prompt := strings.Repeat("The quick brown fox jumps over the lazy dog, and then it rests. ", 250)
+	const deadline = 500 * time.Millisecond
+	ctx, cancel := context.WithTimeout(context.Background(), deadline)
+	defer cancel()
+	start := time.Now()
+	var last Event
+	var lastErr error
+	for ev, err := range s.Generate(ctx, Request{Text: prompt, MaxTokens: 8}) {
+		last, lastErr = ev, err
+		if err != nil {
+			break
+		}
+	}
+	elapsed := time.Since(start)
+	if !errors.Is(lastErr, context.DeadlineExceeded) || last.Finish != FinishCancelled {
+		t.Fatalf("expected the deadline to cancel the request, got %v / %v", lastErr, last.Finish)
+	}
+	st, err := s.Stats()
+	if err != nil || st.Running+st.Waiting != 0 || st.KVUsedTokens != 0 {
+		t.Fatalf("session not idle after the deadline: %+v %v", st, err)
+	}
+	if st.PrefillTokens >= 3000 {
+		t.Fatalf("the whole prompt was computed (%d tokens) before the deadline took effect", st.PrefillTokens)
+	}
+	// One 512-token step takes seconds here; a layer, tens of milliseconds.
+	t.Logf("a %v deadline returned after %v (%d prompt tokens computed)", deadline, elapsed, st.PrefillTokens)
+	if elapsed > deadline+time.Second {
+		t.Fatalf("Generate returned %v after a %v deadline", elapsed, deadline)
 	}
 }
 

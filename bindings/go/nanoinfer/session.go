@@ -8,6 +8,7 @@ import "C"
 
 import (
 	"context"
+	"errors"
 	"iter"
 	"runtime"
 	"sync"
@@ -175,10 +176,14 @@ type Stats struct {
 }
 
 // Session runs requests over one model with continuous batching. It is safe
-// for concurrent use: calls are serialized, so Cancel or Stats from another
-// goroutine wait for a running Step.
+// for concurrent use: calls are serialized, so AddRequest or Stats from
+// another goroutine wait for a running Step. Cancel never waits: it stops a
+// running Step that computes the request within one layer of the model.
 type Session struct {
-	mu      sync.Mutex
+	mu sync.Mutex
+	// life guards ptr against Close for Cancel, which must not take mu
+	// (a running Step holds mu).
+	life    sync.RWMutex
 	ptr     *C.ni_session
 	out     *C.ni_step_output
 	backlog []Event // events Generate stepped past that belong to other requests
@@ -242,6 +247,8 @@ func setIf(dst *C.uint32_t, v int) {
 func (s *Session) Close() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.life.Lock()
+	defer s.life.Unlock()
 	if s.ptr != nil {
 		s.cleanup.Stop()
 		C.ni_step_output_free(s.out)
@@ -394,18 +401,16 @@ func convertEvent(e *C.ni_event) Event {
 }
 
 // Cancel cancels a waiting or running request; its terminal event
-// (FinishCancelled) comes with the next Step. Unknown or finished ids fail
-// with ErrInvalidArgument.
+// (FinishCancelled) comes with the next Step, or ends the Step running now
+// within one layer of the model when that Step computes the request. It
+// never waits for a running Step. Unknown or finished ids fail with
+// ErrInvalidArgument.
 func (s *Session) Cancel(id RequestID) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
+	s.life.RLock()
+	defer s.life.RUnlock()
 	if s.ptr == nil {
 		return ErrClosed
 	}
-	return s.cancelLocked(id)
-}
-
-func (s *Session) cancelLocked(id RequestID) error {
 	return call("ni_session_cancel", func() C.ni_status { return C.ni_session_cancel(s.ptr, C.uint64_t(id)) })
 }
 
@@ -482,13 +487,11 @@ func (s *Session) stepFor(id RequestID) ([]Event, error) {
 // abandon cancels id (if still active) and steps until its terminal event,
 // so that it leaves the session cleanly.
 func (s *Session) abandon(id RequestID) {
-	s.mu.Lock()
-	if s.ptr == nil {
-		s.mu.Unlock()
+	if err := s.Cancel(id); errors.Is(err, ErrClosed) {
 		return
 	}
-	_ = s.cancelLocked(id) // fails only when it already finished
-	s.mu.Unlock()
+	// Any other failure means it already ended; its terminal event may still
+	// be in the backlog or the next Step, which the loop drains.
 	for {
 		events, err := s.stepFor(id)
 		if err != nil {
@@ -506,7 +509,9 @@ func (s *Session) abandon(id RequestID) {
 // stepping the session (other requests in it advance too; their events are
 // returned by the next Step). A failed AddRequest or Step is yielded as an
 // error. When ctx is done, or the loop stops early, the request is
-// cancelled; for ctx the last pair carries ctx.Err().
+// cancelled; for ctx the last pair carries ctx.Err(). A ctx that ends
+// during a Step stops that Step within one layer of the model, so a
+// deadline also bounds a long prompt's prefill.
 func (s *Session) Generate(ctx context.Context, req Request) iter.Seq2[Event, error] {
 	return func(yield func(Event, error) bool) {
 		id, err := s.AddRequest(req)
@@ -520,6 +525,10 @@ func (s *Session) Generate(ctx context.Context, req Request) iter.Seq2[Event, er
 				s.abandon(id)
 			}
 		}()
+		// Cancels from the goroutine context.AfterFunc starts, so a Step
+		// that is running when ctx ends stops at once.
+		stopWatching := context.AfterFunc(ctx, func() { _ = s.Cancel(id) })
+		defer stopWatching()
 		for {
 			if err := ctx.Err(); err != nil {
 				s.abandon(id)
@@ -533,10 +542,14 @@ func (s *Session) Generate(ctx context.Context, req Request) iter.Seq2[Event, er
 				return
 			}
 			for _, ev := range events {
+				var evErr error
 				if ev.Finish != FinishNone {
 					finished = true
+					if ev.Finish == FinishCancelled {
+						evErr = ctx.Err()
+					}
 				}
-				if !yield(ev, nil) || finished {
+				if !yield(ev, evErr) || finished {
 					return
 				}
 			}

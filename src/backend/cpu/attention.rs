@@ -14,6 +14,7 @@ use super::vector::{axpy, dot};
 use crate::kv::KvMapping;
 use once_cell::sync::Lazy;
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// One sequence's rows in the batch.
 #[derive(Clone, Copy)]
@@ -67,6 +68,10 @@ pub fn reserve_decode_scratch(pool: &ThreadPool, shape: &AttnShape, max_position
 /// `q` has rows of stride `q_stride` whose first `n_heads * head_dim` values
 /// are the query; `out` is `[rows, n_heads * head_dim]`; `keys`/`values` are
 /// one layer of the KV storage, `[slots, n_kv_heads * head_dim]`.
+///
+/// Once `stop` is raised the tasks not yet started are skipped (their
+/// output rows are left as they were): a long prefill's attention is most
+/// of a layer's time, and the caller that raised it discards the result.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     pool: &ThreadPool,
@@ -77,6 +82,7 @@ pub fn attention(
     keys: &[f32],
     values: &[f32],
     out: &mut [f32],
+    stop: Option<&AtomicBool>,
 ) {
     let rows: usize = seqs.iter().map(|s| s.len).sum();
     let (h, kvh, hd) = (shape.n_heads, shape.n_kv_heads, shape.head_dim);
@@ -118,6 +124,9 @@ pub fn attention(
     };
     let n_tasks: usize = seqs.iter().map(seq_tasks).sum();
     pool.run(n_tasks, &|task| {
+        if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+            return;
+        }
         let mut t = task;
         let seq = seqs
             .iter()
@@ -263,7 +272,7 @@ mod tests {
     ) {
         let (h, kvh, hd) = (shape.n_heads, shape.n_kv_heads, shape.head_dim);
         let mut out = vec![f32::NAN; rows * h * hd];
-        attention(pool, shape, seqs, q, h * hd, keys, vals, &mut out);
+        attention(pool, shape, seqs, q, h * hd, keys, vals, &mut out, None);
         let want = reference(shape, seqs, q, keys, vals, rows);
         for (i, (a, b)) in out.iter().zip(&want).enumerate() {
             assert!(

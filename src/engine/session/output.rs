@@ -3,8 +3,8 @@
 use super::{Request, Session, TokensFrom};
 use crate::backend::cpu::attention::AttnSeq;
 use crate::engine::request::{Event, FinishReason, RequestId, TokenLogprob};
-use crate::model::ForwardBatch;
 use crate::model::NON_FINITE_ROW;
+use crate::model::{ForwardBatch, StepStop};
 use crate::sampling::{check_finite_logits, non_finite_logits, SampledToken};
 use crate::Error;
 use std::time::Instant;
@@ -15,7 +15,9 @@ impl Session {
     /// which is the order `finish_step` consumes them in. Returns true when
     /// the forward was launched rather than run (overlapped steps, every
     /// row's id chosen on the device): its ids are collected by `land`.
-    pub(super) fn run_forward(&mut self) -> crate::Result<bool> {
+    /// The second value tells whether a cancel from another thread asked
+    /// the forward to stop (see `Canceller`).
+    pub(super) fn run_forward(&mut self) -> (crate::Result<bool>, bool) {
         let Session {
             kv,
             ctx,
@@ -25,6 +27,8 @@ impl Session {
             model,
             stats,
             overlap,
+            canceller,
+            abort,
             ..
         } = self;
         scratch.tokens.clear();
@@ -52,10 +56,15 @@ impl Session {
                 kv: kv.mapping(id),
             });
         }
+        let stop = StepStop {
+            cancel: canceller.stop_flag(),
+            abort: abort.as_deref(),
+        };
         let batch = ForwardBatch {
             tokens: &scratch.tokens,
             seqs: &seqs,
             logits_rows: &scratch.logits_rows,
+            stop: Some(&stop),
         };
         let sampled_rows = scratch.logits_rows.len();
         let device_samples =
@@ -95,6 +104,7 @@ impl Session {
             && scratch.device_sampling.host_rows.is_empty();
         let launch =
             *overlap && (scratch.tokens_from == TokensFrom::DeviceArgmax || sampled_on_device);
+        canceller.begin_forward(scratch.plan.iter().map(|&(id, _)| id));
         let result = match scratch.tokens_from {
             _ if launch => {
                 let sampling = sampled_on_device.then_some(&scratch.device_sampling);
@@ -109,10 +119,11 @@ impl Session {
                 logits,
             ),
         };
+        let interrupted_by_cancel = canceller.end_forward();
         stats.forward_time_ns += forward_started.elapsed().as_nanos() as u64;
         seqs.clear();
         scratch.seqs = relabel(seqs);
-        result.map(|()| launch)
+        (result.map(|()| launch), interrupted_by_cancel)
     }
 
     pub(super) fn fail_scheduled(&mut self, err: &Error, events: &mut Vec<Event>) {
@@ -247,7 +258,7 @@ impl Session {
     pub(super) fn finish(
         &mut self,
         mut event: Event,
-        reason: FinishReason,
+        mut reason: FinishReason,
         events: &mut Vec<Event>,
     ) {
         let id = event.request_id;
@@ -255,6 +266,11 @@ impl Session {
             self.scratch.spare_events.push(event);
             return;
         };
+        if !self.canceller.forget(id) {
+            // Cancelled from another thread while this step ran: the cancel
+            // succeeded, so that is how the request ends.
+            reason = FinishReason::Cancelled;
+        }
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
         if req.in_kv {

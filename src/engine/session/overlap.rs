@@ -152,6 +152,7 @@ impl Session {
             tokens: &scratch.tokens,
             seqs: &seqs,
             logits_rows: &scratch.logits_rows,
+            stop: None,
         };
         let started = Instant::now();
         let sampling = (!greedy).then_some(&scratch.device_sampling);

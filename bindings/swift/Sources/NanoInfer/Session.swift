@@ -93,9 +93,10 @@ public struct SessionStats {
 }
 
 /// A serving session (continuous batching over one model). Calls are
-/// serialized, so `cancel` and `stats` from other threads wait for a
-/// running `step`.
-public final class Session {
+/// serialized, so `addRequest` and `stats` from other threads wait for a
+/// running `step`; `cancel` never waits (it stops a running step that
+/// computes the request within one layer of the model).
+public final class Session: @unchecked Sendable {
     private let handle: OpaquePointer
     private let output: OpaquePointer
     private let lock = NSLock()
@@ -219,10 +220,10 @@ public final class Session {
             errorMessage: e.error_message.map { String(cString: $0) })
     }
 
-    /// Cancels a waiting or running request; its terminal event comes with the next step.
+    /// Cancels a waiting or running request; its terminal event comes with
+    /// the next step, or ends the step running now. Never waits for a step
+    /// (`ni_session_cancel` needs no lock), so it takes none here either.
     public func cancel(_ id: RequestID) throws {
-        lock.lock()
-        defer { lock.unlock() }
         try check("ni_session_cancel", ni_session_cancel(handle, id))
     }
 
@@ -271,7 +272,23 @@ public final class Session {
     /// terminal one, stepping the session (other requests advance too).
     /// Returning false from `onEvent`, or throwing, cancels the request.
     public func generate(_ request: Request, onEvent: (Event) throws -> Bool) throws {
+        try generate(id: try addRequest(request), onEvent: onEvent)
+    }
+
+    /// `generate` in a task: cancelling the task cancels the request at once
+    /// (a running step stops within one layer), `onEvent` receives its
+    /// `.cancelled` event, and this throws `CancellationError`.
+    public func generate(_ request: Request, onEvent: (Event) throws -> Bool) async throws {
         let id = try addRequest(request)
+        try await withTaskCancellationHandler {
+            try generate(id: id, onEvent: onEvent)
+        } onCancel: {
+            try? self.cancel(id)
+        }
+        try Task.checkCancellation()
+    }
+
+    private func generate(id: RequestID, onEvent: (Event) throws -> Bool) throws {
         var finished = false
         defer {
             if !finished {
