@@ -14,9 +14,26 @@
  * - Strings are UTF-8. Text arguments with a length need no NUL.
  * - Panics inside the library are caught and reported as NI_ERR_PANIC;
  *   nothing aborts the host process.
- * - Thread-safety is stated on each declaration: a model may be shared by
- *   sessions on different threads; one session is driven by one thread at a
- *   time, while cancel / add / stats may come from other threads.
+ * - Thread-safety is stated on each declaration; the model is this:
+ *
+ * Threading model
+ * - A model is immutable once loaded and may be used from any thread; its
+ *   CPU kernel thread pool (n_threads, all cores by default) is shared by
+ *   every session on it.
+ * - The recommended pattern is ONE session per model with MANY requests:
+ *   the session batches them into each step, which is how the engine gets
+ *   its throughput. Several sessions on one model are fine (e.g. separate
+ *   KV budgets per tenant): their steps take turns on the kernel threads,
+ *   first come first served, so running them at once is at least as fast
+ *   as running them one after the other, but not faster.
+ * - A session is stepped (ni_session_step) by one thread at a time. From any
+ *   other thread, ni_session_add_request and ni_session_get_stats wait for
+ *   a running step to end; ni_session_cancel never waits, and stops a
+ *   running step that computes the cancelled request within one layer of
+ *   the model (milliseconds, also inside a long prompt's prefill). An abort
+ *   callback (ni_session_set_abort_callback) stops any step the same way.
+ * - Callbacks (log, load progress, abort) run on the thread of the call that
+ *   triggers them and must not unwind into the library.
  */
 
 #ifndef NANOINFER_H
@@ -745,7 +762,9 @@ typedef bool (*ni_abort_callback)(void *user_data);
 #define NI_DEVICE_CPU 0
 
 /**
- * An NVIDIA GPU. Not available in this build: loading returns `NI_ERR_UNSUPPORTED`.
+ * An NVIDIA GPU (`device_index` picks it). The CUDA driver, NVRTC and
+ * cuBLAS are loaded at run time: without them, or without a device,
+ * `ni_model_load` fails with `NI_ERR_UNSUPPORTED` naming what is missing.
  */
 #define NI_DEVICE_CUDA 1
 
@@ -1093,12 +1112,17 @@ void ni_session_params_init(struct ni_session_params *params);
  * model: `ni_model_free` may be called before `ni_session_free`.
  *
  * On success `*out_session` receives a handle to free with
- * `ni_session_free`. Fails with `NI_ERR_OUT_OF_MEMORY` when the KV budget
- * cannot hold one context, or when an explicit KV size does not fit in the
- * memory available to the process (see `kv_memory_bytes`), and with
- * `NI_ERR_INVALID_ARGUMENT` for a size beyond its documented limit.
+ * `ni_session_free`. Fails with `NI_ERR_OUT_OF_MEMORY` when a KV budget in
+ * bytes (`kv_memory_bytes`, a fraction, or the automatic one) holds fewer
+ * tokens than one context: the model's context length, counted as at most
+ * 4096 tokens (an explicit `kv_capacity_tokens` may be smaller; requests
+ * longer than it are then refused). It also fails so when an explicit KV
+ * size does not fit in the memory available to the process (see
+ * `kv_memory_bytes`), and with `NI_ERR_INVALID_ARGUMENT` for a size beyond
+ * its documented limit.
  * Thread-safety: any thread; several sessions may share one model and be
- * driven from different threads at once.
+ * driven from different threads at once (their steps take turns on the
+ * model's kernel threads; one session with many requests is faster).
  */
 ni_status ni_session_create(const struct ni_model *model,
                             const struct ni_session_params *params,

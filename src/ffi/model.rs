@@ -16,7 +16,9 @@ use std::sync::Arc;
 pub type ni_device = u32;
 /// The CPU backend (SIMD kernels, a thread pool per model).
 pub const NI_DEVICE_CPU: ni_device = 0;
-/// An NVIDIA GPU. Not available in this build: loading returns `NI_ERR_UNSUPPORTED`.
+/// An NVIDIA GPU (`device_index` picks it). The CUDA driver, NVRTC and
+/// cuBLAS are loaded at run time: without them, or without a device,
+/// `ni_model_load` fails with `NI_ERR_UNSUPPORTED` naming what is missing.
 pub const NI_DEVICE_CUDA: ni_device = 1;
 
 /// Weight data type.

@@ -318,12 +318,17 @@ pub unsafe extern "C" fn ni_session_params_init(params: *mut ni_session_params) 
 /// model: `ni_model_free` may be called before `ni_session_free`.
 ///
 /// On success `*out_session` receives a handle to free with
-/// `ni_session_free`. Fails with `NI_ERR_OUT_OF_MEMORY` when the KV budget
-/// cannot hold one context, or when an explicit KV size does not fit in the
-/// memory available to the process (see `kv_memory_bytes`), and with
-/// `NI_ERR_INVALID_ARGUMENT` for a size beyond its documented limit.
+/// `ni_session_free`. Fails with `NI_ERR_OUT_OF_MEMORY` when a KV budget in
+/// bytes (`kv_memory_bytes`, a fraction, or the automatic one) holds fewer
+/// tokens than one context: the model's context length, counted as at most
+/// 4096 tokens (an explicit `kv_capacity_tokens` may be smaller; requests
+/// longer than it are then refused). It also fails so when an explicit KV
+/// size does not fit in the memory available to the process (see
+/// `kv_memory_bytes`), and with `NI_ERR_INVALID_ARGUMENT` for a size beyond
+/// its documented limit.
 /// Thread-safety: any thread; several sessions may share one model and be
-/// driven from different threads at once.
+/// driven from different threads at once (their steps take turns on the
+/// model's kernel threads; one session with many requests is faster).
 #[no_mangle]
 pub unsafe extern "C" fn ni_session_create(
     model: *const ni_model,

@@ -10,10 +10,12 @@ use super::weights::{WeightDType, WeightSource};
 use super::workspace::{ForwardWorkspace, StepBuffers};
 use crate::backend::cpu::attention::{attention, AttnSeq, AttnShape};
 use crate::backend::cpu::ops::{add_in_place, apply_rope, rms_norm, rms_norm_in_place, silu_mul};
+use crate::backend::cpu::turns::Turn;
 use crate::backend::cpu::{matmul, Matrix, MatrixData, ThreadPool};
 use crate::kv::KvStorage;
 use crate::tensor::finite::first_non_finite;
 use crate::{bail_arg, Result};
+use std::cell::Cell;
 
 /// What the engine hands the model for one step.
 pub struct ForwardBatch<'a> {
@@ -231,6 +233,7 @@ impl Decoder {
         logits: &mut [f32],
     ) -> Result<()> {
         self.validate(batch, kv, logits.len())?;
+        let _turn = take_turn(pool, batch.stop)?;
         let mut b = ws.step(batch.tokens.len(), batch.logits_rows.len(), 0)?;
         self.run(pool, batch, kv, &mut b, logits)
     }
@@ -256,6 +259,7 @@ impl Decoder {
             );
         }
         self.validate(batch, kv, n_out * vocab)?;
+        let _turn = take_turn(pool, batch.stop)?;
         let mut b = ws.step(batch.tokens.len(), n_out, n_out * vocab)?;
         let logits = std::mem::take(&mut b.logits);
         self.run(pool, batch, kv, &mut b, logits)?;
@@ -425,6 +429,21 @@ impl Decoder {
             }
         }
     }
+}
+
+/// The forward's turn on the pool the sessions of a model share; a stop
+/// raised while waiting ends the wait with its error.
+fn take_turn<'p>(pool: &'p ThreadPool, stop: Option<&StepStop<'_>>) -> Result<Turn<'p>> {
+    let stopped = Cell::new(None);
+    let give_up = || match check_stop(stop) {
+        Ok(()) => false,
+        Err(e) => {
+            stopped.set(Some(e));
+            true
+        }
+    };
+    pool.take_turn(&give_up)
+        .ok_or_else(|| stopped.take().expect("a turn is given up only on a stop"))
 }
 
 /// A linear layer's weight in the CPU kernels' layout (see [`linear_matrix`]).

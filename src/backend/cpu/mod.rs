@@ -24,6 +24,7 @@ pub mod q4_kernels;
 pub mod q8;
 pub mod q8_kernels;
 pub mod threadpool;
+pub mod turns;
 pub mod vector;
 
 pub use bf16::PackedBf16;

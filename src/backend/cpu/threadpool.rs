@@ -11,6 +11,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::turns::{ForwardTurns, Turn};
 use crate::{Error, ErrorKind, Result};
 
 type Job = dyn Fn(usize) + Sync;
@@ -42,6 +43,8 @@ pub struct ThreadPool {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
     run_lock: Mutex<()>,
+    /// Forward passes of the sessions sharing this pool take turns.
+    turns: ForwardTurns,
 }
 
 const SPIN_BEFORE_PARK: Duration = Duration::from_micros(200);
@@ -76,6 +79,7 @@ impl ThreadPool {
             shared,
             workers: Vec::new(),
             run_lock: Mutex::new(()),
+            turns: ForwardTurns::default(),
         };
         if pool.workers.try_reserve_exact(threads - 1).is_err() {
             return Err(Error::new(
@@ -102,6 +106,13 @@ impl ThreadPool {
             }
         }
         Ok(pool)
+    }
+
+    /// Waits for the caller's turn to run a whole forward pass on this pool
+    /// (first come, first served; see `turns`), or `None` once `give_up`,
+    /// polled while waiting, returns true.
+    pub fn take_turn(&self, give_up: &dyn Fn() -> bool) -> Option<Turn<'_>> {
+        self.turns.take(give_up)
     }
 
     /// Total threads including the caller.
