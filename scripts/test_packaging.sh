@@ -3,13 +3,18 @@
 #   1. include/nanoinfer.h equals what cbindgen generates (tests/ffi_header.rs);
 #   2. the CMake package builds (reusing cargo's target dir) and installs to a
 #      temporary prefix, with the files, SONAME and pkg-config data expected;
-#   3. the C and C++ examples build as separate CMake projects against the
+#   3. the installed static library defines exactly the header's ni_* functions
+#      and nothing else, links with -Wl,--whole-archive beside another Rust
+#      staticlib (a throwaway no-dependency crate) and leaves the app's libm
+#      alone (sqrt(-1) sets errno); the installed shared library is stripped and
+#      its .gnu_debuglink names an installed debug file with the right CRC;
+#   4. the C and C++ examples build as separate CMake projects against the
 #      installed package (find_package(nanoinfer CONFIG REQUIRED)), shared and
 #      static, and run on the default model;
-#   4. the C example runs under valgrind with no leaks and no errors, on a
+#   5. the C example runs under valgrind with no leaks and no errors, on a
 #      tiny random model with the default model's tokenizer
 #      (scripts/make_tiny_chat_model.py; the 540 MB model takes >20 min there);
-#   5. `go test ./...` in bindings/go passes against the installed library.
+#   6. `go test ./...` in bindings/go passes against the installed library.
 # Needs cargo, cmake, a C/C++ compiler, pkg-config, valgrind, numpy (all
 # installed by `NANOINFER_SETUP_PACKAGING=1 scripts/setup.sh`, which
 # scripts/test.sh runs) and Go >= 1.24 (PATH or /usr/local/go; without it the
@@ -57,6 +62,8 @@ need cmake cmake
 need make make
 need c++ g++
 need readelf binutils
+need objcopy binutils
+need cc gcc
 need pkg-config pkg-config
 need valgrind valgrind
 # Go >= 1.24, from PATH or the official tarball's default location.
@@ -90,6 +97,129 @@ readelf -d "$libdir/libnanoinfer.so.$abi" | grep -q "SONAME.*\[libnanoinfer.so.$
 cmp -s include/nanoinfer.h "$prefix/include/nanoinfer.h" || { echo "installed header differs" >&2; exit 1; }
 pc_version=$(PKG_CONFIG_PATH=$libdir/pkgconfig pkg-config --modversion nanoinfer)
 [ "$pc_version" = "$version" ] || { echo "pkg-config version $pc_version, crate $version" >&2; exit 1; }
+ok
+
+step "static library: exactly the header's ni_* functions are global"
+# Function declarations start in column 0 in the generated header.
+grep -oE '^[A-Za-z_][A-Za-z0-9_ *]*[ *]ni_[a-z0-9_]+\(' include/nanoinfer.h | grep -oE 'ni_[a-z0-9_]+\($' \
+  | tr -d '(' | sort -u >"$work/api-header.txt"
+# readelf, not nm: nm gives objects with embedded LLVM bitcode (Rust's std) to
+# an installed LLVM gold plugin, which can fail on them and list nothing.
+defined_globals() {  # every global or weak symbol an ELF file or archive defines
+  readelf -sW "$1" | awk '$5 ~ /^(GLOBAL|WEAK|UNIQUE)$/ && $7 != "UND" { print $8 }' | sort
+}
+defined_globals "$libdir/libnanoinfer.a" >"$work/api-static.txt"
+if ! diff -u "$work/api-header.txt" "$work/api-static.txt" >"$work/api.diff"; then
+  head -n 40 "$work/api.diff" >&2
+  echo "libnanoinfer.a's global symbols are not the header's $(wc -l <"$work/api-header.txt") ni_* functions" >&2
+  exit 1
+fi
+echo "   libnanoinfer.a: $(wc -l <"$work/api-static.txt") global symbols = the header's functions" \
+     "(cargo's archive: $(defined_globals "$target_dir/release/libnanoinfer.a" | wc -l))" >&2
+ok
+
+step "static library beside another Rust staticlib, both --whole-archive; libm untouched"
+other=$work/otherlib
+mkdir -p "$other/src"
+cat >"$other/Cargo.toml" <<'TOML'
+[package]
+name = "otherlib"
+version = "0.1.0"
+edition = "2021"
+[lib]
+crate-type = ["staticlib"]
+TOML
+cat >"$other/src/lib.rs" <<'RUST'
+#[no_mangle]
+pub extern "C" fn otherlib_answer() -> u32 {
+    "forty-two".len() as u32 * 4 + 6
+}
+RUST
+logged otherlib env CARGO_TARGET_DIR="$other/target" cargo build --release --offline --manifest-path "$other/Cargo.toml"
+other_a=$other/target/release/libotherlib.a
+cat >"$work/two_rust_libs.c" <<'C'
+#include <errno.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include "nanoinfer.h"
+uint32_t otherlib_answer(void);
+int main(void) {
+  printf("nanoinfer %s\n", ni_version());
+#ifdef WITH_OTHERLIB
+  if (otherlib_answer() != 42) { fprintf(stderr, "otherlib_answer() = %u\n", otherlib_answer()); return 1; }
+#endif
+  /* A panic inside the library unwinds to its C boundary (with
+     NANOINFER_TEST_HOOKS=1): its personality routine survives the prelink. */
+  ni_status st = ni_debug_force_panic(NULL);
+  if (st != NI_ERR_PANIC) { fprintf(stderr, "ni_debug_force_panic(NULL) = %s\n", ni_status_name(st)); return 1; }
+#ifdef CHECK_LIBM
+  volatile double minus_one = -1.0;  /* not constant-folded: libm's sqrt runs */
+  errno = 0;
+  double r = sqrt(minus_one);
+  if (!isnan(r) || errno != EDOM) {
+    fprintf(stderr, "sqrt(-1): errno %d, not EDOM: a sqrt other than libm's was linked\n", errno);
+    return 1;
+  }
+#endif
+  return 0;
+}
+C
+# The static library's native dependencies as the installed .pc lists them.
+static_deps=$(PKG_CONFIG_PATH=$libdir/pkgconfig pkg-config --static --libs nanoinfer | tr ' ' '\n' | grep -vE '^(-L.*|-lnanoinfer|)$' | tr '\n' ' ')
+link_c() {  # link_c EXE [cc args...]: two_rust_libs.c with the given archives
+  local exe=$1; shift
+  # shellcheck disable=SC2086
+  logged "link-$exe" cc -O2 -I"$prefix/include" "$work/two_rust_libs.c" -o "$work/$exe" "$@" $static_deps -lm
+}
+# A plain Rust staticlib carries compiler_builtins' own sqrt/fmod/..., so with
+# it in the link sqrt is not libm's whatever nanoinfer does: the errno check
+# then runs in a program with nanoinfer alone.
+if defined_globals "$other_a" | grep -qx sqrt; then both_flags=""; else both_flags="-DCHECK_LIBM"; fi
+# shellcheck disable=SC2086
+link_c two_rust_libs -DWITH_OTHERLIB $both_flags -Wl,--whole-archive "$libdir/libnanoinfer.a" "$other_a" -Wl,--no-whole-archive
+link_c nanoinfer_only -DCHECK_LIBM -Wl,--whole-archive "$libdir/libnanoinfer.a" -Wl,--no-whole-archive
+for exe in two_rust_libs nanoinfer_only; do
+  logged "run-$exe" env NANOINFER_TEST_HOOKS=1 "$work/$exe"
+  grep -qx "nanoinfer $version" "$work/run-$exe.log" || { echo "$exe: ni_version() is not $version" >&2; exit 1; }
+done
+# Not a check, the reason for one: cargo's own archive in the same link.
+if link_c cargo_archive -DCHECK_LIBM -Wl,--whole-archive "$target_dir/release/libnanoinfer.a" -Wl,--no-whole-archive 2>/dev/null \
+   && env NANOINFER_TEST_HOOKS=1 "$work/cargo_archive" >/dev/null 2>&1; then
+  echo "   (cargo's own archive leaves sqrt alone too with this toolchain)" >&2
+else
+  echo "   (cargo's own archive, linked the same way, replaces libm's sqrt)" >&2
+fi
+ok
+
+step "shared library stripped, its debug info in lib/.debug"
+so=$libdir/libnanoinfer.so.$abi
+if readelf -SW "$so" | grep -qE ' \.(debug_info|symtab) '; then echo "$so still has debug info or .symtab" >&2; exit 1; fi
+# .gnu_debuglink: the debug file's name, NUL, padding to 4 bytes, its CRC-32.
+objcopy --dump-section .gnu_debuglink="$work/debuglink" "$so" "$work/so-copy" \
+  || { echo "$so has no .gnu_debuglink" >&2; exit 1; }
+debug_name=$(python3 - "$work/debuglink" "$libdir/.debug" <<'PY'
+import os, struct, sys, zlib
+link = open(sys.argv[1], "rb").read()
+name = link.split(b"\0", 1)[0].decode()
+path = os.path.join(sys.argv[2], name)
+if not os.path.isfile(path):
+    sys.exit(f".gnu_debuglink names {name}, not installed at {path}")
+(want,) = struct.unpack("<I", link[-4:])
+got = zlib.crc32(open(path, "rb").read()) & 0xFFFFFFFF
+if got != want:
+    sys.exit(f"{path}: CRC-32 {got:08x}, .gnu_debuglink says {want:08x}")
+print(name)
+PY
+)
+debug_file=$libdir/.debug/$debug_name
+readelf -SW "$debug_file" | grep -q ' \.debug_info ' || { echo "$debug_file has no .debug_info" >&2; exit 1; }
+build_id() { readelf -n "$1" | sed -n 's/^ *Build ID: //p'; }
+[ "$(build_id "$so")" = "$(build_id "$debug_file")" ] || { echo "$debug_file is not $so's (build IDs differ)" >&2; exit 1; }
+size_mb() { awk -v b="$(stat -c %s "$1")" 'BEGIN { printf "%.1f MB", b / 1e6 }'; }
+echo "   $(basename "$so") $(size_mb "$so") (cargo's: $(size_mb "$target_dir/release/libnanoinfer.so")), .debug/$debug_name $(size_mb "$debug_file")," \
+     "libnanoinfer.a $(size_mb "$libdir/libnanoinfer.a") (cargo's: $(size_mb "$target_dir/release/libnanoinfer.a"))" >&2
 ok
 
 step "examples build against the installed package"
