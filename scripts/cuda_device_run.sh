@@ -125,7 +125,7 @@ for step in "$@"; do
             --output-len 256 --concurrency 256 --max-seqs 256 --max-batched-tokens 8192 --prefill-chunk 8192 --json
         python3 scripts/cuda_bench_hf.py --model "$WORK/l8b" --offline 256 --batch 256 -p 512 -n 256 ;;
     kvfp8)
-        # BENCHMARKS "Session 18": bf16 against fp8 KV, offline and at 32k of context.
+        # bf16 against fp8 KV, offline and at 32k of context (BENCHMARKS.md "GPU FP8 KV cache").
         for kv in auto fp8; do
             echo "== kv cache $kv"
             "$BIN/engine_bench" --model "$WORK/l8b" --device cuda --offline 1000 --prompt-len 512 \

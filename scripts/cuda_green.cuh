@@ -1,5 +1,6 @@
-// What the benchmarks that run memory-bound work beside cuBLAS GEMMs share
-// (cuda_overlap_bench.cu, cuda_offline_bound_bench.cu): a kernel streaming
+// What a benchmark that runs memory-bound work beside cuBLAS GEMMs needs
+// (cuda_offline_bound_bench.cu; cuda_overlap_bench.cu used it too, see
+// docs/rejected-ideas.md): a kernel streaming
 // bytes the way decode attention reads its KV cache, "lanes" (a context, a
 // stream and a cuBLAS handle on it) and green contexts that split the SMs
 // between two lanes (CUDA 12.4+).

@@ -1,7 +1,7 @@
 // How fast issue 9's offline workload (1 000 requests of 512 prompt + 256
 // output tokens, Llama-3-8B shape, bf16 weights, fp8 KV) could run on this
 // GPU if nothing but its projections and its decode attention's KV reads
-// had to be done (BENCHMARKS.md session 26). One eighth of the workload, so
+// had to be done (BENCHMARKS.md "GPU limits"). One eighth of the workload, so
 // the rates are those of the real shapes:
 //   - prompt GEMMs: 64 000 tokens in two 32 000-row chunks, 32 layers of
 //     the four projections (distinct random weights per layer, 7 GB);

@@ -4,8 +4,8 @@
 #   T2 cold/hot load, mmap vs heap     mem_bench load
 #   T3 step speed per memory pool      mem_bench decode
 #   T6 peak RSS of generate, RSS of a second process sharing the mmap
-# Prints markdown on stdout. BENCHMARKS.md "Memory subsystem (issue 6)" has
-# the figures and the machine they came from.
+# Prints markdown on stdout. BENCHMARKS.md "CPU memory" has the current
+# figures and the machine they came from.
 #
 # usage: scripts/mem_bench.sh [--quick]
 # env: NANOINFER_MODELS (default <repo>/models), T1_MS (ms per T1 cell, default 40)
