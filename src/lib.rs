@@ -1,8 +1,8 @@
 //! NanoInfer: an embeddable LLM inference engine.
 //!
 //! Layers (nothing imports upwards): `ffi` → `engine` → `sampling`, `tokenizer`,
-//! `kv` → `model` → `backend` → `memory` → `tensor`. See DESIGN.md in the
-//! shared folder for the target architecture.
+//! `kv` → `model` → `backend` → `memory` → `tensor`. See docs/DESIGN.md
+//! for the architecture, what is built and what is the target.
 
 pub mod backend;
 pub mod engine;

@@ -34,7 +34,7 @@ fn ppl_of(dir: &Path, text: &str, add_special: bool, max_tokens: usize) -> f64 {
 /// moves it anywhere in 34.6–38.8 (docs/quantization-determinism.md), which is
 /// why the serving kernels' ISA-dependent sums once gave 34.7 on AVX-512 and
 /// 38.7 on AVX2. The 5 % target for AWQ is not met (see
-/// BENCHMARKS.md "CPU int4": the checkpoint's weights are the dequantized
+/// BENCHMARKS.md "Quality": the checkpoint's weights are the dequantized
 /// Q4_1 GGUF, already on a group-32 4-bit grid). The bounds guard the
 /// figures with a small margin.
 #[test]

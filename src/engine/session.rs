@@ -138,7 +138,8 @@ impl Default for SessionParams {
 /// decode latency even. A GPU needs large steps to keep its tensor cores
 /// busy: offline, 1 000 requests of 512 + 256 tokens of a Llama-3-8B shape
 /// on an H100 give 5 320 output tok/s at the CPU's shape and 8 535 at the
-/// GPU's, with 28.8 ms per output token (BENCHMARKS.md).
+/// GPU's, with 28.8 ms per output token (BENCHMARKS.md "GPU serving";
+/// the CPU-shape figure is in docs/benchmarks-log.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StepShape {
     pub max_batched_tokens: usize,

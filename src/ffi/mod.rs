@@ -1,6 +1,6 @@
 //! The C ABI: the only place with `extern "C"`.
 //!
-//! Conventions (see DESIGN.md, "C ABI conventions"):
+//! Conventions (see docs/DESIGN.md, "C ABI conventions"):
 //! - `ni_` prefix for functions and types, `NI_` for constants;
 //! - opaque handles with one `*_free` each, `*_free(NULL)` is a no-op;
 //! - fallible calls return `ni_status` and write results through

@@ -608,7 +608,7 @@ fn decode_mma_fits(arch: (i32, i32), c: &ModelConfig) -> bool {
 /// `CudaDecoder::w4_mma_rows` where the int4 GEMM takes larger batches
 /// (sm_90). The GEMM's time is flat up to 128 rows (one block of
 /// activation rows); the int4 kernels' grows with their passes over the
-/// weights (32, 16 or 8 rows each). H100, 8B shapes (BENCHMARKS.md), prefill
+/// weights (32, 16 or 8 rows each). H100, 8B shapes (docs/benchmarks-log.md), prefill
 /// tok/s: 48 tokens 7 916 through the int4 kernels (a 32- and a 16-row
 /// pass) against 6 796 through the GEMM; 64 tokens 8 865 (two 32-row
 /// passes) against 9 053; 128 tokens 9 483 against 17 459 (bf16 16 644).

@@ -303,8 +303,8 @@ fn tall_rows_in_whole_waves(rows: usize, n: usize, sm_count: usize) -> Option<us
 }
 
 // Times of the launches, in the time a wide block takes for one chunk
-// (H100, the 8B layer's products at 256–1 024 rows, w4_bench; BENCHMARKS,
-// sessions 20–22). Stream-K pays for its pieces: restarting the stage
+// (H100, the 8B layer's products at 256–1 024 rows, w4_bench; the int4 GEMM
+// entries of docs/benchmarks-log.md). Stream-K pays for its pieces: restarting the stage
 // pipeline, writing partial sums and adding them up cost ~30 chunks' time
 // per block; split-K, its pieces on tile boundaries, ~24 (18–27 measured).
 const STREAM_K_COST: f64 = 30.0;
@@ -542,8 +542,8 @@ mod tests {
 
     #[test]
     fn plans_where_they_were_measured_fastest() {
-        // H100 (132 SMs), Llama-3-8B's products (w4_bench,
-        // BENCHMARKS; µs, the next fastest measured after).
+        // H100 (132 SMs), Llama-3-8B's products (w4_bench, the int4 GEMM
+        // entries of docs/benchmarks-log.md; µs, the next fastest measured after).
         let auto = W4Gemm::Auto { stream_k: true };
         let (qkv, o, gate_up, down) = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336));
         for (rows, (n, k), plan) in [

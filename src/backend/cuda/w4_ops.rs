@@ -292,7 +292,7 @@ impl CudaDevice {
         // sharing the unit's weights through L2) beat one 32-row block (one
         // per SM, its kernel needs 254 registers): 8B shape, 32 rows 50.0
         // against 55.2 µs, 128 rows 182.6 against 185.8. QKV, o and down
-        // lose that way (BENCHMARKS).
+        // lose that way (docs/benchmarks-log.md, the int4 decode kernels).
         let per_block = match out {
             W4Out::SwiGlu { .. } => per_block.min(16),
             _ => per_block,
