@@ -268,4 +268,20 @@ step "go test ./... in bindings/go against the installed library"
 ) >"$work/go-test.log" 2>&1 || { tail -n 60 "$work/go-test.log" >&2; exit 1; }
 grep -E "^(--- |ok|FAIL)" "$work/go-test.log" | sed 's/^/   /' >&2
 ok
+
+step "bindings/go/example answers a question and stops at its -timeout"
+(
+  cd bindings/go
+  export PKG_CONFIG_PATH=$libdir/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+  export CGO_LDFLAGS="-Wl,-rpath,$libdir" GOTOOLCHAIN=local GOFLAGS=-mod=mod
+  go build -o "$work/go-example" ./example
+)
+"$work/go-example" -model "$model" -threads 2 -max-tokens 24 "What is the capital of France?" >"$work/go-example.out"
+grep -q Paris "$work/go-example.out" || { echo "Go example: unexpected reply: $(cat "$work/go-example.out")" >&2; exit 1; }
+long_question="Summarize this: $(printf 'the fox runs over the hill. %.0s' $(seq 400))"
+if "$work/go-example" -model "$model" -threads 2 -timeout 300ms "$long_question" >"$work/go-example-timeout.out" 2>&1; then
+  echo "Go example: a 300 ms timeout did not stop a long prompt" >&2; exit 1
+fi
+grep -q "context deadline exceeded" "$work/go-example-timeout.out"
+ok
 echo "== done ($((SECONDS - t0)) s)" >&2

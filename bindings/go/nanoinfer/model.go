@@ -46,10 +46,23 @@ const (
 	QuantGPTQ Quant = C.NI_QUANT_GPTQ
 )
 
+// Device selects where a model runs.
+type Device int
+
+const (
+	DeviceCPU Device = C.NI_DEVICE_CPU // SIMD kernels on a thread pool (default)
+	// DeviceCUDA: an NVIDIA GPU (ModelOptions.DeviceIndex picks it). The
+	// driver, NVRTC and cuBLAS load at run time; without them LoadModel
+	// fails with ErrUnsupported naming what is missing.
+	DeviceCUDA Device = C.NI_DEVICE_CUDA
+)
+
 // ModelOptions tunes LoadModel. The zero value loads on the CPU with the
 // checkpoint's dtype on all cores.
 type ModelOptions struct {
-	DType DType
+	Device      Device
+	DeviceIndex int // GPU ordinal; ignored on the CPU
+	DType       DType
 	// Threads for the CPU kernels; 0 = all cores.
 	Threads int
 	// Quant quantizes the dense weights at load; the zero value keeps them.
@@ -103,10 +116,16 @@ func LoadModel(path string, opts *ModelOptions) (*Model, error) {
 	}
 	var params C.ni_model_params
 	C.ni_model_params_init(&params)
-	params.dtype = C.ni_dtype(opts.DType)
-	params.n_threads = C.uint32_t(opts.Threads)
-	params.quant = C.ni_quant(opts.Quant)
-	params.quant_group_size = C.uint32_t(opts.QuantGroupSize)
+	check := fieldCheck{op: "LoadModel"}
+	params.device = C.ni_device(check.uint32("Device", int(opts.Device)))
+	params.device_index = C.int32_t(check.int32("DeviceIndex", opts.DeviceIndex))
+	params.dtype = C.ni_dtype(check.uint32("DType", int(opts.DType)))
+	params.n_threads = C.uint32_t(check.uint32("Threads", opts.Threads))
+	params.quant = C.ni_quant(check.uint32("Quant", int(opts.Quant)))
+	params.quant_group_size = C.uint32_t(check.uint32("QuantGroupSize", opts.QuantGroupSize))
+	if check.err != nil {
+		return nil, check.err
+	}
 	params.quant_lm_head = C.bool(!opts.QuantDenseLMHead)
 	var progress *progressState
 	if opts.Progress != nil {

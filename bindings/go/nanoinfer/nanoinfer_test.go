@@ -471,3 +471,63 @@ func TestQuantization(t *testing.T) {
 		t.Fatalf("group size 30: %v", err)
 	}
 }
+
+// Negative or oversized values are refused with the field's name instead
+// of wrapping around in the C parameters.
+func TestOptionsOutOfRange(t *testing.T) {
+	s := session(t)
+	for _, req := range []Request{
+		{Text: "hi", MaxTokens: -1},
+		{Text: "hi", MinTokens: -5},
+		{Text: "hi", Logprobs: -1},
+		{Text: "hi", TopK: 1 << 40},
+	} {
+		if _, err := s.AddRequest(req); !errors.Is(err, ErrInvalidArgument) {
+			t.Fatalf("%+v: expected ErrInvalidArgument, got %v", req, err)
+		}
+	}
+	if _, err := s.AddRequest(Request{Text: "hi", MaxTokens: -1}); err == nil || !strings.Contains(err.Error(), "MaxTokens") {
+		t.Fatalf("the error names the field: %v", err)
+	}
+	if _, err := NewSession(model(t), &SessionOptions{MaxSeqs: -1}); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("MaxSeqs -1: %v", err)
+	}
+	if _, err := NewSession(model(t), &SessionOptions{KVMemoryBytes: -4096}); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("KVMemoryBytes < 0: %v", err)
+	}
+	if _, err := LoadModel(modelDir(t), &ModelOptions{Threads: -2}); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("Threads -2: %v", err)
+	}
+}
+
+// The memory options and figures the C API has: a utilization budget is
+// reported as such, with the pool in use and the weights' bytes.
+func TestMemoryOptionsAndStats(t *testing.T) {
+	s, err := NewSession(model(t), &SessionOptions{MemoryUtilization: 0.05, MemoryPool: MemoryPoolCPUSlab})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	st, err := s.Stats()
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := st.Memory
+	if m.BudgetSource != BudgetUtilization || m.Pool != MemoryPoolCPUSlab || m.Utilization != 0.05 {
+		t.Fatalf("memory stats: %+v", m)
+	}
+	if m.WeightsBytes == 0 || m.KVBytes == 0 || m.KVBytesPerToken == 0 || m.ContextTokens == 0 {
+		t.Fatalf("memory figures missing: %+v", m)
+	}
+	if uint64(st.KVCapacityTokens)*m.KVBytesPerToken > m.KVBytes+m.KVBytesPerToken*uint64(st.KVBlockSize) {
+		t.Fatalf("capacity %d tokens does not match %d KV bytes", st.KVCapacityTokens, m.KVBytes)
+	}
+	// A GPU pool on a CPU model is refused, naming the mismatch.
+	if _, err := NewSession(model(t), &SessionOptions{MemoryPool: MemoryPoolCUDABuddy}); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("CUDA pool on a CPU model: %v", err)
+	}
+	// Device selection reaches the library: no GPU here, or a bad ordinal.
+	if _, err := LoadModel(modelDir(t), &ModelOptions{Device: DeviceCUDA, DeviceIndex: 64}); err == nil {
+		t.Fatal("CUDA device 64 loaded")
+	}
+}

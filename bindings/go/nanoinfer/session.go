@@ -47,13 +47,41 @@ const (
 	KVCacheFP8  KVCacheDType = C.NI_KV_CACHE_DTYPE_FP8  // FP8 e4m3, CUDA only: twice the tokens per byte
 )
 
+// MemoryPool selects where a session's temporaries (and, on a GPU, its KV
+// cache) come from.
+type MemoryPool int
+
+const (
+	MemoryPoolDefault    MemoryPool = C.NI_MEMORY_POOL_DEFAULT     // CPU arena, or the CUDA stream pool
+	MemoryPoolSystem     MemoryPool = C.NI_MEMORY_POOL_SYSTEM      // the system allocator (baseline)
+	MemoryPoolCPUArena   MemoryPool = C.NI_MEMORY_POOL_CPU_ARENA   // one region sized up front
+	MemoryPoolCPUSlab    MemoryPool = C.NI_MEMORY_POOL_CPU_SLAB    // size classes with free lists
+	MemoryPoolCUDAStream MemoryPool = C.NI_MEMORY_POOL_CUDA_STREAM // a stream-ordered CUDA pool
+	MemoryPoolCUDABuddy  MemoryPool = C.NI_MEMORY_POOL_CUDA_BUDDY  // a buddy allocator over one allocation
+)
+
+// BudgetSource says how a session's KV capacity was chosen.
+type BudgetSource int
+
+const (
+	BudgetAutomatic   BudgetSource = C.NI_BUDGET_AUTOMATIC
+	BudgetTokens      BudgetSource = C.NI_BUDGET_TOKENS
+	BudgetBytes       BudgetSource = C.NI_BUDGET_BYTES
+	BudgetUtilization BudgetSource = C.NI_BUDGET_UTILIZATION
+)
+
 // SessionOptions shapes a session. Zero fields keep the library defaults
 // (paged KV, 16-token blocks, automatic KV budget, a step budget of 512
 // tokens and 64 sequences on the CPU or 8192 and 256 on a GPU, prefill
 // chunks as large as the step budget, FCFS, prefix caching on).
 // KV capacity comes from the first non-zero of KVCapacityTokens,
-// KVMemoryBytes, KVMemoryFraction.
+// KVMemoryBytes, KVMemoryFraction, MemoryUtilization.
 type SessionOptions struct {
+	MemoryPool MemoryPool
+	// MemoryUtilization in (0, 1]: the KV cache gets this fraction of the
+	// device's memory minus the weights and the step workspace (vLLM's
+	// gpu_memory_utilization; on the CPU never more than is available).
+	MemoryUtilization    float32
 	KVBackend            KVBackend
 	BlockSize            int
 	KVCapacityTokens     int
@@ -173,6 +201,29 @@ type Stats struct {
 	PrefixCacheTokensReused uint64
 	Preemptions             uint64
 	SwappedOutTokens        uint64
+	Memory                  MemoryStats
+}
+
+// MemoryStats is how a session's memory was budgeted and is used (bytes).
+type MemoryStats struct {
+	BudgetSource          BudgetSource
+	Pool                  MemoryPool // the pool in use (the default resolved)
+	TotalBytes            uint64     // device memory in total at creation (0 = unknown)
+	AvailableBytes        uint64     // device memory available at creation (0 = unknown)
+	WeightsBytes          uint64
+	WorkspaceBytes        uint64 // planned peak of the step workspace plus logits rows
+	KVBytes               uint64
+	KVBytesPerToken       uint64
+	KVBlocks              uint64
+	ContextTokens         uint64 // the model's context length
+	MaxFullContextSeqs    uint64 // sequences of that length that fit at once
+	Utilization           float32
+	LimitedByAvailable    bool // a utilization budget was lowered to what was available
+	WorkspaceCapacity     uint64
+	WorkspacePeak         uint64
+	WorkspaceSystemAllocs uint64
+	WorkspaceResizes      uint64
+	ProfiledPeakBytes     uint64
 }
 
 // Session runs requests over one model with continuous batching. It is safe
@@ -202,22 +253,28 @@ func NewSession(m *Model, opts *SessionOptions) (*Session, error) {
 	}
 	var p C.ni_session_params
 	C.ni_session_params_init(&p)
-	p.kv_backend = C.ni_kv_backend(opts.KVBackend)
-	setIf(&p.block_size, opts.BlockSize)
-	p.kv_capacity_tokens = C.uint64_t(opts.KVCapacityTokens)
-	p.kv_memory_bytes = C.uint64_t(opts.KVMemoryBytes)
+	check := fieldCheck{op: "NewSession"}
+	p.kv_backend = C.ni_kv_backend(check.uint32("KVBackend", int(opts.KVBackend)))
+	p.memory_pool = C.ni_memory_pool(check.uint32("MemoryPool", int(opts.MemoryPool)))
+	setIf(&p.block_size, check.uint32("BlockSize", opts.BlockSize))
+	p.kv_capacity_tokens = C.uint64_t(check.uint64("KVCapacityTokens", int64(opts.KVCapacityTokens)))
+	p.kv_memory_bytes = C.uint64_t(check.uint64("KVMemoryBytes", opts.KVMemoryBytes))
 	p.kv_memory_fraction = C.float(opts.KVMemoryFraction)
-	setIf(&p.max_batched_tokens, opts.MaxBatchedTokens)
-	setIf(&p.max_seqs, opts.MaxSeqs)
-	setIf(&p.prefill_chunk_size, opts.PrefillChunkSize)
-	p.policy = C.ni_schedule_policy(opts.Policy)
+	p.memory_utilization = C.float(opts.MemoryUtilization)
+	setIf(&p.max_batched_tokens, check.uint32("MaxBatchedTokens", opts.MaxBatchedTokens))
+	setIf(&p.max_seqs, check.uint32("MaxSeqs", opts.MaxSeqs))
+	setIf(&p.prefill_chunk_size, check.uint32("PrefillChunkSize", opts.PrefillChunkSize))
+	p.policy = C.ni_schedule_policy(check.uint32("Policy", int(opts.Policy)))
 	if opts.AgingSteps != 0 {
-		p.aging_steps = C.uint64_t(opts.AgingSteps)
+		p.aging_steps = C.uint64_t(check.uint64("AgingSteps", int64(opts.AgingSteps)))
 	}
 	p.prefix_caching = C.bool(!opts.DisablePrefixCaching)
-	p.preemption = C.ni_preemption_mode(opts.Preemption)
+	p.preemption = C.ni_preemption_mode(check.uint32("Preemption", int(opts.Preemption)))
 	p.seed = C.uint64_t(opts.Seed)
-	p.kv_cache_dtype = C.ni_kv_cache_dtype(opts.KVCacheDType)
+	p.kv_cache_dtype = C.ni_kv_cache_dtype(check.uint32("KVCacheDType", int(opts.KVCacheDType)))
+	if check.err != nil {
+		return nil, check.err
+	}
 
 	s := &Session{}
 	err := m.with(func(mp *C.ni_model) error {
@@ -237,7 +294,7 @@ func NewSession(m *Model, opts *SessionOptions) (*Session, error) {
 	return s, nil
 }
 
-func setIf(dst *C.uint32_t, v int) {
+func setIf(dst *C.uint32_t, v uint32) {
 	if v != 0 {
 		*dst = C.uint32_t(v)
 	}
@@ -288,12 +345,13 @@ func (s *Session) addLocked(req *Request) (RequestID, error) {
 		p.prompt_text_len = C.size_t(len(req.Text))
 	}
 	p.add_special_tokens = C.bool(req.AddSpecialTokens)
+	check := fieldCheck{op: "AddRequest"}
 	if req.MaxTokens != 0 {
-		p.max_tokens = C.uint32_t(req.MaxTokens)
+		p.max_tokens = C.uint32_t(check.uint32("MaxTokens", req.MaxTokens))
 	}
-	p.min_tokens = C.uint32_t(req.MinTokens)
+	p.min_tokens = C.uint32_t(check.uint32("MinTokens", req.MinTokens))
 	p.temperature = C.float(req.Temperature)
-	p.top_k = C.int32_t(req.TopK)
+	p.top_k = C.int32_t(check.int32("TopK", req.TopK))
 	if req.TopP != 0 {
 		p.top_p = C.float(req.TopP)
 	}
@@ -331,9 +389,12 @@ func (s *Session) addLocked(req *Request) (RequestID, error) {
 		p.n_stop_strings = C.size_t(len(ptrs))
 	}
 	p.ignore_eos = C.bool(req.IgnoreEOS)
-	p.logprobs = C.uint32_t(req.Logprobs)
+	p.logprobs = C.uint32_t(check.uint32("Logprobs", req.Logprobs))
 	p.priority = C.int32_t(req.Priority)
 	p.cache_salt = C.uint64_t(req.CacheSalt)
+	if check.err != nil {
+		return 0, check.err
+	}
 
 	var id C.uint64_t
 	err := call("ni_session_add_request", func() C.ni_status { return C.ni_session_add_request(s.ptr, &p, &id) })
@@ -448,6 +509,26 @@ func (s *Session) Stats() (Stats, error) {
 		PrefixCacheTokensReused: uint64(cs.prefix_cache_tokens_reused),
 		Preemptions:             uint64(cs.preemptions),
 		SwappedOutTokens:        uint64(cs.swapped_out_tokens),
+		Memory: MemoryStats{
+			BudgetSource:          BudgetSource(cs.memory_budget_source),
+			Pool:                  MemoryPool(cs.memory_pool),
+			TotalBytes:            uint64(cs.memory_total_bytes),
+			AvailableBytes:        uint64(cs.memory_available_bytes),
+			WeightsBytes:          uint64(cs.memory_weights_bytes),
+			WorkspaceBytes:        uint64(cs.memory_workspace_bytes),
+			KVBytes:               uint64(cs.kv_memory_bytes),
+			KVBytesPerToken:       uint64(cs.kv_bytes_per_token),
+			KVBlocks:              uint64(cs.kv_blocks),
+			ContextTokens:         uint64(cs.context_tokens),
+			MaxFullContextSeqs:    uint64(cs.max_full_context_seqs),
+			Utilization:           float32(cs.memory_utilization),
+			LimitedByAvailable:    bool(cs.memory_limited_by_available),
+			WorkspaceCapacity:     uint64(cs.workspace_capacity_bytes),
+			WorkspacePeak:         uint64(cs.workspace_peak_bytes),
+			WorkspaceSystemAllocs: uint64(cs.workspace_system_allocations),
+			WorkspaceResizes:      uint64(cs.workspace_resizes),
+			ProfiledPeakBytes:     uint64(cs.memory_profiled_peak_bytes),
+		},
 	}, nil
 }
 
