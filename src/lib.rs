@@ -1,13 +1,17 @@
 //! NanoInfer: an embeddable LLM inference engine.
 //!
-//! Layers (nothing imports upwards): `ffi` → `engine` → `sampling`, `tokenizer`,
-//! `kv` → `model` → `backend` → `memory` → `tensor`. See docs/DESIGN.md
-//! for the architecture, what is built and what is the target.
+//! Layers, top to bottom (a module imports only from layers below it;
+//! `tests/layering.rs` holds the order and enforces it): `ffi` → `engine` →
+//! `model` → `kv`, `sampling`, `tokenizer` → `backend` → `memory` →
+//! `forward` (the contract of a forward pass) → `tensor` → base utilities.
+//! See docs/DESIGN.md for the architecture, what is built and what is the
+//! target.
 
 pub mod backend;
 pub mod engine;
 pub mod error;
 pub mod ffi;
+pub mod forward;
 pub mod kv;
 pub mod limits;
 pub mod memory;

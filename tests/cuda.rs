@@ -16,7 +16,7 @@ use nanoinfer::backend::cuda::{
 };
 use nanoinfer::backend::Device;
 use nanoinfer::engine::{Event, Model, ModelParams, RequestParams, Session, SessionParams};
-use nanoinfer::kv::cache_dtype::{e4m3_from_f32, e4m3_to_f32};
+use nanoinfer::forward::{e4m3_from_f32, e4m3_to_f32};
 use nanoinfer::kv::{KvBackendKind, KvCacheDType};
 use nanoinfer::memory::MemoryPoolKind;
 use nanoinfer::model::quant_calib::Calibration;
@@ -1583,7 +1583,7 @@ fn fp8_kv() -> SessionParams {
 /// two ways the QKV projection writes the cache) into a fresh context
 /// keeping a cache of `dtype`.
 fn cached_kv(model: &Arc<Model>, tokens: &[u32], dtype: KvCacheDType) -> Vec<f32> {
-    use nanoinfer::backend::cpu::attention::AttnSeq;
+    use nanoinfer::forward::AttnSeq;
     use nanoinfer::kv::KvMapping;
     use nanoinfer::model::{ContextShape, ForwardBatch};
     let n = tokens.len();

@@ -34,11 +34,10 @@ fn two_sessions_on_one_model_are_not_slower_than_one_after_the_other() {
     }
     let mut sequential = Duration::MAX;
     let mut concurrent = Duration::MAX;
-    let mut want = Vec::new();
     // Best of two rounds of each, interleaved, to damp noise from the machine.
     for _ in 0..2 {
         let t = Instant::now();
-        want = sessions
+        let want: Vec<Vec<u32>> = sessions
             .iter()
             .enumerate()
             .map(|(i, &s)| work(s, i as u32))

@@ -5,7 +5,7 @@
 //! a cancel at once from any thread: it checks that the request is active,
 //! queues it for the session, and when the request is part of the step
 //! running now raises the step's stop flag, so the forward ends at its next
-//! check (see `model::stop`). The session applies queued cancels when it
+//! check (see `forward::StepStop`). The session applies queued cancels when it
 //! next holds itself: at the start of every step, after an interrupted
 //! forward, or right away through [`Session::apply_cancels`] when no step
 //! is running.

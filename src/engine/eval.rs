@@ -2,7 +2,7 @@
 //! with per-step logits, over a private contiguous KV cache.
 
 use super::model::Model;
-use crate::backend::cpu::attention::AttnSeq;
+use crate::forward::AttnSeq;
 use crate::kv::{KvCacheDType, KvMapping};
 use crate::memory::MemoryPoolKind;
 use crate::model::{ContextShape, ForwardBatch, ForwardContext};

@@ -17,8 +17,8 @@ use super::faults::{FaultCounts, FaultPlan, FaultState};
 use super::model::Model;
 use super::policy::{create_policy, RankInput, SchedulePolicy, SchedulePolicyKind};
 use super::request::{Event, FinishReason, RequestId, RequestParams};
-use crate::backend::cpu::attention::AttnSeq;
 use crate::backend::Device;
+use crate::forward::AttnSeq;
 use crate::kv::{
     create_kv_backend, physical_slots, KvBackendKind, KvCacheBackend, KvCacheDType, KvStats,
 };

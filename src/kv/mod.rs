@@ -6,7 +6,6 @@
 //! hands it, together with `&mut KvStorage`, to the model's forward pass.
 
 pub mod block_pool;
-pub mod cache_dtype;
 pub mod paged;
 pub mod prefix_hash;
 pub mod radix;
@@ -15,43 +14,13 @@ pub mod storage;
 mod tests;
 pub mod token;
 
-pub use cache_dtype::KvCacheDType;
+pub use crate::forward::{KvCacheDType, KvMapping};
 pub use paged::PagedKv;
 pub use storage::KvStorage;
 pub use token::TokenKv;
 
 /// Engine-wide identifier of a sequence (one per request).
 pub type SeqId = u64;
-
-/// How a sequence's logical positions map onto physical KV slots.
-#[derive(Debug, Clone, Copy)]
-pub enum KvMapping<'a> {
-    /// Paged: position `p` lives in slot `table[p / block_size] * block_size + p % block_size`.
-    Blocks { table: &'a [u32], block_size: usize },
-    /// Token pool: position `p` lives in slot `slots[p]`.
-    Slots(&'a [u32]),
-}
-
-impl KvMapping<'_> {
-    /// Physical slot of logical position `pos`.
-    #[inline]
-    pub fn slot(&self, pos: usize) -> usize {
-        match *self {
-            KvMapping::Blocks { table, block_size } => {
-                table[pos / block_size] as usize * block_size + pos % block_size
-            }
-            KvMapping::Slots(slots) => slots[pos] as usize,
-        }
-    }
-
-    /// Number of positions the mapping can address.
-    pub fn capacity(&self) -> usize {
-        match *self {
-            KvMapping::Blocks { table, block_size } => table.len() * block_size,
-            KvMapping::Slots(slots) => slots.len(),
-        }
-    }
-}
 
 /// Occupancy figures, in tokens (slots), for stats and invariant checks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use crate::kv::KvCacheDType;
+use crate::forward::KvCacheDType;
 use crate::{Error, ErrorKind, Result};
 
 /// Where a session's KV capacity came from.

@@ -11,7 +11,6 @@ use super::quant::{QuantMethod, QuantMode};
 use super::runner::{validate_batch, ContextShape, DeviceDecoder, ForwardContext, KvBudget};
 use super::workspace::WorkspaceStats;
 use super::{ForwardBatch, ModelConfig, WeightDType, WeightSource};
-use crate::backend::cpu::attention::AttnSeq;
 use crate::backend::cpu::{Matrix, MatrixData, ThreadPool};
 use crate::backend::cuda::{
     create_device_pool, ActDType, CudaDevice, DeviceBuffer, GemmDType, GemvFamily, GemvOut, Graph,
@@ -19,7 +18,8 @@ use crate::backend::cuda::{
     BUDDY_MIN_BLOCK, DEVICE_ALIGN, HANDOFF_ROWS,
 };
 use crate::backend::{cuda, Device};
-use crate::kv::cache_dtype::{e4m3_from_f32, e4m3_to_f32};
+use crate::forward::AttnSeq;
+use crate::forward::{e4m3_from_f32, e4m3_to_f32};
 use crate::kv::{KvCacheDType, KvMapping};
 use crate::memory::buddy::BuddyAllocator;
 use crate::memory::{DeviceMemory, DevicePool, MemoryPoolKind};

@@ -5,31 +5,17 @@
 use super::config::ModelConfig;
 use super::quant::{QuantMethod, QuantMode};
 use super::runner::{validate_batch, NON_FINITE_ROW};
-use super::stop::{check_stop, StepStop};
 use super::weights::{WeightDType, WeightSource};
 use super::workspace::{ForwardWorkspace, StepBuffers};
-use crate::backend::cpu::attention::{attention, AttnSeq, AttnShape};
+use crate::backend::cpu::attention::{attention, AttnShape};
 use crate::backend::cpu::ops::{add_in_place, apply_rope, rms_norm, rms_norm_in_place, silu_mul};
 use crate::backend::cpu::turns::Turn;
 use crate::backend::cpu::{matmul, Matrix, MatrixData, ThreadPool};
+use crate::forward::{check_stop, ForwardBatch, StepStop};
 use crate::kv::KvStorage;
 use crate::tensor::finite::first_non_finite;
 use crate::{bail_arg, Result};
 use std::cell::Cell;
-
-/// What the engine hands the model for one step.
-pub struct ForwardBatch<'a> {
-    /// Token ids of all rows, sequence after sequence.
-    pub tokens: &'a [u32],
-    /// Per sequence: its rows, cached context length and KV mapping.
-    pub seqs: &'a [AttnSeq<'a>],
-    /// Rows whose logits are wanted, in output order (usually each
-    /// sequence's last row when its prompt is complete).
-    pub logits_rows: &'a [usize],
-    /// Polled between and inside layers (CPU); a raised stop ends the
-    /// forward with `ErrorKind::Cancelled`. `None` runs to the end.
-    pub stop: Option<&'a StepStop<'a>>,
-}
 
 struct Layer {
     input_norm: Vec<f32>,

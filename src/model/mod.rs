@@ -17,12 +17,13 @@ pub mod safetensors;
 mod safetensors_header;
 mod safetensors_json;
 mod safetensors_view;
-pub mod stop;
 pub mod weights;
 pub mod workspace;
 
+pub use crate::forward::ForwardBatch;
+pub use crate::forward::StepStop;
 pub use config::{Architecture, ModelConfig};
-pub use decoder::{Decoder, ForwardBatch};
+pub use decoder::Decoder;
 pub use quant::{QuantMethod, QuantMode};
 pub use quant_checkpoint::{
     quantize_checkpoint, quantize_checkpoint_with, QuantizeOptions, QuantizeReport,
@@ -30,6 +31,5 @@ pub use quant_checkpoint::{
 pub use runner::{
     ContextShape, CpuDecoder, DeviceDecoder, ForwardContext, KvBudget, NON_FINITE_ROW,
 };
-pub use stop::StepStop;
 pub use weights::{WeightDType, WeightSource};
 pub use workspace::{ForwardWorkspace, StepBuffers, WorkspacePlan, WorkspaceStats};

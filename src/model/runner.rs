@@ -4,12 +4,13 @@
 //! engine drives both through `ForwardBatch` and host logits only, so the
 //! same scheduler runs on the CPU and on CUDA.
 
-use super::decoder::{attn_shape, Decoder, ForwardBatch};
+use super::decoder::{attn_shape, Decoder};
 use super::workspace::{ForwardWorkspace, WorkspacePlan, WorkspaceStats};
 use super::ModelConfig;
 use crate::backend::cpu::attention::reserve_decode_scratch;
 use crate::backend::cpu::ThreadPool;
 use crate::backend::Device;
+use crate::forward::ForwardBatch;
 use crate::kv::{KvCacheDType, KvStorage};
 use crate::memory::{utilization_kv_bytes, DeviceMemory, MemoryPoolKind};
 use crate::sampling::DeviceSampling;

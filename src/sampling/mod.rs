@@ -6,7 +6,6 @@
 //! `StopMatcher` applies stop strings to the detokenized stream.
 
 pub mod candidates;
-pub mod device;
 pub mod history;
 mod math;
 pub mod params;
@@ -15,8 +14,8 @@ pub mod rng;
 pub mod sampler;
 pub mod stop;
 
+pub use crate::forward::{DeviceSampling, RowSampling};
 pub use candidates::CandidateSet;
-pub use device::{DeviceSampling, RowSampling};
 pub use history::TokenHistory;
 pub use math::{check_finite_logits, non_finite_logits};
 pub use params::{SamplingParams, SamplingPlan};

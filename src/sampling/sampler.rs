@@ -2,7 +2,6 @@
 //! row of logits and draws a token with the request's own RNG stream.
 
 use super::candidates::CandidateSet;
-use super::device::{DeviceSampling, RowSampling};
 use super::history::TokenHistory;
 use super::params::{SamplingParams, SamplingPlan};
 use super::processors::{
@@ -10,6 +9,7 @@ use super::processors::{
     apply_temperature, argmax, log_sum_exp, suppress_tokens,
 };
 use super::rng::Rng;
+use crate::forward::{DeviceSampling, RowSampling};
 use crate::{bail_arg, Result};
 
 /// One sampled token.

@@ -11,22 +11,10 @@ use super::isa::{isa, Isa};
 use super::ops::softmax_in_place;
 use super::threadpool::ThreadPool;
 use super::vector::{axpy, dot};
-use crate::kv::KvMapping;
+use crate::forward::AttnSeq;
 use once_cell::sync::Lazy;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
-
-/// One sequence's rows in the batch.
-#[derive(Clone, Copy)]
-pub struct AttnSeq<'a> {
-    /// First batch row of this sequence.
-    pub start: usize,
-    /// Number of rows (new tokens) of this sequence.
-    pub len: usize,
-    /// Tokens already in the KV cache before these rows (position of the first row).
-    pub context_len: usize,
-    pub kv: KvMapping<'a>,
-}
 
 pub struct AttnShape {
     pub n_heads: usize,
@@ -245,6 +233,7 @@ fn use_blocks(head_dim: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::forward::KvMapping;
 
     fn values(n: usize, seed: u32) -> Vec<f32> {
         let mut s = seed.wrapping_mul(2654435761).wrapping_add(3);

@@ -8,9 +8,10 @@
 //! vector loaded feeds an FMA per head, and the heads' accumulators are
 //! independent FMA chains.
 
-use super::attention::{AttnSeq, AttnShape};
+use super::attention::AttnShape;
 #[cfg(target_arch = "x86_64")]
 use super::vector::softmax_unnormalized;
+use crate::forward::AttnSeq;
 use std::cell::RefCell;
 
 #[cfg(target_arch = "x86_64")]

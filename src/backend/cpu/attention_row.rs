@@ -3,10 +3,11 @@
 //! up to 128), so each key costs one vector of FMAs and a horizontal sum and
 //! each value one vector of FMAs, with no calls or stores per position.
 
-use super::attention::{AttnSeq, AttnShape};
+use super::attention::AttnShape;
 #[cfg(target_arch = "x86_64")]
 use super::vector::softmax_unnormalized;
-use crate::kv::KvMapping;
+use crate::forward::AttnSeq;
+use crate::forward::KvMapping;
 use std::cell::RefCell;
 
 thread_local! {

@@ -2,7 +2,7 @@
 //! records laid out as the kernel reads them, and the launch.
 
 use super::{CudaDevice, DeviceBuffer, KArg};
-use crate::sampling::DeviceSampling;
+use crate::forward::DeviceSampling;
 use crate::{bail_arg, Result};
 
 /// SAMPLE_* of kernels/sampling.cu.
@@ -138,7 +138,7 @@ pub fn sample_logits_after(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sampling::RowSampling;
+    use crate::forward::RowSampling;
 
     #[test]
     fn records_and_edits_follow_the_kernel_layout() {

@@ -1,8 +1,8 @@
 //! Running the planned batch and turning its logits into tokens and events.
 
 use super::{Request, Session, TokensFrom};
-use crate::backend::cpu::attention::AttnSeq;
 use crate::engine::request::{Event, FinishReason, RequestId, TokenLogprob};
+use crate::forward::AttnSeq;
 use crate::model::NON_FINITE_ROW;
 use crate::model::{ForwardBatch, StepStop};
 use crate::sampling::{check_finite_logits, non_finite_logits, SampledToken};

@@ -18,8 +18,8 @@
 
 use super::output::relabel;
 use super::{Session, TokensFrom};
-use crate::backend::cpu::attention::AttnSeq;
 use crate::engine::request::{Event, RequestId};
+use crate::forward::AttnSeq;
 use crate::model::ForwardBatch;
 use crate::Error;
 use std::time::Instant;
