@@ -10,5 +10,5 @@ pub mod session;
 pub use faults::{FaultCounts, FaultPlan};
 pub use model::{Model, ModelParams};
 pub use policy::SchedulePolicyKind;
-pub use request::{Event, FinishReason, RequestId, RequestParams, TokenLogprob};
+pub use request::{Event, FinishReason, RequestId, RequestParams, TokenLogprob, Usage};
 pub use session::{PreemptionMode, Session, SessionParams, SessionStats, StepShape};
