@@ -50,7 +50,7 @@
  * at run time to detect a header/library mismatch. It changes whenever a
  * declaration changes incompatibly.
  */
-#define NI_ABI_VERSION 1
+#define NI_ABI_VERSION 2
 
 /**
  * A loaded model (weights, tokenizer, kernel thread pool). Immutable after
@@ -635,6 +635,52 @@ typedef struct ni_token_logprob {
 typedef uint32_t ni_finish_reason;
 
 /**
+ * What one request used, reported once, with its terminal event (see
+ * `ni_event.usage`), so callers need not re-tokenize or time requests.
+ * Owned by the `ni_step_output`. Later versions may append fields; read it
+ * through the pointer.
+ */
+typedef struct ni_usage {
+    /**
+     * Tokens of the prompt: `n_prompt_tokens`, or `prompt_text` as the
+     * request tokenized it (the count `ni_tokenize` gives for the same
+     * text and `add_special_tokens`).
+     */
+    uint64_t prompt_tokens;
+    /**
+     * Prompt tokens whose KV came from the prefix cache instead of being
+     * computed (OpenAI's `prompt_tokens_details.cached_tokens`): the cached
+     * prefix found when the request was first admitted, a whole number of
+     * KV blocks (`ni_session_stats.kv_block_size`) below `prompt_tokens`
+     * (the last prompt token is always computed). 0 with prefix caching
+     * off and for a request that ended before it was admitted. A
+     * preemption does not change it: a request resumed later (by
+     * recompute or swap) keeps the figure of its first admission, however
+     * much of its prompt is computed again or found cached then.
+     */
+    uint64_t cached_prompt_tokens;
+    /**
+     * Tokens the request generated: the sum of `n_tokens` over all of its
+     * events, this one included.
+     */
+    uint64_t generated_tokens;
+    /**
+     * Nanoseconds from the start of the `ni_session_add_request` call that
+     * queued the request to the end of the step (the `ni_session_step`
+     * call, just before it fills its output) that returned the request's
+     * first generated token; 0 when it generated none.
+     */
+    uint64_t time_to_first_token_ns;
+    /**
+     * Nanoseconds from the start of the `ni_session_add_request` call to
+     * the end of the step that returned this terminal event (for a
+     * cancelled request, the first step after `ni_session_cancel`). Never
+     * 0, and never below `time_to_first_token_ns`.
+     */
+    uint64_t total_time_ns;
+} ni_usage;
+
+/**
  * What happened to one request during one step. Every pointer points into
  * the `ni_step_output` and is valid until the next `ni_session_step` into
  * it or `ni_step_output_free`.
@@ -679,6 +725,11 @@ typedef struct ni_event {
      * NUL-terminated message for `NI_FINISH_ERROR`, else NULL.
      */
     const char *error_message;
+    /**
+     * The request's usage on its terminal event (whatever the finish
+     * reason, cancellations and errors included); NULL on every other event.
+     */
+    const struct ni_usage *usage;
 } ni_event;
 
 /**

@@ -21,7 +21,8 @@ echo "== C/C++ examples under AddressSanitizer, LeakSanitizer and UBSan" >&2
 cargo build --release --lib
 lib=${CARGO_TARGET_DIR:-$PWD/target}/release
 asan=$(mktemp -d "${TMPDIR:-/tmp}/nanoinfer-asan.XXXXXX")
-ln -s "$lib/libnanoinfer.so" "$asan/libnanoinfer.so.1"  # the SONAME the examples load
+abi=$(sed -n 's/^pub const NI_ABI_VERSION: u32 = \([0-9]*\);/\1/p' src/ffi/version.rs)
+ln -s "$lib/libnanoinfer.so" "$asan/libnanoinfer.so.$abi"  # the SONAME the examples load
 san=(-g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -Iinclude)
 cc -std=c11 "${san[@]}" examples-c/chat/chat.c -o "$asan/chat" -L"$lib" -lnanoinfer -Wl,-rpath,"$asan"
 c++ -std=c++17 "${san[@]}" examples-c/batch/batch.cpp -o "$asan/batch" -L"$lib" -lnanoinfer -Wl,-rpath,"$asan" -pthread

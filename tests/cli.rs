@@ -45,6 +45,15 @@ fn generate_json_matches_transformers_for_the_acceptance_prompt() {
     assert_eq!(ids(&v["output_ids"]), want);
     assert_eq!(v["finish_reason"], "length");
     assert!(!v["text"].as_str().unwrap().is_empty());
+    let usage = &v["usage"];
+    assert_eq!(
+        usage["prompt_tokens"],
+        v["prompt_ids"].as_array().unwrap().len()
+    );
+    assert_eq!(usage["cached_prompt_tokens"], 0);
+    assert_eq!(usage["generated_tokens"], want.len());
+    let ttft = usage["time_to_first_token_ns"].as_u64().unwrap();
+    assert!(ttft > 0 && ttft <= usage["total_time_ns"].as_u64().unwrap());
     for key in [
         "load_ms",
         "ttft_ms",

@@ -4,7 +4,7 @@
 mod ffi_common;
 
 use ffi_common::*;
-use nanoinfer::engine::{Model, ModelParams, RequestParams, Session, SessionParams};
+use nanoinfer::engine::{FaultPlan, Model, ModelParams, RequestParams, Session, SessionParams};
 use nanoinfer::ffi::*;
 use std::ffi::{c_char, c_void, CStr};
 use std::ptr;
@@ -531,7 +531,7 @@ fn quantization_params_match_the_engine_and_old_struct_sizes_still_load() {
     p.struct_size = std::mem::offset_of!(ni_model_params, quant) as u32;
     assert_eq!(
         p.struct_size, 40,
-        "ABI 1's ni_model_params on 64-bit targets"
+        "ni_model_params before the quant fields, on 64-bit targets"
     );
     p.quant = 0xdead;
     assert_eq!(tiny_generate_ffi(&p, &prompt), dense);
@@ -564,5 +564,241 @@ fn kv_capacity_is_reported_in_whole_blocks() {
         assert_usable(s);
         // SAFETY: created above, freed once.
         unsafe { ni_session_free(s) };
+    }
+}
+
+/// A prompt of several KV blocks, so that a prefix-cache hit is visible.
+const LONG_PROMPT: &str = "The quick brown fox jumps over the lazy dog while the \
+    farmer counts his sheep. Meanwhile, in the city, engineers debate the merits of \
+    caching, batching and scheduling for language model inference. Write a summary:";
+
+/// Adds a greedy request for `text` (tokenized by the library, without
+/// special tokens).
+fn add_text(session: *mut ni_session, text: &str, max_tokens: u32, ignore_eos: bool) -> u64 {
+    let mut r = request_params();
+    r.prompt_text = text.as_ptr().cast();
+    r.prompt_text_len = text.len();
+    r.max_tokens = max_tokens;
+    r.ignore_eos = ignore_eos;
+    let mut id = 0;
+    // SAFETY: valid pointers that outlive the call.
+    ok(unsafe { ni_session_add_request(session, &r, &mut id) });
+    id
+}
+
+/// The usage of a finished request, checked against what its events carried.
+#[track_caller]
+fn checked_usage(c: &Collected, prompt: &[u32]) -> ni_usage {
+    let u = c.usage.expect("the terminal event carries usage");
+    assert_eq!(u.prompt_tokens, prompt.len() as u64, "{u:?}");
+    assert_eq!(u.generated_tokens, c.tokens.len() as u64, "{u:?}");
+    assert!(u.total_time_ns > 0, "{u:?}");
+    assert!(u.time_to_first_token_ns <= u.total_time_ns, "{u:?}");
+    assert_eq!(u.time_to_first_token_ns > 0, !c.tokens.is_empty(), "{u:?}");
+    u
+}
+
+/// Creates a session with 16-token KV blocks and prefix caching as given.
+fn usage_session(model: *mut ni_model, prefix_caching: bool) -> *mut ni_session {
+    let mut p = session_params();
+    p.block_size = 16;
+    p.prefix_caching = prefix_caching;
+    let mut s = ptr::null_mut();
+    // SAFETY: valid pointers.
+    ok(unsafe { ni_session_create(model, &p, &mut s) });
+    s
+}
+
+#[test]
+fn usage_reports_prompt_cached_and_generated_tokens_and_times() {
+    let model = shared_model();
+    let prompt = tokenize(model, LONG_PROMPT);
+    assert!(prompt.len() > 40, "{} tokens", prompt.len());
+    // Every full block of the prompt but the last token's is reused.
+    let cached = ((prompt.len() - 1) / 16 * 16) as u64;
+
+    let session = usage_session(model, true);
+    let first = add_text(session, LONG_PROMPT, 8, true);
+    let r = run_to_completion(session);
+    let u = checked_usage(&r[&first], &prompt);
+    assert_eq!(
+        (u.cached_prompt_tokens, u.generated_tokens),
+        (0, 8),
+        "{u:?}"
+    );
+    assert!(u.time_to_first_token_ns < u.total_time_ns, "{u:?}");
+
+    // The same prompt again, and at once two copies of it: each finds the
+    // prompt's blocks in the cache.
+    let again = add_text(session, LONG_PROMPT, 3, true);
+    let r = run_to_completion(session);
+    let u = checked_usage(&r[&again], &prompt);
+    assert_eq!((u.cached_prompt_tokens, u.generated_tokens), (cached, 3));
+    assert!(cached > 0 && cached.is_multiple_of(stats(session).kv_block_size));
+    // A token prompt reports the same counts as its text.
+    let by_tokens = add_tokens(session, &prompt, 1);
+    let r = run_to_completion(session);
+    let u = checked_usage(&r[&by_tokens], &prompt);
+    assert_eq!((u.cached_prompt_tokens, u.generated_tokens), (cached, 1));
+    // Its only token came with the terminal event: the first token's time is the total.
+    assert_eq!(u.time_to_first_token_ns, u.total_time_ns);
+    // SAFETY: freed once.
+    unsafe { ni_session_free(session) };
+
+    let session = usage_session(model, false);
+    for _ in 0..2 {
+        let id = add_text(session, LONG_PROMPT, 4, true);
+        let u = checked_usage(&run_to_completion(session)[&id], &prompt);
+        assert_eq!(
+            (u.cached_prompt_tokens, u.generated_tokens),
+            (0, 4),
+            "{u:?}"
+        );
+    }
+    // SAFETY: freed once.
+    unsafe { ni_session_free(session) };
+}
+
+#[test]
+fn usage_comes_with_cancelled_and_failed_requests() {
+    let model = shared_model();
+    let prompt = tokenize(model, LONG_PROMPT);
+    let cached = ((prompt.len() - 1) / 16 * 16) as u64;
+    let session = usage_session(model, true);
+    let warm = add_text(session, LONG_PROMPT, 2, true);
+    checked_usage(&run_to_completion(session)[&warm], &prompt);
+
+    let mut out = ptr::null_mut();
+    // SAFETY: valid pointer.
+    ok(unsafe { ni_step_output_create(&mut out) });
+    let mut results = std::collections::BTreeMap::new();
+    let step = |results: &mut std::collections::BTreeMap<u64, Collected>| {
+        // SAFETY: live handles; events are read before the next step.
+        unsafe {
+            ok(ni_session_step(session, out));
+            collect(out, results);
+        }
+    };
+
+    // Cancelled while waiting: never admitted, nothing generated.
+    let waiting = add_text(session, LONG_PROMPT, 50, true);
+    // SAFETY: live session.
+    ok(unsafe { ni_session_cancel(session, waiting) });
+    // Cancelled while running, after a few tokens.
+    let running = add_text(session, LONG_PROMPT, 50, true);
+    while results
+        .get(&running)
+        .is_none_or(|c: &Collected| c.tokens.len() < 3)
+    {
+        step(&mut results);
+    }
+    // SAFETY: live session.
+    ok(unsafe { ni_session_cancel(session, running) });
+    step(&mut results);
+    let c = &results[&waiting];
+    assert_eq!(c.finish, NI_FINISH_CANCELLED);
+    let u = checked_usage(c, &prompt);
+    assert_eq!(
+        (u.cached_prompt_tokens, u.generated_tokens),
+        (0, 0),
+        "{u:?}"
+    );
+    let c = &results[&running];
+    assert_eq!(c.finish, NI_FINISH_CANCELLED);
+    let u = checked_usage(c, &prompt);
+    assert_eq!(u.cached_prompt_tokens, cached, "{u:?}");
+    assert_eq!(u.generated_tokens, 3, "{u:?}");
+
+    // Failed by the forward pass: one request at its first step (admitted
+    // with its cached prefix, nothing generated), one after two tokens.
+    let early = add_text(session, LONG_PROMPT, 50, true);
+    let other = add_text(session, "Count to ten: one, two,", 50, true);
+    let late_prompt = tokenize(model, "Count to ten: one, two,");
+    let next = stats(session).steps;
+    let plan = FaultPlan {
+        forward_error_steps: vec![next],
+        ..Default::default()
+    };
+    // SAFETY: a live session handle.
+    unsafe { debug_inject_faults(session, plan) }.unwrap();
+    step(&mut results);
+    let c = &results[&early];
+    assert_eq!(c.finish, NI_FINISH_ERROR, "{c:?}");
+    let u = checked_usage(c, &prompt);
+    assert_eq!((u.cached_prompt_tokens, u.generated_tokens), (cached, 0));
+    assert_eq!(
+        results[&other].finish, NI_FINISH_ERROR,
+        "{:?}",
+        results[&other]
+    );
+    let late = add_tokens(session, &late_prompt, 50);
+    while results.get(&late).is_none_or(|c| c.tokens.len() < 2) {
+        step(&mut results);
+    }
+    let plan = FaultPlan {
+        forward_error_steps: vec![stats(session).steps],
+        ..Default::default()
+    };
+    // SAFETY: a live session handle.
+    unsafe { debug_inject_faults(session, plan) }.unwrap();
+    step(&mut results);
+    let c = &results[&late];
+    assert_eq!(c.finish, NI_FINISH_ERROR, "{c:?}");
+    let u = checked_usage(c, &late_prompt);
+    assert_eq!(u.generated_tokens, 2, "{u:?}");
+    // SAFETY: freed once each.
+    unsafe {
+        ni_step_output_free(out);
+        ni_session_free(session);
+    }
+}
+
+#[test]
+fn cached_prompt_tokens_are_those_of_the_first_admission_across_preemptions() {
+    // A preempted request that is resumed finds its own blocks in the
+    // prefix cache (recompute) or restores them (swap); neither counts as
+    // cached prompt: the figure stays that of its first admission.
+    let model = shared_model();
+    let prompt = tokenize(model, LONG_PROMPT);
+    let cached = ((prompt.len() - 1) / 16 * 16) as u64;
+    for mode in [NI_PREEMPTION_RECOMPUTE, NI_PREEMPTION_SWAP] {
+        for warm in [false, true] {
+            let mut p = session_params();
+            p.block_size = 16;
+            p.preemption = mode;
+            let mut session = ptr::null_mut();
+            // SAFETY: valid pointers.
+            ok(unsafe { ni_session_create(model, &p, &mut session) });
+            if warm {
+                add_text(session, LONG_PROMPT, 1, true);
+                run_to_completion(session);
+            }
+            let id = add_text(session, LONG_PROMPT, 12, true);
+            let start = stats(session).steps;
+            let plan = FaultPlan {
+                // The prefill, two decode steps, then the cache is "full".
+                kv_exhausted_steps: vec![start + 3],
+                ..Default::default()
+            };
+            // SAFETY: a live session handle.
+            unsafe { debug_inject_faults(session, plan) }.unwrap();
+            let hits_before = stats(session).prefix_cache_hits;
+            let r = run_to_completion(session);
+            let st = stats(session);
+            assert_eq!(st.preemptions, 1, "mode {mode}");
+            if mode == NI_PREEMPTION_RECOMPUTE {
+                assert_eq!(
+                    st.prefix_cache_hits - hits_before,
+                    1 + u64::from(warm),
+                    "the resumed request found its own prefix"
+                );
+            }
+            let u = checked_usage(&r[&id], &prompt);
+            let want = if warm { cached } else { 0 };
+            assert_eq!(u.cached_prompt_tokens, want, "mode {mode}, warm {warm}");
+            assert_eq!(u.generated_tokens, 12);
+            // SAFETY: freed once.
+            unsafe { ni_session_free(session) };
+        }
     }
 }

@@ -111,6 +111,7 @@ int main(int argc, char **argv) {
     }
     size_t generated = 0;
     ni_finish_reason finish = NI_FINISH_NONE;
+    ni_usage usage = {0};
     while (ni_session_has_work(session)) {
         if ((st = ni_session_step(session, out)) != NI_OK) {
             rc = fail("ni_session_step", st);
@@ -124,6 +125,7 @@ int main(int argc, char **argv) {
             generated += ev->n_tokens;
             if (ev->finish_reason != NI_FINISH_NONE) {
                 finish = ev->finish_reason;
+                usage = *ev->usage; /* set on the terminal event */
                 if (ev->finish_reason == NI_FINISH_ERROR) {
                     fprintf(stderr, "\nchat: generation failed: %s\n", ev->error_message);
                 }
@@ -137,9 +139,12 @@ int main(int argc, char **argv) {
         rc = fail("ni_session_get_stats", st);
         goto done;
     }
-    fprintf(stderr, "[request %llu: %zu tokens, finish: %s; %llu steps, %llu prompt tokens]\n",
-            (unsigned long long)id, generated, finish_name(finish),
-            (unsigned long long)stats.steps, (unsigned long long)stats.prefill_tokens);
+    fprintf(stderr,
+            "[request %llu: %llu prompt tokens (%llu cached), %zu tokens, finish: %s; "
+            "first token %.0f ms, total %.0f ms; %llu steps]\n",
+            (unsigned long long)id, (unsigned long long)usage.prompt_tokens,
+            (unsigned long long)usage.cached_prompt_tokens, generated, finish_name(finish),
+            usage.time_to_first_token_ns / 1e6, usage.total_time_ns / 1e6, (unsigned long long)stats.steps);
     rc = (finish == NI_FINISH_ERROR || generated == 0) ? 1 : 0;
 
 done:

@@ -79,7 +79,8 @@ impl<'a> Input<'a> {
 }
 
 /// Event contract bookkeeping: at most one event per request per step,
-/// nothing after the terminal event, nothing for unknown requests.
+/// nothing after the terminal event, nothing for unknown requests, usage
+/// on the terminal event only and agreeing with the tokens delivered.
 #[derive(Default)]
 struct Log {
     tokens: HashMap<RequestId, Vec<u32>>,
@@ -104,6 +105,20 @@ impl Log {
                 "event for {id} after its terminal event"
             );
             toks.extend_from_slice(&ev.tokens);
+            assert_eq!(ev.usage.is_some(), ev.finish.is_some(), "usage of {id}");
+            if let Some(u) = ev.usage {
+                assert_eq!(u.generated_tokens, toks.len(), "{id}: {u:?}");
+                assert_eq!(
+                    u.time_to_first_token_ns > 0,
+                    !toks.is_empty(),
+                    "{id}: {u:?}"
+                );
+                assert!(
+                    u.total_time_ns >= u.time_to_first_token_ns.max(1),
+                    "{id}: {u:?}"
+                );
+                assert!(u.cached_prompt_tokens < u.prompt_tokens, "{id}: {u:?}");
+            }
             if let Some(f) = ev.finish {
                 self.finish.insert(id, f);
             }

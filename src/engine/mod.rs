@@ -12,5 +12,5 @@ pub use cancel::Canceller;
 pub use faults::{FaultCounts, FaultPlan};
 pub use model::{Model, ModelParams};
 pub use policy::SchedulePolicyKind;
-pub use request::{Event, FinishReason, RequestId, RequestParams, TokenLogprob};
+pub use request::{Event, FinishReason, RequestId, RequestParams, TokenLogprob, Usage};
 pub use session::{AbortCheck, PreemptionMode, Session, SessionParams, SessionStats, StepShape};

@@ -1,5 +1,5 @@
 //! What a caller submits (`RequestParams`) and what the session reports back
-//! (`Event`, `FinishReason`).
+//! (`Event`, `FinishReason`, `Usage`).
 
 use crate::sampling::SamplingParams;
 
@@ -53,6 +53,32 @@ pub struct TokenLogprob {
     pub top: Vec<(u32, f32)>,
 }
 
+/// What one request used, reported with its terminal event so callers need
+/// not re-tokenize or time requests themselves.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Tokens of the prompt the request was added with.
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose KV the prefix cache supplied when the request was
+    /// first admitted, so they were not computed for it (OpenAI's
+    /// `prompt_tokens_details.cached_tokens`). A whole number of the KV
+    /// manager's blocks, at most `prompt_tokens - 1` (the last prompt token
+    /// is always computed); 0 with prefix caching off or for a request that
+    /// ended before admission. Fixed at the first admission: resuming after
+    /// a preemption (recompute or swap) neither adds the prefix found then
+    /// nor subtracts what is computed again.
+    pub cached_prompt_tokens: usize,
+    /// Tokens the request's events carried, all of them together.
+    pub generated_tokens: usize,
+    /// Nanoseconds from adding the request to the end of the step that
+    /// reported its first generated token; 0 when it generated none.
+    pub time_to_first_token_ns: u64,
+    /// Nanoseconds from adding the request to the end of the step that
+    /// reported its terminal event (for a cancellation: the step after the
+    /// cancel, which delivers it).
+    pub total_time_ns: u64,
+}
+
 /// What happened to one request during one step. A request gets at most one
 /// event per step, and exactly one event with `finish` set over its life.
 #[derive(Debug, Clone, PartialEq)]
@@ -65,4 +91,6 @@ pub struct Event {
     /// One entry per token when the request asked for logprobs.
     pub logprobs: Vec<TokenLogprob>,
     pub finish: Option<FinishReason>,
+    /// The request's usage: set on the terminal event only.
+    pub usage: Option<Usage>,
 }

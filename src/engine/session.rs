@@ -16,7 +16,7 @@ use super::cancel::Canceller;
 use super::faults::{FaultCounts, FaultPlan, FaultState};
 use super::model::Model;
 use super::policy::{create_policy, RankInput, SchedulePolicy, SchedulePolicyKind};
-use super::request::{Event, FinishReason, RequestId, RequestParams};
+use super::request::{Event, FinishReason, RequestId, RequestParams, Usage};
 use crate::backend::Device;
 use crate::forward::AttnSeq;
 use crate::kv::{
@@ -239,6 +239,13 @@ struct Request {
     detok: Option<StreamDetokenizer>,
     stop: StopMatcher,
     rank: RankInput,
+    /// When the request arrived: its usage times count from here.
+    added: Instant,
+    /// Nanoseconds from `added` to the end of the step that reported its
+    /// first token; `None` until then.
+    first_token_ns: Option<u64>,
+    /// The prefix-cache hit of its first admission; `None` before it.
+    cached_prompt_tokens: Option<usize>,
 }
 
 pub struct Session {
@@ -300,6 +307,9 @@ struct StepScratch {
     order: Vec<RequestId>,
     /// Events handed back by `step_into`, recycled with their buffers.
     spare_events: Vec<Event>,
+    /// (request, arrival) of each terminal event not yet returned by
+    /// `step_into`, whose usage times are stamped when it returns.
+    ended: Vec<(RequestId, Instant)>,
     /// Where this step's tokens come from.
     tokens_from: TokensFrom,
     /// Token ids the device chose (`TokensFrom::DeviceArgmax`/`DeviceSampler`).
@@ -444,6 +454,7 @@ impl Session {
         scratch.tokens.reserve(params.max_batched_tokens);
         scratch.spare_events.reserve(params.max_seqs);
         scratch.cancels.reserve(params.max_seqs);
+        scratch.ended.reserve(params.max_seqs);
         let overlap = params.overlap_steps.unwrap_or(ctx.overlaps_steps());
         Ok(Session {
             policy: create_policy(params.policy, params.aging_steps),
@@ -481,6 +492,13 @@ impl Session {
 
     /// Validates and queues a request; returns its id. Nothing is queued on error.
     pub fn add_request(&mut self, params: RequestParams) -> Result<RequestId> {
+        self.add_request_at(params, Instant::now())
+    }
+
+    /// [`add_request`](Session::add_request) for a request that arrived at
+    /// `arrived` (e.g. before its prompt was tokenized and the session was
+    /// free): the instant its [`Usage`] times count from.
+    pub fn add_request_at(&mut self, params: RequestParams, arrived: Instant) -> Result<RequestId> {
         let c = self.model.config();
         let vocab = c.vocab_size;
         if params.prompt.is_empty() {
@@ -539,6 +557,9 @@ impl Session {
                 arrival_step: self.stats.steps,
             },
             params,
+            added: arrived,
+            first_token_ns: None,
+            cached_prompt_tokens: None,
         };
         self.next_arrival += 1;
         self.requests.insert(id, req);
@@ -605,6 +626,7 @@ impl Session {
         }
         let mut event = self.new_event(id);
         event.finish = Some(FinishReason::Cancelled);
+        event.usage = Some(self.usage(id, &req));
         self.pending.push(event);
         true
     }
@@ -731,6 +753,7 @@ impl Session {
             self.pending.append(events);
             return Err(aborted);
         }
+        self.stamp_usage(events, Instant::now());
         self.stats.steps += 1;
         self.stats.step_time_ns += started.elapsed().as_nanos() as u64;
         if cfg!(debug_assertions) {
@@ -819,6 +842,7 @@ impl Session {
                 e.text.clear();
                 e.logprobs.clear();
                 e.finish = None;
+                e.usage = None;
                 e
             }
             None => Event {
@@ -827,8 +851,49 @@ impl Session {
                 text: String::new(),
                 logprobs: Vec::new(),
                 finish: None,
+                usage: None,
             },
         }
+    }
+
+    /// The usage of request `id`, which ends now. Its total time (and the
+    /// first token's, when this event carries it) is stamped by
+    /// `stamp_usage` when `step_into` returns the event.
+    fn usage(&mut self, id: RequestId, req: &Request) -> Usage {
+        self.scratch.ended.push((id, req.added));
+        Usage {
+            prompt_tokens: req.prompt_len,
+            cached_prompt_tokens: req.cached_prompt_tokens.unwrap_or(0),
+            generated_tokens: req.tokens.len() - req.prompt_len,
+            time_to_first_token_ns: req.first_token_ns.unwrap_or(0),
+            total_time_ns: 0,
+        }
+    }
+
+    /// Stamps the usage times of the events `step_into` is about to return
+    /// at `now`: the first token of a request that had none yet, and the
+    /// total time of every terminal event.
+    fn stamp_usage(&mut self, events: &mut [Event], now: Instant) {
+        // At least 1 ns, so that 0 keeps meaning "no token".
+        let since = |t: Instant| (now.saturating_duration_since(t).as_nanos() as u64).max(1);
+        for ev in events.iter_mut() {
+            if let Some(usage) = ev.usage.as_mut() {
+                let ended = &mut self.scratch.ended;
+                let i = ended.iter().position(|&(id, _)| id == ev.request_id);
+                debug_assert!(i.is_some(), "terminal event without an arrival");
+                let Some(i) = i else { continue };
+                usage.total_time_ns = since(ended.swap_remove(i).1);
+                if usage.generated_tokens > 0 && usage.time_to_first_token_ns == 0 {
+                    usage.time_to_first_token_ns = usage.total_time_ns;
+                }
+            } else if !ev.tokens.is_empty() {
+                if let Some(req) = self.requests.get_mut(&ev.request_id) {
+                    req.first_token_ns.get_or_insert_with(|| since(req.added));
+                }
+            }
+        }
+        // Anything left belongs to events a panicking step never returned.
+        self.scratch.ended.clear();
     }
 }
 

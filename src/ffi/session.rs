@@ -419,6 +419,9 @@ pub unsafe extern "C" fn ni_session_add_request(
     out_id: *mut u64,
 ) -> ni_status {
     ffi_call("ni_session_add_request", || {
+        // The request's usage times count from the caller's call, so they
+        // include tokenizing its text and waiting for a running step.
+        let arrived = std::time::Instant::now();
         // SAFETY: per this function's contract.
         let s = unsafe { args::handle(session, "session")? };
         if request.is_null() {
@@ -429,7 +432,7 @@ pub unsafe extern "C" fn ni_session_add_request(
         let out = args::out_ptr(out_id, "out_id")?;
         // SAFETY: the pointers inside the request follow its documented contract.
         let engine_request = unsafe { request::to_engine(&p, &s.model)? };
-        let id = s.lock()?.session.add_request(engine_request)?;
+        let id = s.lock()?.session.add_request_at(engine_request, arrived)?;
         // SAFETY: out was checked non-NULL and aligned.
         unsafe { out.write(id) };
         Ok(())

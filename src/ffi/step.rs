@@ -4,7 +4,7 @@ use super::args;
 use super::boundary::{ffi_call, ffi_value};
 use super::session::ni_session;
 use super::status::ni_status;
-use crate::engine::{Event, FinishReason};
+use crate::engine::{Event, FinishReason, Usage};
 use crate::Result;
 use std::ffi::{c_char, CString};
 
@@ -46,6 +46,54 @@ pub struct ni_token_logprob {
     pub n_top: usize,
 }
 
+/// What one request used, reported once, with its terminal event (see
+/// `ni_event.usage`), so callers need not re-tokenize or time requests.
+/// Owned by the `ni_step_output`. Later versions may append fields; read it
+/// through the pointer.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ni_usage {
+    /// Tokens of the prompt: `n_prompt_tokens`, or `prompt_text` as the
+    /// request tokenized it (the count `ni_tokenize` gives for the same
+    /// text and `add_special_tokens`).
+    pub prompt_tokens: u64,
+    /// Prompt tokens whose KV came from the prefix cache instead of being
+    /// computed (OpenAI's `prompt_tokens_details.cached_tokens`): the cached
+    /// prefix found when the request was first admitted, a whole number of
+    /// KV blocks (`ni_session_stats.kv_block_size`) below `prompt_tokens`
+    /// (the last prompt token is always computed). 0 with prefix caching
+    /// off and for a request that ended before it was admitted. A
+    /// preemption does not change it: a request resumed later (by
+    /// recompute or swap) keeps the figure of its first admission, however
+    /// much of its prompt is computed again or found cached then.
+    pub cached_prompt_tokens: u64,
+    /// Tokens the request generated: the sum of `n_tokens` over all of its
+    /// events, this one included.
+    pub generated_tokens: u64,
+    /// Nanoseconds from the start of the `ni_session_add_request` call that
+    /// queued the request to the end of the step (the `ni_session_step`
+    /// call, just before it fills its output) that returned the request's
+    /// first generated token; 0 when it generated none.
+    pub time_to_first_token_ns: u64,
+    /// Nanoseconds from the start of the `ni_session_add_request` call to
+    /// the end of the step that returned this terminal event (for a
+    /// cancelled request, the first step after `ni_session_cancel`). Never
+    /// 0, and never below `time_to_first_token_ns`.
+    pub total_time_ns: u64,
+}
+
+impl From<Usage> for ni_usage {
+    fn from(u: Usage) -> ni_usage {
+        ni_usage {
+            prompt_tokens: u.prompt_tokens as u64,
+            cached_prompt_tokens: u.cached_prompt_tokens as u64,
+            generated_tokens: u.generated_tokens as u64,
+            time_to_first_token_ns: u.time_to_first_token_ns,
+            total_time_ns: u.total_time_ns,
+        }
+    }
+}
+
 /// What happened to one request during one step. Every pointer points into
 /// the `ni_step_output` and is valid until the next `ni_session_step` into
 /// it or `ni_step_output_free`.
@@ -77,6 +125,9 @@ pub struct ni_event {
     pub stop_string_index: i32,
     /// NUL-terminated message for `NI_FINISH_ERROR`, else NULL.
     pub error_message: *const c_char,
+    /// The request's usage on its terminal event (whatever the finish
+    /// reason, cancellations and errors included); NULL on every other event.
+    pub usage: *const ni_usage,
 }
 
 /// Owned data behind one `ni_event`. Heap buffers do not move when this
@@ -89,6 +140,8 @@ struct EventData {
     /// Backing storage of `logprobs[i].top` (only read through those pointers).
     _tops: Vec<Vec<ni_top_logprob>>,
     error: Option<CString>,
+    /// Boxed so `ni_event.usage` stays valid when this struct moves.
+    usage: Option<Box<ni_usage>>,
 }
 
 /// Library-owned results of `ni_session_step`. Create one with
@@ -143,6 +196,7 @@ impl ni_step_output {
                 logprobs,
                 _tops: tops,
                 error,
+                usage: ev.usage.map(|u| Box::new(u.into())),
             });
             let d = self.data.last().expect("just pushed");
             let (finish_reason, stop_token_id, stop_string_index) = match ev.finish {
@@ -174,6 +228,7 @@ impl ni_step_output {
                 stop_token_id,
                 stop_string_index,
                 error_message: d.error.as_ref().map_or(std::ptr::null(), |c| c.as_ptr()),
+                usage: d.usage.as_deref().map_or(std::ptr::null(), |u| u),
             });
         }
     }

@@ -5,7 +5,7 @@ use std::ffi::c_char;
 /// The ABI version this header describes. Compare it with `ni_abi_version()`
 /// at run time to detect a header/library mismatch. It changes whenever a
 /// declaration changes incompatibly.
-pub const NI_ABI_VERSION: u32 = 1;
+pub const NI_ABI_VERSION: u32 = 2;
 
 /// The crate version, e.g. `"0.1.0"`.
 ///

@@ -5,6 +5,7 @@
 
 use nanoinfer::engine::{
     Event, FinishReason, Model, ModelParams, RequestId, RequestParams, Session, SessionParams,
+    Usage,
 };
 use nanoinfer::kv::KvBackendKind;
 use nanoinfer::model::WeightDType;
@@ -302,11 +303,14 @@ pub struct Outcome {
     /// Step index (0-based, counted by the driver) of the first event with a token.
     pub first_token_step: Option<usize>,
     pub finish_step: Option<usize>,
+    /// The terminal event's usage.
+    pub usage: Option<Usage>,
 }
 
 /// Collects events and enforces the event contract: at most one event per
 /// request per step, nothing after the terminal event, exactly one terminal
-/// event per request by the end.
+/// event per request by the end, usage on that event only, agreeing with
+/// the tokens the events carried.
 #[derive(Default)]
 pub struct EventLog {
     pub outcomes: HashMap<RequestId, Outcome>,
@@ -345,6 +349,19 @@ impl EventLog {
             }
             o.tokens.extend_from_slice(&ev.tokens);
             o.text.push_str(&ev.text);
+            assert_eq!(
+                ev.usage.is_some(),
+                ev.finish.is_some(),
+                "usage comes with the terminal event only: {ev:?}"
+            );
+            if let Some(u) = ev.usage {
+                assert_eq!(u.generated_tokens, o.tokens.len(), "{ev:?}");
+                assert_eq!(u.time_to_first_token_ns > 0, !o.tokens.is_empty(), "{ev:?}");
+                assert!(u.total_time_ns > 0, "{ev:?}");
+                assert!(u.time_to_first_token_ns <= u.total_time_ns, "{ev:?}");
+                assert!(u.cached_prompt_tokens < u.prompt_tokens, "{ev:?}");
+                o.usage = Some(u);
+            }
             if let Some(f) = ev.finish {
                 o.finish = Some(f);
                 o.finish_step = Some(step);

@@ -164,6 +164,9 @@ pub struct Collected {
     pub error: Option<String>,
     pub logprobs: Vec<Logprob>,
     pub events: usize,
+    /// The terminal event's usage (`collect` checks that exactly that
+    /// event has one).
+    pub usage: Option<ni_usage>,
 }
 
 /// Steps until the session is idle; returns each request's output by id.
@@ -234,6 +237,13 @@ pub unsafe fn collect(
             if !ev.error_message.is_null() {
                 c.error = Some(cstr(ev.error_message));
             }
+            assert_eq!(
+                ev.usage.is_null(),
+                ev.finish_reason == NI_FINISH_NONE,
+                "usage comes with the terminal event of {} only",
+                ev.request_id
+            );
+            c.usage = ev.usage.as_ref().copied();
         }
         c.finish = ev.finish_reason;
         c.stop_string_index = ev.stop_string_index;

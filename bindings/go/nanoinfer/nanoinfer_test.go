@@ -220,6 +220,9 @@ func TestCancelWithContext(t *testing.T) {
 	if !errors.Is(gotErr, context.Canceled) || last.Finish != FinishCancelled {
 		t.Fatalf("expected cancellation, got %v / %v after %d events", gotErr, last.Finish, events)
 	}
+	if u := last.Usage; u == nil || u.GeneratedTokens < 3 || u.TimeToFirstToken <= 0 || u.TotalTime < u.TimeToFirstToken {
+		t.Fatalf("the cancelled request's usage: %+v", u)
+	}
 	st, err := s.Stats()
 	if err != nil || st.Running+st.Waiting != 0 || st.KVUsedTokens != 0 || s.HasWork() {
 		t.Fatalf("session not idle after cancel: %+v %v", st, err)
@@ -530,4 +533,58 @@ func TestMemoryOptionsAndStats(t *testing.T) {
 	if _, err := LoadModel(modelDir(t), &ModelOptions{Device: DeviceCUDA, DeviceIndex: 64}); err == nil {
 		t.Fatal("CUDA device 64 loaded")
 	}
+}
+
+// generateAll runs req through Generate and returns its tokens and its
+// terminal event, checking that only that event carries a Usage.
+func generateAll(t *testing.T, s *Session, req Request) ([]uint32, Event) {
+	t.Helper()
+	var tokens []uint32
+	var last Event
+	for ev, err := range s.Generate(context.Background(), req) {
+		if err != nil {
+			t.Fatal(err)
+		}
+		if (ev.Usage != nil) != (ev.Finish != FinishNone) {
+			t.Fatalf("usage %+v on an event with finish %v", ev.Usage, ev.Finish)
+		}
+		tokens = append(tokens, ev.Tokens...)
+		last = ev
+	}
+	return tokens, last
+}
+
+func TestUsage(t *testing.T) {
+	prompt := chatPrompt(t, "Explain in detail why the sky is blue, and why sunsets are red and orange.")
+	ids, err := model(t).Tokenize(prompt, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Every full 16-token block of the prompt but its last token's.
+	cached := (len(ids) - 1) / 16 * 16
+	if cached == 0 {
+		t.Fatalf("prompt of %d tokens is shorter than a block", len(ids))
+	}
+	check := func(s *Session, wantCached int) {
+		t.Helper()
+		tokens, last := generateAll(t, s, Request{Text: prompt, MaxTokens: 6, IgnoreEOS: true})
+		u := last.Usage
+		if u == nil || u.PromptTokens != len(ids) || u.GeneratedTokens != len(tokens) || u.GeneratedTokens != 6 ||
+			u.CachedPromptTokens != wantCached || u.TimeToFirstToken <= 0 || u.TotalTime < u.TimeToFirstToken {
+			t.Fatalf("usage %+v: want %d prompt tokens (%d cached), %d generated", u, len(ids), wantCached, len(tokens))
+		}
+	}
+	s := session(t)
+	check(s, 0)
+	check(s, cached) // the same prompt again: its blocks come from the prefix cache
+	if st, err := s.Stats(); err != nil || st.KVBlockSize != 16 {
+		t.Fatalf("block size %d (%v)", st.KVBlockSize, err)
+	}
+	off, err := NewSession(model(t), &SessionOptions{KVCapacityTokens: 4096, DisablePrefixCaching: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer off.Close()
+	check(off, 0)
+	check(off, 0)
 }

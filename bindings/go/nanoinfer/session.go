@@ -12,6 +12,7 @@ import (
 	"iter"
 	"runtime"
 	"sync"
+	"time"
 	"unsafe"
 )
 
@@ -173,6 +174,19 @@ type TokenLogprob struct {
 	Top     []TopLogprob
 }
 
+// Usage is what one request used, reported with its terminal event (see
+// ni_usage in nanoinfer.h for the exact definitions).
+type Usage struct {
+	PromptTokens int // the prompt as tokenized (Prompt, or Text tokenized with AddSpecialTokens)
+	// Prompt tokens whose KV came from the prefix cache at the request's
+	// first admission instead of being computed: whole KV blocks, below
+	// PromptTokens; a later preemption does not change it.
+	CachedPromptTokens int
+	GeneratedTokens    int           // the tokens of all of the request's events
+	TimeToFirstToken   time.Duration // from AddRequest to the end of the step that returned the first token; 0 if none
+	TotalTime          time.Duration // from AddRequest to the end of the step that returned the terminal event
+}
+
 // Event is what happened to one request in one step. Exactly one event per
 // request has Finish != FinishNone, and it is the request's last.
 type Event struct {
@@ -184,6 +198,7 @@ type Event struct {
 	StopTokenID     uint32 // for FinishStopToken
 	StopStringIndex int    // for FinishStopString, else -1
 	Error           string // for FinishError
+	Usage           *Usage // on the terminal event (any Finish), else nil
 }
 
 // Stats are a session's counters; KV figures are in tokens.
@@ -445,6 +460,15 @@ func convertEvent(e *C.ni_event) Event {
 	if e.error_message != nil {
 		ev.Error = C.GoString(e.error_message)
 	}
+	if u := e.usage; u != nil {
+		ev.Usage = &Usage{
+			PromptTokens:       int(u.prompt_tokens),
+			CachedPromptTokens: int(u.cached_prompt_tokens),
+			GeneratedTokens:    int(u.generated_tokens),
+			TimeToFirstToken:   time.Duration(u.time_to_first_token_ns),
+			TotalTime:          time.Duration(u.total_time_ns),
+		}
+	}
 	if e.n_logprobs > 0 {
 		lps := unsafe.Slice(e.logprobs, int(e.n_logprobs))
 		ev.Logprobs = make([]TokenLogprob, len(lps))
@@ -566,21 +590,22 @@ func (s *Session) stepFor(id RequestID) ([]Event, error) {
 }
 
 // abandon cancels id (if still active) and steps until its terminal event,
-// so that it leaves the session cleanly.
-func (s *Session) abandon(id RequestID) {
+// so that it leaves the session cleanly. It returns that event, or a zero
+// Event when the session could not deliver it.
+func (s *Session) abandon(id RequestID) Event {
 	if err := s.Cancel(id); errors.Is(err, ErrClosed) {
-		return
+		return Event{}
 	}
 	// Any other failure means it already ended; its terminal event may still
 	// be in the backlog or the next Step, which the loop drains.
 	for {
 		events, err := s.stepFor(id)
 		if err != nil {
-			return
+			return Event{}
 		}
 		for _, ev := range events {
 			if ev.Finish != FinishNone {
-				return
+				return ev
 			}
 		}
 	}
@@ -590,9 +615,10 @@ func (s *Session) abandon(id RequestID) {
 // stepping the session (other requests in it advance too; their events are
 // returned by the next Step). A failed AddRequest or Step is yielded as an
 // error. When ctx is done, or the loop stops early, the request is
-// cancelled; for ctx the last pair carries ctx.Err(). A ctx that ends
-// during a Step stops that Step within one layer of the model, so a
-// deadline also bounds a long prompt's prefill.
+// cancelled; for ctx the last pair is its terminal event (FinishCancelled,
+// with its Usage) and ctx.Err(). A ctx that ends during a Step stops that
+// Step within one layer of the model, so a deadline also bounds a long
+// prompt's prefill.
 func (s *Session) Generate(ctx context.Context, req Request) iter.Seq2[Event, error] {
 	return func(yield func(Event, error) bool) {
 		id, err := s.AddRequest(req)
@@ -612,9 +638,12 @@ func (s *Session) Generate(ctx context.Context, req Request) iter.Seq2[Event, er
 		defer stopWatching()
 		for {
 			if err := ctx.Err(); err != nil {
-				s.abandon(id)
+				last := s.abandon(id)
 				finished = true
-				yield(Event{RequestID: id, Finish: FinishCancelled, StopStringIndex: -1}, err)
+				if last.Finish == FinishNone {
+					last = Event{RequestID: id, Finish: FinishCancelled, StopStringIndex: -1}
+				}
+				yield(last, err)
 				return
 			}
 			events, err := s.stepFor(id)

@@ -4,7 +4,7 @@ use crate::args::Args;
 use crate::session_opts::{
     load_model, sampling_params, session_params, MODEL_OPTS, SAMPLING_OPTS, SESSION_OPTS,
 };
-use nanoinfer::engine::{Event, FinishReason, RequestParams, Session, TokenLogprob};
+use nanoinfer::engine::{Event, FinishReason, RequestParams, Session, TokenLogprob, Usage};
 use nanoinfer::tokenizer::ChatMessage;
 use nanoinfer::untrusted_file;
 use serde_json::json;
@@ -26,8 +26,8 @@ struct Output {
     text: String,
     logprobs: Vec<TokenLogprob>,
     finish: Option<FinishReason>,
-    first_token_at: Option<f64>,
-    done_at: f64,
+    /// From the terminal event; its times are the timings reported.
+    usage: Usage,
 }
 
 pub fn run(a: &Args) -> Result<(), String> {
@@ -67,8 +67,7 @@ pub fn run(a: &Args) -> Result<(), String> {
             text: String::new(),
             logprobs: vec![],
             finish: None,
-            first_token_at: None,
-            done_at: 0.0,
+            usage: Usage::default(),
         })
         .collect();
     let stream = !json_out && prompts.len() == 1;
@@ -76,13 +75,12 @@ pub fn run(a: &Args) -> Result<(), String> {
     let mut stdout = std::io::stdout().lock();
     while session.has_work() {
         let events = session.step().map_err(|e| e.to_string())?;
-        let now = start.elapsed().as_secs_f64();
         for ev in events {
             let idx = ids
                 .iter()
                 .position(|&i| i == ev.request_id)
                 .expect("event for a known request");
-            record(&mut outputs[idx], ev, now, stream, &mut stdout);
+            record(&mut outputs[idx], ev, stream, &mut stdout);
         }
     }
     if stream {
@@ -101,10 +99,20 @@ pub fn run(a: &Args) -> Result<(), String> {
     }
     if !json_out {
         let total_out: usize = outputs.iter().map(|o| o.output_ids.len()).sum();
+        let prompt: usize = outputs.iter().map(|o| o.usage.prompt_tokens).sum();
+        let cached: usize = outputs.iter().map(|o| o.usage.cached_prompt_tokens).sum();
+        let ttft = match &outputs[..] {
+            [o] => format!(
+                ", TTFT {:.0} ms",
+                o.usage.time_to_first_token_ns as f64 / 1e6
+            ),
+            _ => String::new(),
+        };
         let secs = start.elapsed().as_secs_f64();
         let mib = |b: Option<usize>| b.map_or(0.0, |b| b as f64 / (1u64 << 20) as f64);
         eprintln!(
-            "[{} prompt(s), {total_out} tokens in {:.2}s, load {:.0} ms, peak RSS {:.1} MiB, RSS {:.1} MiB]",
+            "[{} prompt(s) of {prompt} tokens ({cached} cached), {total_out} tokens in {:.2}s{ttft}, \
+             load {:.0} ms, peak RSS {:.1} MiB, RSS {:.1} MiB]",
             outputs.len(),
             secs,
             load_ms,
@@ -115,10 +123,7 @@ pub fn run(a: &Args) -> Result<(), String> {
     Ok(())
 }
 
-fn record(o: &mut Output, ev: Event, now: f64, stream: bool, out: &mut impl Write) {
-    if !ev.tokens.is_empty() && o.first_token_at.is_none() {
-        o.first_token_at = Some(now);
-    }
+fn record(o: &mut Output, ev: Event, stream: bool, out: &mut impl Write) {
     o.output_ids.extend_from_slice(&ev.tokens);
     o.logprobs.extend(ev.logprobs);
     if stream {
@@ -126,21 +131,35 @@ fn record(o: &mut Output, ev: Event, now: f64, stream: bool, out: &mut impl Writ
         let _ = out.flush();
     }
     o.text.push_str(&ev.text);
+    if let Some(usage) = ev.usage {
+        o.usage = usage;
+    }
     if ev.finish.is_some() {
         o.finish = ev.finish;
-        o.done_at = now;
     }
 }
 
 fn to_json(o: &Output, load_ms: f64) -> serde_json::Value {
-    let ttft = o.first_token_at.unwrap_or(o.done_at);
-    let decode_secs = o.done_at - ttft;
+    let u = &o.usage;
+    let done_at = u.total_time_ns as f64 / 1e9;
+    let ttft = match u.time_to_first_token_ns {
+        0 => done_at,
+        ns => ns as f64 / 1e9,
+    };
+    let decode_secs = done_at - ttft;
     let decoded = o.output_ids.len().saturating_sub(1);
     let mut v = json!({
         "prompt_ids": o.prompt_ids,
         "output_ids": o.output_ids,
         "text": o.text,
         "finish_reason": o.finish.as_ref().map_or("length", |f| f.as_str()),
+        "usage": {
+            "prompt_tokens": u.prompt_tokens,
+            "cached_prompt_tokens": u.cached_prompt_tokens,
+            "generated_tokens": u.generated_tokens,
+            "time_to_first_token_ns": u.time_to_first_token_ns,
+            "total_time_ns": u.total_time_ns,
+        },
         "timings": {
             "load_ms": load_ms,
             "ttft_ms": ttft * 1e3,

@@ -276,6 +276,7 @@ impl Session {
         if req.in_kv {
             self.kv.release(id);
         }
+        event.usage = Some(self.usage(id, &req));
         if !matches!(reason, FinishReason::StopString(_)) {
             if let (Some(detok), Some(_)) = (req.detok.as_mut(), self.model.tokenizer.as_ref()) {
                 let rest = detok.flush();

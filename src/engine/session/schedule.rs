@@ -135,6 +135,9 @@ impl Session {
         let req = self.requests.get_mut(&id).expect("waiting request exists");
         req.in_kv = true;
         req.computed = cached;
+        // Only the first admission's hit is the request's cached prompt: a
+        // resumed request finds (or restores) KV it computed itself.
+        req.cached_prompt_tokens.get_or_insert(cached);
         if cached > 0 {
             self.stats.prefix_hits += 1;
             self.stats.prefix_cached_tokens += cached as u64;

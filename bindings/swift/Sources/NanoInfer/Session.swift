@@ -70,6 +70,19 @@ public struct TokenLogprob {
     public let top: [(token: UInt32, logprob: Float)]
 }
 
+/// What one request used, reported with its terminal event (see `ni_usage`
+/// in nanoinfer.h for the exact definitions).
+public struct Usage {
+    public let promptTokens: Int
+    /// Prompt tokens whose KV came from the prefix cache at the first admission.
+    public let cachedPromptTokens: Int
+    public let generatedTokens: Int
+    /// From `addRequest` to the end of the step that returned the first token; 0 if none.
+    public let timeToFirstTokenNs: UInt64
+    /// From `addRequest` to the end of the step that returned the terminal event.
+    public let totalTimeNs: UInt64
+}
+
 /// What happened to one request in one step; exactly one event per request
 /// has `finish != .none`, and it is its last.
 public struct Event {
@@ -81,6 +94,8 @@ public struct Event {
     public let stopTokenID: UInt32
     public let stopStringIndex: Int
     public let errorMessage: String?
+    /// Set on the terminal event only.
+    public let usage: Usage?
 }
 
 public struct SessionStats {
@@ -217,7 +232,15 @@ public final class Session: @unchecked Sendable {
             finish: FinishReason(rawValue: e.finish_reason) ?? .error,
             stopTokenID: e.stop_token_id,
             stopStringIndex: Int(e.stop_string_index),
-            errorMessage: e.error_message.map { String(cString: $0) })
+            errorMessage: e.error_message.map { String(cString: $0) },
+            usage: e.usage.map {
+                Usage(
+                    promptTokens: Int($0.pointee.prompt_tokens),
+                    cachedPromptTokens: Int($0.pointee.cached_prompt_tokens),
+                    generatedTokens: Int($0.pointee.generated_tokens),
+                    timeToFirstTokenNs: $0.pointee.time_to_first_token_ns,
+                    totalTimeNs: $0.pointee.total_time_ns)
+            })
     }
 
     /// Cancels a waiting or running request; its terminal event comes with

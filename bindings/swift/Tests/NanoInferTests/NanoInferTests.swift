@@ -13,13 +13,22 @@ final class NanoInferTests: XCTestCase {
         let prompt = try model.applyChatTemplate([ChatMessage(role: "user", content: "What is the capital of France?")])
         var text = ""
         var last = FinishReason.none
+        var tokens = 0
+        var usage: Usage?
         try session.generate(Request(text: prompt, maxTokens: 24)) { event in
             text += event.text
             last = event.finish
+            tokens += event.tokens.count
+            XCTAssertEqual(event.usage != nil, event.finish != .none)
+            usage = event.usage
             return true
         }
         XCTAssertTrue(text.contains("Paris"), text)
         XCTAssertTrue(last == .eos || last == .length)
+        XCTAssertEqual(usage?.promptTokens, try model.tokenize(prompt).count)
+        XCTAssertEqual(usage?.generatedTokens, tokens)
+        XCTAssertEqual(usage?.cachedPromptTokens, 0)
+        XCTAssertGreaterThan(usage?.timeToFirstTokenNs ?? 0, 0)
 
         // Stopping early cancels the request and leaves the session idle.
         var events = 0
