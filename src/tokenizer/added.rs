@@ -49,9 +49,11 @@ impl Keep<'_> {
 /// Whether `span` shares a byte with one of the sorted, disjoint `ranges`.
 pub(crate) fn overlaps(ranges: &[Range<usize>], span: &Range<usize>) -> bool {
     let first_ending_after = ranges.partition_point(|r| r.end <= span.start);
-    ranges
-        .get(first_ending_after)
-        .is_some_and(|r| r.start < span.end && span.start < span.end)
+    !span.is_empty()
+        && ranges[first_ending_after..]
+            .iter()
+            .take_while(|r| r.start < span.end)
+            .any(|r| !r.is_empty())
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -194,7 +196,8 @@ impl AddedTokens {
                 .is_none_or(|n| n.normalize(&mut normalized).is_ok());
             if !ok {
                 // Unknown alignment: treat all of it as able to spell a token.
-                return vec![0..text.len()];
+                let everything = 0..text.len();
+                return vec![everything];
             }
             for m in self
                 .special_normalized
@@ -392,7 +395,7 @@ mod tests {
 
     #[test]
     fn overlap_is_sharing_a_byte() {
-        let ranges = [2..5, 8..9, 12..12];
+        let ranges = [2..5, 8..9, 12..12, 12..14];
         for (span, want) in [
             (0..2, false),
             (0..3, true),
@@ -401,7 +404,9 @@ mod tests {
             (8..8, false),
             (7..20, true),
             (9..12, false),
-            (11..13, false),
+            (11..12, false),
+            (11..13, true),
+            (14..20, false),
         ] {
             assert_eq!(overlaps(&ranges, &span), want, "{span:?}");
         }

@@ -164,7 +164,9 @@ pub(crate) fn render(
     add_generation_prompt: bool,
     spans: impl Fn(&str) -> Vec<Range<usize>>,
 ) -> Result<ProtectedText> {
-    let found: Vec<(Vec<Range<usize>>, Vec<Range<usize>>)> = messages
+    // Per message: the spans of its role, then of its content.
+    type Spans = Vec<Range<usize>>;
+    let found: Vec<(Spans, Spans)> = messages
         .iter()
         .map(|m| (spans(&m.role), spans(&m.content)))
         .collect();
@@ -226,7 +228,8 @@ mod tests {
     #[test]
     fn cut_placeholders_are_refused() {
         let mut p = Placeholders::choose(std::iter::empty()).unwrap();
-        let defanged = p.defang("x<s>", &[1..4]);
+        let special = 1..4;
+        let defanged = p.defang("x<s>", std::slice::from_ref(&special));
         let mark_len = p.mark().len_utf8();
         for broken in [
             &defanged[..defanged.len() - mark_len],
