@@ -53,6 +53,20 @@
 #define NI_ABI_VERSION 2
 
 /**
+ * `ni_tokenize_ex` flag: add the tokenizer's post-processor tokens (e.g.
+ * BOS), as transformers' `encode` does by default.
+ */
+#define NI_TOKENIZE_ADD_SPECIAL 1
+
+/**
+ * `ni_tokenize_ex` flag: read special-token text in the input (e.g.
+ * `<|im_end|>`) as those special tokens. Without it such text is tokenized
+ * as ordinary text (transformers' `split_special_tokens=True`): leave it out
+ * for text from users, so that it cannot end a turn or forge one.
+ */
+#define NI_TOKENIZE_PARSE_SPECIAL 2
+
+/**
  * A loaded model (weights, tokenizer, kernel thread pool). Immutable after
  * loading: one model may be used by any number of sessions and text calls
  * on any threads at once.
@@ -370,8 +384,13 @@ typedef struct ni_logit_bias {
  * prompt and change what you need. All arrays and strings are copied by
  * `ni_session_add_request`; they need to live only during that call.
  *
- * The prompt is either token ids (`prompt_tokens`) or text (`prompt_text`,
- * tokenized with the model's tokenizer), not both. Sampling runs the fixed
+ * The prompt is exactly one of: token ids (`prompt_tokens`); text
+ * (`prompt_text`, tokenized with the model's tokenizer); or a conversation
+ * (`messages`, rendered with the model's chat template and tokenized). Only
+ * `messages` keeps text from users from becoming control tokens: their
+ * contents and roles stay plain text while the template's own special
+ * tokens stay special. `prompt_text` reads special-token text as special
+ * tokens unless `parse_special` is false. Sampling runs the fixed
  * chain repetition penalty → presence/frequency penalty → logit bias →
  * temperature → top-k → top-p → min-p → draw. Invalid values are rejected by
  * `ni_session_add_request` with `NI_ERR_INVALID_ARGUMENT` and a message
@@ -398,7 +417,8 @@ typedef struct ni_request_params {
     size_t prompt_text_len;
     /**
      * Tokenize `prompt_text` with the tokenizer's special tokens (e.g. BOS).
-     * Default false: right for text from `ni_apply_chat_template`.
+     * Default false: right for text from `ni_apply_chat_template`. Must be
+     * false with `messages` (the chat template writes its own).
      */
     bool add_special_tokens;
     /**
@@ -481,6 +501,31 @@ typedef struct ni_request_params {
      * salt (tenant isolation). Default 0.
      */
     uint64_t cache_salt;
+    /**
+     * Read special-token text in `prompt_text` (e.g. `<|im_end|>`) as those
+     * special tokens. Default true, because text rendered by
+     * `ni_apply_chat_template` holds the template's turn markers as text and
+     * needs them read as tokens. The risk: whatever user text was pasted
+     * into such a prompt can then close its turn and forge system or
+     * assistant turns. Prefer `messages`, which protects message text; set
+     * false for raw user text, which is then tokenized as ordinary text
+     * (transformers' `split_special_tokens=True`). Callers built before this
+     * field existed get true.
+     */
+    bool parse_special;
+    /**
+     * The prompt as a conversation of `n_messages` messages (NULL with 0
+     * otherwise), rendered with the model's chat template and tokenized as
+     * `ni_tokenize_chat` does: special-token text inside the messages stays
+     * plain text. Roles and contents are copied during the call.
+     */
+    const struct ni_chat_message *messages;
+    size_t n_messages;
+    /**
+     * With `messages`: end the prompt with the assistant turn's opening, so
+     * that the model answers. Default true.
+     */
+    bool add_generation_prompt;
 } ni_request_params;
 
 /**
@@ -1035,7 +1080,8 @@ const char *ni_last_error(void);
 void ni_string_free(char *s);
 
 /**
- * Frees a token array returned by `ni_tokenize`. NULL is a no-op.
+ * Frees a token array returned by `ni_tokenize`, `ni_tokenize_ex` or
+ * `ni_tokenize_chat`. NULL is a no-op.
  *
  * Thread-safety: any thread; each array is freed once.
  */
@@ -1100,6 +1146,12 @@ ni_status ni_model_get_info(const struct ni_model *model, struct ni_model_info *
  * added, as transformers' `encode` does by default; text produced by
  * `ni_apply_chat_template` already holds them, so pass false for it.
  *
+ * Special-token text in `text` (e.g. `<|im_end|>`) becomes those special
+ * tokens: this is `ni_tokenize_ex` with `NI_TOKENIZE_PARSE_SPECIAL`, kept for
+ * compatibility. It does not protect user text: text a user typed can close
+ * its turn and forge others. Use `ni_tokenize_chat` for conversations and
+ * `ni_tokenize_ex` without `NI_TOKENIZE_PARSE_SPECIAL` for raw user text.
+ *
  * On success `*out_tokens` receives an array of `*out_count` ids, to be
  * freed with `ni_tokens_free` (NULL when the count is 0). Fails with
  * `NI_ERR_INVALID_ARGUMENT` for invalid UTF-8, a model without tokenizer,
@@ -1115,6 +1167,56 @@ ni_status ni_tokenize(const struct ni_model *model,
                       bool add_special_tokens,
                       uint32_t **out_tokens,
                       size_t *out_count);
+
+/**
+ * Token ids of `text_len` bytes of UTF-8 `text` (no NUL needed), as `flags`
+ * (a bitwise OR of `NI_TOKENIZE_*`, or 0) say:
+ * - `NI_TOKENIZE_ADD_SPECIAL`: add the post-processor's tokens (e.g. BOS);
+ * - `NI_TOKENIZE_PARSE_SPECIAL`: read special-token text (`<|im_end|>`) as
+ *   special tokens. Without it (flags 0: the safe choice for text from
+ *   users) such text is tokenized as ordinary text, exactly as transformers
+ *   with `split_special_tokens=True`; added tokens that are not special are
+ *   matched either way, as there.
+ *
+ * Output, limits and errors as for `ni_tokenize`; unknown flag bits fail
+ * with `NI_ERR_INVALID_ARGUMENT`.
+ * Thread-safety: any thread, concurrently with any other use of the model.
+ */
+ni_status ni_tokenize_ex(const struct ni_model *model,
+                         const char *text,
+                         size_t text_len,
+                         uint32_t flags,
+                         uint32_t **out_tokens,
+                         size_t *out_count);
+
+/**
+ * Token ids of `count` messages rendered with the model's chat template,
+ * as transformers' `apply_chat_template(..., tokenize=True)` gives them,
+ * except that message text is protected: special-token text inside a
+ * role or content (e.g. `<|im_end|>`) is tokenized as ordinary text, so a
+ * message cannot close its turn or forge a system or assistant turn, while
+ * the special tokens the template writes stay special. Conversations
+ * without such text give exactly transformers' ids. With
+ * `add_generation_prompt` the prompt ends with the assistant turn's
+ * opening. This, or `messages` in `ni_request_params`, is the way to turn
+ * untrusted chat text into a prompt; `ni_apply_chat_template` followed by
+ * `ni_tokenize` is not.
+ *
+ * On success `*out_tokens` receives an array of `*out_count` ids, to be
+ * freed with `ni_tokens_free` (NULL when the count is 0). Fails with
+ * `NI_ERR_INVALID_ARGUMENT` for a NULL or invalid UTF-8 string, a model
+ * without chat template, a template error, a rendering longer than the
+ * context can hold (as for `ni_tokenize`), or a template that cuts apart
+ * message text that spells special tokens (which could then not be kept as
+ * text).
+ * Thread-safety: any thread, concurrently with any other use of the model.
+ */
+ni_status ni_tokenize_chat(const struct ni_model *model,
+                           const struct ni_chat_message *messages,
+                           size_t count,
+                           bool add_generation_prompt,
+                           uint32_t **out_tokens,
+                           size_t *out_count);
 
 /**
  * The text of `count` token ids. With `skip_special_tokens` special tokens
@@ -1138,6 +1240,11 @@ ni_status ni_detokenize(const struct ni_model *model,
  * transformers' `apply_chat_template(..., tokenize=False)` does. With
  * `add_generation_prompt` the text ends with the assistant turn's opening.
  * Tokenize the result with `add_special_tokens = false`.
+ *
+ * The text does not say which parts came from the messages, so tokenizing
+ * it reads special-token text that a message holds as special tokens: a
+ * user can close a turn and forge others. For untrusted messages use
+ * `ni_tokenize_chat` (or `messages` in `ni_request_params`) instead.
  *
  * On success `*out_text` receives a NUL-terminated string to be freed with
  * `ni_string_free`, and `*out_len` (if not NULL) its length in bytes.

@@ -363,7 +363,7 @@ fn bad_prompts_are_refused_and_nothing_is_queued() {
         assert_err(
             ni_session_add_request(session, &r, &mut id),
             NI_ERR_INVALID_ARGUMENT,
-            &["not both"],
+            &["exactly one of"],
         );
         // NULL tokens with a length.
         let mut r = request_params();

@@ -65,20 +65,12 @@ int main(int argc, char **argv) {
     ni_model *model = NULL;
     ni_session *session = NULL;
     ni_step_output *out = NULL;
-    char *text = NULL;
-    size_t text_len = 0;
 
     ni_model_params mp;
     ni_model_params_init(&mp);
     mp.n_threads = threads;
     if ((st = ni_model_load(model_dir, &mp, &model)) != NI_OK) {
         rc = fail("ni_model_load", st);
-        goto done;
-    }
-
-    ni_chat_message msg = {.role = "user", .content = prompt};
-    if ((st = ni_apply_chat_template(model, &msg, 1, true, &text, &text_len)) != NI_OK) {
-        rc = fail("ni_apply_chat_template", st);
         goto done;
     }
 
@@ -95,9 +87,12 @@ int main(int argc, char **argv) {
 
     ni_request_params req;
     ni_request_params_init(&req);
-    req.prompt_text = text;
-    req.prompt_text_len = text_len;
-    req.add_special_tokens = false; /* the chat template already has them */
+    /* The prompt as a conversation: rendered with the model's chat template,
+     * with the user's text kept as text (typing "<|im_end|>" cannot end the
+     * turn), unlike ni_apply_chat_template's text passed as prompt_text. */
+    ni_chat_message msg = {.role = "user", .content = prompt};
+    req.messages = &msg;
+    req.n_messages = 1;
     req.max_tokens = max_tokens;
     uint64_t id = 0;
     if ((st = ni_session_add_request(session, &req, &id)) != NI_OK) {
@@ -150,7 +145,6 @@ int main(int argc, char **argv) {
 done:
     ni_step_output_free(out);
     ni_session_free(session);
-    ni_string_free(text);
     ni_model_free(model);
     ni_set_log_callback(NULL, NULL);
     return rc;

@@ -51,7 +51,8 @@ pub unsafe extern "C" fn ni_string_free(s: *mut c_char) {
     super::boundary::ffi_value("ni_string_free", (), || unsafe { libc::free(s.cast()) })
 }
 
-/// Frees a token array returned by `ni_tokenize`. NULL is a no-op.
+/// Frees a token array returned by `ni_tokenize`, `ni_tokenize_ex` or
+/// `ni_tokenize_chat`. NULL is a no-op.
 ///
 /// Thread-safety: any thread; each array is freed once.
 #[no_mangle]

@@ -93,19 +93,25 @@ pub(crate) unsafe fn cstr<'a>(ptr: *const c_char, what: &str) -> Result<&'a str>
     utf8(unsafe { cstr_bytes(ptr, what)? }, what)
 }
 
+/// A params struct that grows by appending fields: the `struct_size` of
+/// each earlier layout it still accepts (see [`params_versioned`]).
+pub(crate) trait Appendable: Copy {
+    const OLDER_SIZES: &'static [usize];
+}
+
 /// Copies a params struct after checking its `struct_size` (its first
-/// field); NULL selects `defaults`.
+/// field), accepting the older layouts `T` lists; NULL selects `defaults`.
 ///
 /// # Safety
 /// A non-NULL `ptr` must point to a `T` initialised by the matching
-/// `ni_*_params_init` (and then possibly modified).
-pub(crate) unsafe fn params<T: Copy>(
+/// `ni_*_params_init` of the caller's header (and then possibly modified).
+pub(crate) unsafe fn params<T: Appendable>(
     ptr: *const T,
     defaults: impl FnOnce() -> T,
     what: &str,
 ) -> Result<T> {
-    // SAFETY: forwarded contract; no older layouts.
-    unsafe { params_versioned(ptr, defaults, &[], what) }
+    // SAFETY: forwarded contract; the older sizes are T's own.
+    unsafe { params_versioned(ptr, defaults, T::OLDER_SIZES, what) }
 }
 
 /// Like [`params`], but also accepts the sizes of earlier versions of `T`

@@ -3,9 +3,11 @@
 
 use super::args;
 use super::boundary::ffi_value;
+use super::text::{chat_messages, ni_chat_message};
 use crate::engine::{Model, RequestParams};
 use crate::sampling::params::{MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES};
 use crate::sampling::SamplingParams;
+use crate::tokenizer::EncodeOptions;
 use crate::{bail_arg, Result};
 use std::ffi::c_char;
 
@@ -22,8 +24,13 @@ pub struct ni_logit_bias {
 /// prompt and change what you need. All arrays and strings are copied by
 /// `ni_session_add_request`; they need to live only during that call.
 ///
-/// The prompt is either token ids (`prompt_tokens`) or text (`prompt_text`,
-/// tokenized with the model's tokenizer), not both. Sampling runs the fixed
+/// The prompt is exactly one of: token ids (`prompt_tokens`); text
+/// (`prompt_text`, tokenized with the model's tokenizer); or a conversation
+/// (`messages`, rendered with the model's chat template and tokenized). Only
+/// `messages` keeps text from users from becoming control tokens: their
+/// contents and roles stay plain text while the template's own special
+/// tokens stay special. `prompt_text` reads special-token text as special
+/// tokens unless `parse_special` is false. Sampling runs the fixed
 /// chain repetition penalty → presence/frequency penalty → logit bias →
 /// temperature → top-k → top-p → min-p → draw. Invalid values are rejected by
 /// `ni_session_add_request` with `NI_ERR_INVALID_ARGUMENT` and a message
@@ -44,7 +51,8 @@ pub struct ni_request_params {
     pub prompt_text: *const c_char,
     pub prompt_text_len: usize,
     /// Tokenize `prompt_text` with the tokenizer's special tokens (e.g. BOS).
-    /// Default false: right for text from `ni_apply_chat_template`.
+    /// Default false: right for text from `ni_apply_chat_template`. Must be
+    /// false with `messages` (the chat template writes its own).
     pub add_special_tokens: bool,
     /// Most tokens to generate, >= 1. Default 256.
     pub max_tokens: u32,
@@ -92,6 +100,35 @@ pub struct ni_request_params {
     /// Requests share cached prompt prefixes only with requests of the same
     /// salt (tenant isolation). Default 0.
     pub cache_salt: u64,
+    /// Read special-token text in `prompt_text` (e.g. `<|im_end|>`) as those
+    /// special tokens. Default true, because text rendered by
+    /// `ni_apply_chat_template` holds the template's turn markers as text and
+    /// needs them read as tokens. The risk: whatever user text was pasted
+    /// into such a prompt can then close its turn and forge system or
+    /// assistant turns. Prefer `messages`, which protects message text; set
+    /// false for raw user text, which is then tokenized as ordinary text
+    /// (transformers' `split_special_tokens=True`). Callers built before this
+    /// field existed get true.
+    pub parse_special: bool,
+    /// The prompt as a conversation of `n_messages` messages (NULL with 0
+    /// otherwise), rendered with the model's chat template and tokenized as
+    /// `ni_tokenize_chat` does: special-token text inside the messages stays
+    /// plain text. Roles and contents are copied during the call.
+    pub messages: *const ni_chat_message,
+    pub n_messages: usize,
+    /// With `messages`: end the prompt with the assistant turn's opening, so
+    /// that the model answers. Default true.
+    pub add_generation_prompt: bool,
+}
+
+/// `sizeof(ni_request_params)` before `parse_special` and the chat fields
+/// were appended; such callers are still accepted with those fields at their
+/// defaults (see `args::params_versioned`).
+pub(crate) const NI_REQUEST_PARAMS_SIZE_V1: usize =
+    std::mem::offset_of!(ni_request_params, parse_special);
+
+impl args::Appendable for ni_request_params {
+    const OLDER_SIZES: &'static [usize] = &[NI_REQUEST_PARAMS_SIZE_V1];
 }
 
 impl Default for ni_request_params {
@@ -125,6 +162,10 @@ impl Default for ni_request_params {
             logprobs: s.logprobs,
             priority: 0,
             cache_salt: 0,
+            parse_special: true,
+            messages: std::ptr::null(),
+            n_messages: 0,
+            add_generation_prompt: true,
         }
     }
 }
@@ -180,23 +221,8 @@ pub(crate) unsafe fn to_engine(p: &ni_request_params, model: &Model) -> Result<R
             bail_arg!("request.{name} is {n}, more than {limit} {max}");
         }
     }
-    let prompt = if !p.prompt_text.is_null() {
-        if p.n_prompt_tokens != 0 || !p.prompt_tokens.is_null() {
-            bail_arg!("request: set either prompt_tokens or prompt_text, not both");
-        }
-        // SAFETY: forwarded contract.
-        let text = unsafe { args::text(p.prompt_text, p.prompt_text_len, "request.prompt_text")? };
-        model.tokenizer()?.encode_bounded(
-            text,
-            p.add_special_tokens,
-            context,
-            "request.prompt_text",
-        )?
-    } else {
-        // SAFETY: forwarded contract.
-        unsafe { args::slice(p.prompt_tokens, p.n_prompt_tokens, "request.prompt_tokens")? }
-            .to_vec()
-    };
+    // SAFETY: forwarded contract.
+    let prompt = unsafe { prompt(p, model, context)? };
     // SAFETY: forwarded contract.
     let bias = unsafe { args::slice(p.logit_bias, p.n_logit_bias, "request.logit_bias")? };
     // SAFETY: forwarded contract.
@@ -246,4 +272,49 @@ pub(crate) unsafe fn to_engine(p: &ni_request_params, model: &Model) -> Result<R
         priority: p.priority,
         cache_salt: p.cache_salt,
     })
+}
+
+/// The prompt's token ids from whichever of the three prompt forms is set.
+///
+/// # Safety
+/// The prompt pointers in `p` must honour their documented contract.
+unsafe fn prompt(p: &ni_request_params, model: &Model, context: usize) -> Result<Vec<u32>> {
+    let has_tokens = !p.prompt_tokens.is_null() || p.n_prompt_tokens != 0;
+    let has_text = !p.prompt_text.is_null();
+    let has_messages = !p.messages.is_null() || p.n_messages != 0;
+    if usize::from(has_tokens) + usize::from(has_text) + usize::from(has_messages) > 1 {
+        bail_arg!("request: set exactly one of prompt_tokens, prompt_text and messages");
+    }
+    if has_text {
+        // SAFETY: forwarded contract.
+        let text = unsafe { args::text(p.prompt_text, p.prompt_text_len, "request.prompt_text")? };
+        let options = EncodeOptions {
+            add_special_tokens: p.add_special_tokens,
+            parse_special: p.parse_special,
+        };
+        return model.tokenizer()?.encode_bounded_with(
+            text,
+            options,
+            context,
+            "request.prompt_text",
+        );
+    }
+    if has_messages {
+        if p.add_special_tokens {
+            bail_arg!(
+                "request.add_special_tokens applies to prompt_text only: with messages the chat \
+                 template writes the special tokens"
+            );
+        }
+        // SAFETY: forwarded contract.
+        let messages = unsafe { chat_messages(p.messages, p.n_messages, "request.messages")? };
+        return model
+            .tokenizer()?
+            .encode_chat(&messages, p.add_generation_prompt, context);
+    }
+    // SAFETY: forwarded contract.
+    Ok(
+        unsafe { args::slice(p.prompt_tokens, p.n_prompt_tokens, "request.prompt_tokens")? }
+            .to_vec(),
+    )
 }

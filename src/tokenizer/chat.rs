@@ -176,6 +176,14 @@ impl ChatTemplate {
     pub fn origin(&self) -> &str {
         &self.origin
     }
+
+    /// The text a render sees besides the messages: the template and the
+    /// special tokens' texts.
+    pub(crate) fn inputs(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.source.as_str())
+            .chain(self.special.named().map(|(_, token)| token))
+            .chain(self.special.additional.iter().map(String::as_str))
+    }
 }
 
 /// transformers' whitespace settings.

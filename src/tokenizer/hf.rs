@@ -1,9 +1,12 @@
 //! The tokenizer of a Hugging Face model directory.
 
+use super::added::{AddedTokens, Keep};
 use super::chat::{ChatMessage, ChatTemplate};
 use super::config::{SpecialTokens, TemplateSource, TokenizerConfig};
+use super::protect::{self, ProtectedText};
 use crate::{bail_arg, untrusted_file, Error, Result};
 use std::collections::HashSet;
+use std::ops::Range;
 use std::path::Path;
 use tokenizers::PostProcessor;
 
@@ -23,6 +26,30 @@ fn contain<T>(f: impl FnOnce() -> T) -> std::result::Result<T, String> {
             .unwrap_or("unknown panic");
         format!("the tokenizers library panicked: {what}")
     })
+}
+
+/// How [`Tokenizer::encode_with`] treats its text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EncodeOptions {
+    /// Add the post-processor's tokens (e.g. BOS), as transformers' `encode`
+    /// does by default.
+    pub add_special_tokens: bool,
+    /// Read special-token text in the input (`<|im_end|>`) as that special
+    /// token. False tokenizes it as ordinary text, exactly as transformers
+    /// with `split_special_tokens=True`: use false for text from users, which
+    /// must not be able to end a turn or open one. Added tokens that are not
+    /// special are matched either way, as there.
+    pub parse_special: bool,
+}
+
+impl Default for EncodeOptions {
+    /// What [`Tokenizer::encode`] does: no added tokens, special text parsed.
+    fn default() -> Self {
+        EncodeOptions {
+            add_special_tokens: false,
+            parse_special: true,
+        }
+    }
 }
 
 enum ChatSlot {
@@ -50,6 +77,8 @@ pub struct Tokenizer {
     /// The most bytes of text one token can stand for (see `min_tokens`).
     max_bytes_per_token: usize,
     chat: ChatSlot,
+    /// The added tokens, for encoding with only some special matches counted.
+    added: AddedTokens,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -87,6 +116,9 @@ impl Tokenizer {
             }
             valid
         });
+        let added = AddedTokens::new(&inner).map_err(|e| {
+            Error::invalid_model(format!("{}: {e}", dir.join(TOKENIZER_FILE).display()))
+        })?;
         let special_ids = inner
             .get_added_tokens_decoder()
             .into_iter()
@@ -160,16 +192,61 @@ impl Tokenizer {
             extra_eos,
             max_bytes_per_token,
             chat,
+            added,
         })
     }
 
     /// Token ids of `text`. With `add_special_tokens` the post-processor's tokens
     /// (e.g. BOS) are added, as in transformers' `encode`. Special tokens written in
-    /// the text (like `<|im_start|>`) are recognised as such.
+    /// the text (like `<|im_start|>`) are recognised as such: never pass text
+    /// from users here (see [`Tokenizer::encode_with`]).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let encoding = contain(|| self.inner.encode_fast(text, add_special_tokens))
-            .and_then(|r| r.map_err(|e| e.to_string()))
-            .map_err(|e| Error::invalid_arg(format!("cannot tokenize text: {e}")))?;
+        self.encode_keeping(text, add_special_tokens, None)
+    }
+
+    /// Token ids of `text`, treated as `options` say.
+    pub fn encode_with(&self, text: &str, options: EncodeOptions) -> Result<Vec<u32>> {
+        let keep = (!options.parse_special).then_some(Keep::NoSpecial);
+        self.encode_keeping(text, options.add_special_tokens, keep)
+    }
+
+    /// Token ids of `text` in which special-token text that overlaps one of
+    /// `protected` (sorted, disjoint byte ranges) is ordinary text; the rest
+    /// is read as [`Tokenizer::encode`] reads it.
+    pub fn encode_protected(
+        &self,
+        text: &str,
+        protected: &[Range<usize>],
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>> {
+        if protected.windows(2).any(|w| w[0].end > w[1].start)
+            || protected
+                .iter()
+                .any(|r| r.start > r.end || r.end > text.len())
+        {
+            bail_arg!("protected ranges must be sorted, disjoint and inside the text");
+        }
+        let keep = (!protected.is_empty()).then_some(Keep::OutsideOf(protected));
+        self.encode_keeping(text, add_special_tokens, keep)
+    }
+
+    /// `keep` None: the `tokenizers` crate's own encoding, every special
+    /// match counted.
+    fn encode_keeping(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        keep: Option<Keep<'_>>,
+    ) -> Result<Vec<u32>> {
+        let encoding = contain(|| match keep {
+            Some(keep) if self.added.has_special() => {
+                self.added
+                    .encode(&self.inner, text, add_special_tokens, keep)
+            }
+            _ => self.inner.encode_fast(text, add_special_tokens),
+        })
+        .and_then(|r| r.map_err(|e| e.to_string()))
+        .map_err(|e| Error::invalid_arg(format!("cannot tokenize text: {e}")))?;
         let ids = encoding.get_ids();
         if !add_special_tokens || (self.extra_bos.is_none() && self.extra_eos.is_none()) {
             return Ok(ids.to_vec());
@@ -207,6 +284,24 @@ impl Tokenizer {
         max_tokens: usize,
         what: &str,
     ) -> Result<Vec<u32>> {
+        self.check_text_len(text, max_tokens, what)?;
+        self.encode(text, add_special_tokens)
+    }
+
+    /// `encode_with`, refusing too long text up front as `encode_bounded` does.
+    pub fn encode_bounded_with(
+        &self,
+        text: &str,
+        options: EncodeOptions,
+        max_tokens: usize,
+        what: &str,
+    ) -> Result<Vec<u32>> {
+        self.check_text_len(text, max_tokens, what)?;
+        self.encode_with(text, options)
+    }
+
+    /// Fails when `text` cannot encode to `max_tokens` tokens or fewer.
+    fn check_text_len(&self, text: &str, max_tokens: usize, what: &str) -> Result<()> {
         if text.len() > self.max_text_bytes(max_tokens) {
             bail_arg!(
                 "{what} is {} bytes long: at least {} tokens (a token of this tokenizer covers at \
@@ -218,7 +313,7 @@ impl Tokenizer {
                 self.max_text_bytes(max_tokens)
             );
         }
-        self.encode(text, add_special_tokens)
+        Ok(())
     }
 
     /// Text of `ids`; every id must be in the vocabulary.
@@ -317,12 +412,47 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.template()?.render(messages, add_generation_prompt)
+    }
+
+    fn template(&self) -> Result<&ChatTemplate> {
         match &self.chat {
-            ChatSlot::Ready(t) => t.render(messages, add_generation_prompt),
+            ChatSlot::Ready(t) => Ok(t),
             ChatSlot::None => bail_arg!("this tokenizer has no chat template"),
             ChatSlot::NoDefault(names) => bail_arg!(
                 "the tokenizer config has named chat templates {names:?} but none named \"default\""
             ),
         }
+    }
+
+    /// Renders a conversation as [`Tokenizer::apply_chat_template`] does and
+    /// says which bytes of the result are message text that must stay text
+    /// (see `protect`): encode it with [`Tokenizer::encode_protected`].
+    pub fn apply_chat_template_protected(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<ProtectedText> {
+        let template = self.template()?;
+        protect::render(template, messages, add_generation_prompt, |text| {
+            self.added.special_spans(&self.inner, text)
+        })
+    }
+
+    /// Token ids of a conversation rendered with the chat template, as
+    /// transformers' `apply_chat_template(..., tokenize=True)` gives them,
+    /// except that special-token text inside the messages (roles and
+    /// contents) is ordinary text: only the template's own special tokens are
+    /// special, so a message cannot end its turn or forge another. Refuses a
+    /// rendering too long to encode to `max_tokens` tokens before tokenizing.
+    pub fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        max_tokens: usize,
+    ) -> Result<Vec<u32>> {
+        let rendered = self.apply_chat_template_protected(messages, add_generation_prompt)?;
+        self.check_text_len(&rendered.text, max_tokens, "the rendered conversation")?;
+        self.encode_protected(&rendered.text, &rendered.protected, false)
     }
 }

@@ -206,6 +206,10 @@ func (m *Model) Info() (ModelInfo, error) {
 // Tokenize returns the token ids of text. With addSpecialTokens the
 // tokenizer's post-processor tokens (e.g. BOS) are added; text from
 // ApplyChatTemplate already holds them.
+//
+// Special-token text in text (e.g. "<|im_end|>") becomes those special
+// tokens, so text a user typed can close its turn and forge others: use
+// TokenizeChat for conversations and TokenizeWith for raw user text.
 func (m *Model) Tokenize(text string, addSpecialTokens bool) ([]uint32, error) {
 	var out []uint32
 	err := m.with(func(p *C.ni_model) error {
@@ -214,6 +218,72 @@ func (m *Model) Tokenize(text string, addSpecialTokens bool) ([]uint32, error) {
 		err := call("ni_tokenize", func() C.ni_status {
 			// Passing Go memory without Go pointers as a call argument is allowed.
 			return C.ni_tokenize(p, stringPtr(text), C.size_t(len(text)), C.bool(addSpecialTokens), &toks, &n)
+		})
+		if err != nil {
+			return err
+		}
+		out = copyTokens(toks, n)
+		C.ni_tokens_free(toks)
+		return nil
+	})
+	return out, err
+}
+
+// TokenizeOptions says how TokenizeWith reads its text. The zero value is
+// the safe choice for text from users.
+type TokenizeOptions struct {
+	// AddSpecialTokens adds the tokenizer's post-processor tokens (e.g. BOS).
+	AddSpecialTokens bool
+	// ParseSpecial reads special-token text (e.g. "<|im_end|>") as those
+	// special tokens. When false it is tokenized as ordinary text, exactly as
+	// transformers with split_special_tokens=True; added tokens that are not
+	// special are matched either way.
+	ParseSpecial bool
+}
+
+// TokenizeWith returns the token ids of text, read as opts say
+// (ni_tokenize_ex).
+func (m *Model) TokenizeWith(text string, opts TokenizeOptions) ([]uint32, error) {
+	var flags C.uint32_t
+	if opts.AddSpecialTokens {
+		flags |= C.NI_TOKENIZE_ADD_SPECIAL
+	}
+	if opts.ParseSpecial {
+		flags |= C.NI_TOKENIZE_PARSE_SPECIAL
+	}
+	var out []uint32
+	err := m.with(func(p *C.ni_model) error {
+		var toks *C.uint32_t
+		var n C.size_t
+		err := call("ni_tokenize_ex", func() C.ni_status {
+			return C.ni_tokenize_ex(p, stringPtr(text), C.size_t(len(text)), flags, &toks, &n)
+		})
+		if err != nil {
+			return err
+		}
+		out = copyTokens(toks, n)
+		C.ni_tokens_free(toks)
+		return nil
+	})
+	return out, err
+}
+
+// TokenizeChat renders messages with the model's chat template and returns
+// the token ids, as transformers' apply_chat_template(tokenize=True) does,
+// except that special-token text inside the messages stays ordinary text:
+// only the template's own special tokens are special, so a message cannot
+// close its turn or forge a system or assistant turn. This is the way to
+// turn untrusted chat text into a prompt (or Request.Messages).
+func (m *Model) TokenizeChat(messages []ChatMessage, addGenerationPrompt bool) ([]uint32, error) {
+	var out []uint32
+	err := m.with(func(p *C.ni_model) error {
+		var pinner runtime.Pinner
+		defer pinner.Unpin()
+		first := cMessages(&pinner, messages)
+		var toks *C.uint32_t
+		var n C.size_t
+		err := call("ni_tokenize_chat", func() C.ni_status {
+			return C.ni_tokenize_chat(p, first, C.size_t(len(messages)), C.bool(addGenerationPrompt), &toks, &n)
 		})
 		if err != nil {
 			return err
@@ -248,25 +318,20 @@ func (m *Model) Detokenize(tokens []uint32, skipSpecialTokens bool) (string, err
 // ApplyChatTemplate renders messages with the model's chat template, as
 // transformers' apply_chat_template(tokenize=False) does. With
 // addGenerationPrompt the text ends with the assistant turn's opening.
+//
+// Tokenizing this text reads special-token text inside the messages as
+// special tokens; for untrusted messages use TokenizeChat or
+// Request.Messages instead.
 func (m *Model) ApplyChatTemplate(messages []ChatMessage, addGenerationPrompt bool) (string, error) {
 	var out string
 	err := m.with(func(p *C.ni_model) error {
 		var pinner runtime.Pinner
 		defer pinner.Unpin()
-		cmsgs := make([]C.ni_chat_message, len(messages))
-		for i, msg := range messages {
-			cmsgs[i].role = pinnedCString(&pinner, msg.Role)
-			cmsgs[i].content = pinnedCString(&pinner, msg.Content)
-		}
-		var first *C.ni_chat_message
-		if len(cmsgs) > 0 {
-			first = &cmsgs[0]
-			pinner.Pin(first) // Go memory holding (pinned) Go pointers
-		}
+		first := cMessages(&pinner, messages)
 		var text *C.char
 		var n C.size_t
 		err := call("ni_apply_chat_template", func() C.ni_status {
-			return C.ni_apply_chat_template(p, first, C.size_t(len(cmsgs)), C.bool(addGenerationPrompt), &text, &n)
+			return C.ni_apply_chat_template(p, first, C.size_t(len(messages)), C.bool(addGenerationPrompt), &text, &n)
 		})
 		if err != nil {
 			return err
@@ -276,6 +341,21 @@ func (m *Model) ApplyChatTemplate(messages []ChatMessage, addGenerationPrompt bo
 		return nil
 	})
 	return out, err
+}
+
+// cMessages copies messages into pinned C-layout messages and returns the
+// first (nil when there are none); pinner must stay pinned during the call.
+func cMessages(pinner *runtime.Pinner, messages []ChatMessage) *C.ni_chat_message {
+	if len(messages) == 0 {
+		return nil
+	}
+	cmsgs := make([]C.ni_chat_message, len(messages))
+	for i, msg := range messages {
+		cmsgs[i].role = pinnedCString(pinner, msg.Role)
+		cmsgs[i].content = pinnedCString(pinner, msg.Content)
+	}
+	pinner.Pin(&cmsgs[0]) // Go memory holding (pinned) Go pointers
+	return &cmsgs[0]
 }
 
 // stringPtr points at s's bytes (no NUL); nil for "".

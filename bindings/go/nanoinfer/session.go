@@ -99,7 +99,12 @@ type SessionOptions struct {
 	KVCacheDType         KVCacheDType
 }
 
-// Request is one generation request. Set Prompt (token ids) or Text.
+// Request is one generation request. Set one of Prompt (token ids), Text,
+// or Messages (a conversation rendered with the model's chat template).
+// Only Messages keeps text from users from becoming control tokens: their
+// special-token text (e.g. "<|im_end|>") stays plain text while the
+// template's own turn markers stay special. Text reads such text as special
+// tokens unless SplitSpecialTokens is set.
 // Zero values select the defaults: greedy decoding (Temperature 0) of up
 // to 256 tokens (MaxTokens 0), TopP and RepetitionPenalty off (0 means 1).
 type Request struct {
@@ -123,6 +128,19 @@ type Request struct {
 	Logprobs          int // top alternatives per token (0-20); 0 = no logprobs
 	Priority          int32
 	CacheSalt         uint64
+
+	// SplitSpecialTokens tokenizes special-token text in Text as ordinary
+	// text (parse_special = false): set it for raw user text. Left false,
+	// Text from ApplyChatTemplate keeps its turn markers, and so can any
+	// user text pasted into it.
+	SplitSpecialTokens bool
+
+	// Messages is the prompt as a conversation, rendered with the model's
+	// chat template with its text protected (as TokenizeChat does).
+	Messages []ChatMessage
+	// NoGenerationPrompt leaves the assistant turn's opening off a
+	// Messages prompt (it is added by default, so that the model answers).
+	NoGenerationPrompt bool
 }
 
 // RequestID identifies a request within its session.
@@ -346,11 +364,17 @@ func (s *Session) addLocked(req *Request) (RequestID, error) {
 	defer pinner.Unpin()
 	var p C.ni_request_params
 	C.ni_request_params_init(&p)
+	if len(req.Messages) > 0 {
+		// With Prompt or Text also set, the library refuses the request.
+		p.messages = cMessages(&pinner, req.Messages)
+		p.n_messages = C.size_t(len(req.Messages))
+		p.add_generation_prompt = C.bool(!req.NoGenerationPrompt)
+	}
 	if len(req.Prompt) > 0 {
 		pinner.Pin(&req.Prompt[0])
 		p.prompt_tokens = tokensPtr(req.Prompt)
 		p.n_prompt_tokens = C.size_t(len(req.Prompt))
-	} else {
+	} else if len(req.Messages) == 0 || req.Text != "" {
 		text := []byte(req.Text)
 		if len(text) == 0 {
 			text = []byte{0} // a non-NULL pointer with length 0: an empty text prompt
@@ -361,6 +385,8 @@ func (s *Session) addLocked(req *Request) (RequestID, error) {
 	}
 	p.add_special_tokens = C.bool(req.AddSpecialTokens)
 	check := fieldCheck{op: "AddRequest"}
+	p.parse_special = C.bool(!req.SplitSpecialTokens)
+
 	if req.MaxTokens != 0 {
 		p.max_tokens = C.uint32_t(check.uint32("MaxTokens", req.MaxTokens))
 	}

@@ -216,11 +216,10 @@ fn prompt_ids(a: &Args, model: &nanoinfer::engine::Model) -> Result<Vec<Vec<u32>
                     role: "user".into(),
                     content: t.clone(),
                 }];
-                let rendered = tok
-                    .apply_chat_template(&msgs, true)
-                    .map_err(|e| e.to_string())?;
-                tok.encode_bounded(&rendered, false, context, "--prompt (chat-rendered)")
-                    .map_err(|e| e.to_string())
+                // The prompt is the user's turn: special-token text in it
+                // stays text instead of closing the turn.
+                tok.encode_chat(&msgs, true, context)
+                    .map_err(|e| format!("--prompt (chat-rendered): {e}"))
             } else {
                 tok.encode_bounded(t, true, context, "--prompt")
                     .map_err(|e| e.to_string())

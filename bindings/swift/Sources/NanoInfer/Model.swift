@@ -46,6 +46,21 @@ public struct ChatMessage {
     }
 }
 
+/// How `tokenize(_:options:)` reads its text. The defaults are the safe
+/// choice for text from users.
+public struct TokenizeOptions {
+    /// Add the tokenizer's post-processor tokens (e.g. BOS).
+    public var addSpecialTokens = false
+    /// Read special-token text (e.g. "<|im_end|>") as those special tokens;
+    /// when false it is tokenized as ordinary text (transformers'
+    /// split_special_tokens=True).
+    public var parseSpecial = false
+    public init(addSpecialTokens: Bool = false, parseSpecial: Bool = false) {
+        self.addSpecialTokens = addSpecialTokens
+        self.parseSpecial = parseSpecial
+    }
+}
+
 public struct ModelInfo {
     public let architecture: String
     public let vocabSize: Int
@@ -117,12 +132,51 @@ public final class Model {
     }
 
     /// Token ids of `text`; `addSpecialTokens` adds e.g. BOS (not for chat-templated text).
+    /// Special-token text in `text` becomes special tokens, so text a user typed
+    /// can close its turn and forge others: use `tokenizeChat` for conversations
+    /// and `tokenize(_:options:)` for raw user text.
     public func tokenize(_ text: String, addSpecialTokens: Bool = false) throws -> [UInt32] {
         var out: UnsafeMutablePointer<UInt32>?
         var count = 0
         let byteCount = text.utf8.count
         try text.withCString {
             try check("ni_tokenize", ni_tokenize(handle, $0, byteCount, addSpecialTokens, &out, &count))
+        }
+        defer { ni_tokens_free(out) }
+        return tokens(UnsafePointer(out), count: count)
+    }
+
+    /// Token ids of `text`, read as `options` say (ni_tokenize_ex).
+    public func tokenize(_ text: String, options: TokenizeOptions) throws -> [UInt32] {
+        var flags: UInt32 = 0
+        if options.addSpecialTokens { flags |= UInt32(NI_TOKENIZE_ADD_SPECIAL) }
+        if options.parseSpecial { flags |= UInt32(NI_TOKENIZE_PARSE_SPECIAL) }
+        var out: UnsafeMutablePointer<UInt32>?
+        var count = 0
+        let byteCount = text.utf8.count
+        try text.withCString {
+            try check("ni_tokenize_ex", ni_tokenize_ex(handle, $0, byteCount, flags, &out, &count))
+        }
+        defer { ni_tokens_free(out) }
+        return tokens(UnsafePointer(out), count: count)
+    }
+
+    /// Token ids of `messages` rendered with the model's chat template, with
+    /// special-token text inside the messages kept as ordinary text: only the
+    /// template's own special tokens are special (ni_tokenize_chat). The way to
+    /// turn untrusted chat text into a prompt, as is `Request.messages`.
+    public func tokenizeChat(_ messages: [ChatMessage], addGenerationPrompt: Bool = true) throws -> [UInt32] {
+        let arena = CArena()
+        let cmsgs = messages.map {
+            ni_chat_message(role: arena.cString($0.role), content: arena.cString($0.content))
+        }
+        var out: UnsafeMutablePointer<UInt32>?
+        var count = 0
+        try withExtendedLifetime(arena) {
+            try cmsgs.withUnsafeBufferPointer {
+                try check("ni_tokenize_chat",
+                          ni_tokenize_chat(handle, $0.baseAddress, $0.count, addGenerationPrompt, &out, &count))
+            }
         }
         defer { ni_tokens_free(out) }
         return tokens(UnsafePointer(out), count: count)
@@ -138,7 +192,9 @@ public final class Model {
         return string(UnsafePointer(out), count: length)
     }
 
-    /// Renders `messages` with the model's chat template.
+    /// Renders `messages` with the model's chat template. Tokenizing the text
+    /// reads special-token text inside the messages as special tokens; for
+    /// untrusted messages use `tokenizeChat` or `Request.messages`.
     public func applyChatTemplate(_ messages: [ChatMessage], addGenerationPrompt: Bool = true) throws -> String {
         let arena = CArena()
         let cmsgs = messages.map {

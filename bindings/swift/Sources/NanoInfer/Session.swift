@@ -27,12 +27,22 @@ public struct SessionOptions {
     public init(kvCapacityTokens: Int = 0) { self.kvCapacityTokens = kvCapacityTokens }
 }
 
-/// One generation request: set `prompt` (token ids) or `text`. Defaults
-/// match the library's: greedy, up to 256 tokens, every filter off.
+/// One generation request: set `prompt` (token ids), `text`, or `messages`
+/// (a conversation rendered with the model's chat template). Only `messages`
+/// keeps text from users from becoming control tokens: special-token text in
+/// them stays plain text. `text` reads such text as special tokens unless
+/// `parseSpecial` is false. Defaults match the library's: greedy, up to 256
+/// tokens, every filter off.
 public struct Request {
     public var prompt: [UInt32] = []
     public var text: String = ""
     public var addSpecialTokens = false
+    /// Read special-token text in `text` as special tokens (true, the default,
+    /// suits text from `applyChatTemplate`); false for raw user text.
+    public var parseSpecial = true
+    public var messages: [ChatMessage] = []
+    /// With `messages`: end the prompt with the assistant turn's opening.
+    public var addGenerationPrompt = true
     public var maxTokens = 256
     public var minTokens = 0
     public var temperature: Float = 0
@@ -54,6 +64,11 @@ public struct Request {
     public init(prompt: [UInt32] = [], text: String = "", maxTokens: Int = 256) {
         self.prompt = prompt
         self.text = text
+        self.maxTokens = maxTokens
+    }
+
+    public init(messages: [ChatMessage], maxTokens: Int = 256) {
+        self.messages = messages
         self.maxTokens = maxTokens
     }
 }
@@ -159,14 +174,24 @@ public final class Session: @unchecked Sendable {
         let arena = CArena()
         var p = ni_request_params()
         ni_request_params_init(&p)
+        if !r.messages.isEmpty {
+            // With prompt or text also set, the library refuses the request.
+            let cmsgs = r.messages.map {
+                ni_chat_message(role: arena.cString($0.role), content: arena.cString($0.content))
+            }
+            p.messages = arena.copy(cmsgs)
+            p.n_messages = cmsgs.count
+            p.add_generation_prompt = r.addGenerationPrompt
+        }
         if !r.prompt.isEmpty {
             p.prompt_tokens = arena.copy(r.prompt)
             p.n_prompt_tokens = r.prompt.count
-        } else {
+        } else if r.messages.isEmpty || !r.text.isEmpty {
             p.prompt_text = arena.cString(r.text)
             p.prompt_text_len = r.text.utf8.count
         }
         p.add_special_tokens = r.addSpecialTokens
+        p.parse_special = r.parseSpecial
         p.max_tokens = UInt32(clamping: r.maxTokens)
         p.min_tokens = UInt32(clamping: r.minTokens)
         p.temperature = r.temperature
