@@ -1,6 +1,6 @@
 // Command example chats with a model through the Go binding: it loads the
-// model, renders the question with the model's chat template, and streams
-// the answer. Ctrl-C (or -timeout) cancels the request at once, also in
+// model, sends the question as a chat request (the library renders the
+// model's chat template), and streams the answer with its usage. Ctrl-C (or -timeout) cancels the request at once, also in
 // the middle of a long prompt's prefill.
 //
 //	go run ./example -model ../../models/SmolLM2-135M-Instruct "What is the capital of France?"
@@ -45,10 +45,6 @@ func run(modelDir, question string, maxTokens, threads int, cuda bool, timeout t
 		return err
 	}
 	defer m.Close()
-	prompt, err := m.ApplyChatTemplate([]nanoinfer.ChatMessage{{Role: "user", Content: question}}, true)
-	if err != nil {
-		return err
-	}
 	s, err := nanoinfer.NewSession(m, nil)
 	if err != nil {
 		return err
@@ -64,15 +60,23 @@ func run(modelDir, question string, maxTokens, threads int, cuda bool, timeout t
 	}
 	start := time.Now()
 	tokens := 0
-	for ev, err := range s.Generate(ctx, nanoinfer.Request{Text: prompt, MaxTokens: maxTokens}) {
+	// A chat request: the library renders the model's template and keeps
+	// the question plain text (typed "<|im_end|>" cannot end the turn).
+	req := nanoinfer.Request{
+		Messages:  []nanoinfer.ChatMessage{{Role: "user", Content: question}},
+		MaxTokens: maxTokens,
+	}
+	for ev, err := range s.Generate(ctx, req) {
 		if err != nil {
 			fmt.Println()
 			return fmt.Errorf("stopped after %d tokens: %w", tokens, err)
 		}
 		fmt.Print(ev.Text)
 		tokens += len(ev.Tokens)
-		if ev.Finish != nanoinfer.FinishNone {
-			fmt.Printf("\n[%d tokens, %s, %.2f s]\n", tokens, ev.Finish, time.Since(start).Seconds())
+		if u := ev.Usage; u != nil {
+			fmt.Printf("\n[%s: %d prompt tokens (%d cached), %d generated, first token after %v, %.2f s in all]\n",
+				ev.Finish, u.PromptTokens, u.CachedPromptTokens, u.GeneratedTokens,
+				u.TimeToFirstToken.Round(time.Millisecond), time.Since(start).Seconds())
 		}
 	}
 	return nil
