@@ -2,7 +2,7 @@
 //!
 //! Layers, top to bottom (a module imports only from layers below it;
 //! `tests/layering.rs` holds the order and enforces it): `ffi` → `engine` →
-//! `model` → `kv`, `sampling`, `tokenizer` → `backend` → `memory` →
+//! `quantize` (the CLI's calibration tooling) → `model` → `kv`, `sampling`, `tokenizer` → `backend` → `memory` →
 //! `forward` (the contract of a forward pass) → `tensor` → base utilities.
 //! See docs/DESIGN.md for the architecture, what is built and what is the
 //! target.
@@ -16,6 +16,7 @@ pub mod kv;
 pub mod limits;
 pub mod memory;
 pub mod model;
+pub mod quantize;
 pub mod sampling;
 pub mod sysinfo;
 pub mod tensor;

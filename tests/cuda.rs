@@ -19,12 +19,10 @@ use nanoinfer::engine::{Event, Model, ModelParams, RequestParams, Session, Sessi
 use nanoinfer::forward::{e4m3_from_f32, e4m3_to_f32};
 use nanoinfer::kv::{KvBackendKind, KvCacheDType};
 use nanoinfer::memory::MemoryPoolKind;
-use nanoinfer::model::quant_calib::Calibration;
-use nanoinfer::model::quant_gptq::GptqOptions;
-use nanoinfer::model::{
-    quantize_checkpoint, quantize_checkpoint_with, QuantMethod, QuantMode, QuantizeOptions,
-    WeightDType,
-};
+use nanoinfer::model::{QuantMethod, QuantMode, WeightDType};
+use nanoinfer::quantize::calib::Calibration;
+use nanoinfer::quantize::gptq::GptqOptions;
+use nanoinfer::quantize::{quantize_checkpoint, quantize_checkpoint_with, QuantizeOptions};
 use nanoinfer::sampling::rng::SplitMix64;
 use nanoinfer::sampling::{DeviceSampling, Sampler, SamplingParams};
 use nanoinfer::ErrorKind;

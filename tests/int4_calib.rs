@@ -8,8 +8,9 @@ mod common;
 
 use common::*;
 use nanoinfer::engine::eval::perplexity;
-use nanoinfer::model::quant_calib::Calibration;
-use nanoinfer::model::{quantize_checkpoint_with, QuantMode, QuantizeOptions, WeightDType};
+use nanoinfer::model::{QuantMode, WeightDType};
+use nanoinfer::quantize::calib::Calibration;
+use nanoinfer::quantize::{quantize_checkpoint_with, QuantizeOptions};
 use std::path::Path;
 
 fn ppl_of(dir: &Path, text: &str, add_special: bool, max_tokens: usize) -> f64 {

@@ -11,6 +11,7 @@ use std::path::Path;
 const LAYERS: &[&[&str]] = &[
     &["ffi"],
     &["engine"],
+    &["quantize"],
     &["model"],
     &["kv", "sampling", "tokenizer"],
     &["backend"],

@@ -5,12 +5,7 @@ pub mod cuda_decoder;
 pub mod decoder;
 pub mod loader;
 pub mod quant;
-pub mod quant_awq;
-pub mod quant_calib;
-pub mod quant_checkpoint;
-pub mod quant_gptq;
 pub mod quant_int4;
-pub mod quant_linalg;
 pub mod quant_q8;
 pub mod runner;
 pub mod safetensors;
@@ -25,9 +20,6 @@ pub use crate::forward::StepStop;
 pub use config::{Architecture, ModelConfig};
 pub use decoder::Decoder;
 pub use quant::{QuantMethod, QuantMode};
-pub use quant_checkpoint::{
-    quantize_checkpoint, quantize_checkpoint_with, QuantizeOptions, QuantizeReport,
-};
 pub use runner::{
     ContextShape, CpuDecoder, DeviceDecoder, ForwardContext, KvBudget, NON_FINITE_ROW,
 };

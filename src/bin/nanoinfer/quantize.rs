@@ -11,8 +11,9 @@
 
 use crate::args::Args;
 use crate::session_opts::quant_mode;
-use nanoinfer::model::quant_calib::{Calibration, DEFAULT_CALIB_TOKENS};
-use nanoinfer::model::{quantize_checkpoint_with, QuantMode, QuantizeOptions};
+use nanoinfer::model::QuantMode;
+use nanoinfer::quantize::calib::{Calibration, DEFAULT_CALIB_TOKENS};
+use nanoinfer::quantize::{quantize_checkpoint_with, QuantizeOptions};
 use serde_json::json;
 use std::path::Path;
 use std::time::Instant;

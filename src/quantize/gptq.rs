@@ -13,12 +13,12 @@
 //! reference's lazy block updates give the same result; they exist to
 //! batch GPU work).
 
-use super::quant_calib::{CalibForward, LayerWeights, Stage};
-use super::quant_int4::{fake_quantize, quantize_value, Int4, Int4Weights};
-use super::quant_linalg::{gram, inverse_upper_cholesky};
+use super::calib::{CalibForward, LayerWeights, Stage};
+use super::linalg::{gram, inverse_upper_cholesky};
 use crate::backend::cpu::exact::{axpy, multiversion};
 use crate::backend::cpu::q4::groups_per_row;
 use crate::backend::cpu::ThreadPool;
+use crate::model::quant_int4::{fake_quantize, quantize_value, Int4, Int4Weights};
 use crate::{bail_arg, Result};
 use std::sync::Mutex;
 
@@ -212,10 +212,10 @@ fn quantize_tile_body(
 /// quantized from the inputs produced by the already-quantized stages
 /// before them, and the block's output (the next block's input) comes from
 /// the quantized block. Returns the quantized weights in
-/// [`Linear::ALL`](super::quant_calib::Linear::ALL) order.
+/// [`Linear::ALL`](super::calib::Linear::ALL) order.
 pub fn gptq_layer(
     fwd: &CalibForward<'_>,
-    config: &super::config::ModelConfig,
+    config: &crate::model::config::ModelConfig,
     format: &Int4,
     opts: &GptqOptions,
     l: &mut LayerWeights,

@@ -9,12 +9,12 @@
 //! (the shrink that minimizes that group's output error), except q and k
 //! (their errors are amplified by the attention softmax).
 
-use super::config::ModelConfig;
-use super::quant_calib::{CalibForward, LayerWeights, Linear, Stage};
-use super::quant_int4::{fake_quantize, Int4, Int4Weights};
+use super::calib::{CalibForward, LayerWeights, Linear, Stage};
 use crate::backend::cpu::exact::{self, gram, par_chunks};
 use crate::backend::cpu::q4::groups_per_row;
 use crate::backend::cpu::ThreadPool;
+use crate::model::config::ModelConfig;
+use crate::model::quant_int4::{fake_quantize, Int4, Int4Weights};
 use crate::{bail_arg, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -373,8 +373,8 @@ pub fn fold_scales(l: &mut LayerWeights, config: &ModelConfig, stage: Stage, s: 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::quant_calib::Calibration;
     use crate::model::safetensors::WeightFiles;
+    use crate::quantize::calib::Calibration;
     use std::path::Path;
 
     /// Folding any positive scales leaves the f32 block's output unchanged.

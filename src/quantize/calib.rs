@@ -4,14 +4,14 @@
 //! the quantizer must preserve) before applying them, so the quantizer may
 //! replace their weights first.
 
-use super::config::ModelConfig;
-use super::decoder::attn_shape;
-use super::safetensors::WeightFiles;
 use crate::backend::cpu::exact::{
     self, attention, rms_norm, rms_norm_in_place, silu_mul, Heads, Span,
 };
 use crate::backend::cpu::ops::{add_in_place, apply_rope};
 use crate::backend::cpu::ThreadPool;
+use crate::model::config::ModelConfig;
+use crate::model::decoder::attn_shape;
+use crate::model::safetensors::WeightFiles;
 use crate::tokenizer::Tokenizer;
 use crate::{bail_arg, untrusted_file, Error, Result};
 use std::path::Path;

@@ -4,14 +4,14 @@
 //! the method's policy says (a tied head is written as its own
 //! `lm_head.weight`), config and tokenizer files copied.
 
-use super::config::ModelConfig;
-use super::quant::{method_from_metadata, ExportTensor, QuantMethod, QuantMode};
-use super::quant_awq::{awq_layer, AwqOptions};
-use super::quant_calib::{CalibForward, Calibration, LayerWeights, Linear};
-use super::quant_gptq::{gptq_layer, GptqOptions};
-use super::quant_int4::{Int4, Int4Format};
-use super::safetensors::WeightFiles;
+use super::awq::{awq_layer, AwqOptions};
+use super::calib::{CalibForward, Calibration, LayerWeights, Linear};
+use super::gptq::{gptq_layer, GptqOptions};
 use crate::backend::cpu::ThreadPool;
+use crate::model::config::ModelConfig;
+use crate::model::quant::{method_from_metadata, ExportTensor, QuantMethod, QuantMode};
+use crate::model::quant_int4::{Int4, Int4Format};
+use crate::model::safetensors::WeightFiles;
 use crate::tensor::DType;
 use crate::{bail_arg, untrusted_file, Error, Result};
 use std::collections::HashMap;
