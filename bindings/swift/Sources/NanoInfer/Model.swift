@@ -5,6 +5,12 @@ public enum DType: UInt32 {
     case auto = 0, f32, f16, bf16
 }
 
+/// Where a model runs: the CPU, or an NVIDIA GPU (driver, NVRTC and cuBLAS
+/// loaded at run time; without them loading throws `.unsupported`).
+public enum Device: UInt32 {
+    case cpu = 0, cuda
+}
+
 /// Online weight quantization at load (`NI_QUANT_*`).
 public enum Quant: UInt32 {
     /// Keep the checkpoint's weights.
@@ -18,6 +24,9 @@ public enum Quant: UInt32 {
 }
 
 public struct ModelOptions {
+    public var device: Device = .cpu
+    /// GPU ordinal; ignored on the CPU.
+    public var deviceIndex: Int = 0
     public var dtype: DType
     /// CPU kernel threads; 0 = all cores.
     public var threads: Int
@@ -90,10 +99,16 @@ public final class Model {
     public init(path: String, options: ModelOptions = ModelOptions()) throws {
         var params = ni_model_params()
         ni_model_params_init(&params)
+        params.device = ni_device(options.device.rawValue)
+        guard let index = Int32(exactly: options.deviceIndex) else {
+            throw NanoInferError(code: .invalidArgument, operation: "ni_model_load",
+                                 message: "deviceIndex must fit in 32 bits, got \(options.deviceIndex)")
+        }
+        params.device_index = index
         params.dtype = ni_dtype(options.dtype.rawValue)
-        params.n_threads = UInt32(options.threads)
+        params.n_threads = try cUInt32(options.threads, "threads", "ni_model_load")
         params.quant = ni_quant(options.quant.rawValue)
-        params.quant_group_size = UInt32(options.quantGroupSize)
+        params.quant_group_size = try cUInt32(options.quantGroupSize, "quantGroupSize", "ni_model_load")
         params.quant_lm_head = options.quantLMHead
         var box: Unmanaged<ProgressBox>?
         if let progress = options.progress {

@@ -27,6 +27,26 @@ public struct NanoInferError: Error, CustomStringConvertible {
     public var description: String { "nanoinfer: \(operation): \(message)" }
 }
 
+/// `value` as the C field's unsigned 32-bit type, or an `invalidArgument`
+/// error naming the field: Swift's plain conversion would trap (and end the
+/// app) on a negative or oversized Int.
+func cUInt32(_ value: Int, _ field: String, _ operation: String) throws -> UInt32 {
+    guard let v = UInt32(exactly: value) else {
+        throw NanoInferError(code: .invalidArgument, operation: operation,
+                             message: "\(field) must be in [0, \(UInt32.max)], got \(value)")
+    }
+    return v
+}
+
+/// As `cUInt32`, for the C fields of 64 bits.
+func cUInt64(_ value: Int, _ field: String, _ operation: String) throws -> UInt64 {
+    guard let v = UInt64(exactly: value) else {
+        throw NanoInferError(code: .invalidArgument, operation: operation,
+                             message: "\(field) must be >= 0, got \(value)")
+    }
+    return v
+}
+
 /// Throws the calling thread's last error when `status` is not NI_OK. Call it
 /// right after the C call, on the same thread (the message is thread-local).
 @inline(__always)

@@ -6,6 +6,8 @@ public enum SchedulePolicy: UInt32 { case fcfs = 0, priority }
 public enum Preemption: UInt32 { case recompute = 0, swap }
 /// What the KV cache stores: the activation dtype, or FP8 e4m3 (CUDA only).
 public enum KVCacheDType: UInt32 { case auto = 0, fp8 }
+/// Where a session's temporaries (and, on a GPU, its KV cache) come from.
+public enum MemoryPool: UInt32 { case deviceDefault = 0, system, cpuArena, cpuSlab, cudaStream, cudaBuddy }
 
 /// Shape of a session; nil / zero fields keep the library defaults.
 public struct SessionOptions {
@@ -23,6 +25,10 @@ public struct SessionOptions {
     public var preemption: Preemption = .recompute
     public var seed: UInt64 = 0
     public var kvCacheDType: KVCacheDType = .auto
+    public var memoryPool: MemoryPool = .deviceDefault
+    /// In (0, 1]: the KV cache gets this fraction of the device's memory minus
+    /// the weights and the step workspace (vLLM's gpu_memory_utilization).
+    public var memoryUtilization: Float = 0
 
     public init(kvCapacityTokens: Int = 0) { self.kvCapacityTokens = kvCapacityTokens }
 }
@@ -137,15 +143,22 @@ public final class Session: @unchecked Sendable {
         var p = ni_session_params()
         ni_session_params_init(&p)
         p.kv_backend = ni_kv_backend(options.kvBackend.rawValue)
-        if options.blockSize != 0 { p.block_size = UInt32(options.blockSize) }
-        p.kv_capacity_tokens = UInt64(options.kvCapacityTokens)
+        let op = "ni_session_create"
+        if options.blockSize != 0 { p.block_size = try cUInt32(options.blockSize, "blockSize", op) }
+        p.kv_capacity_tokens = try cUInt64(options.kvCapacityTokens, "kvCapacityTokens", op)
         p.kv_memory_bytes = options.kvMemoryBytes
         p.kv_memory_fraction = options.kvMemoryFraction
-        if options.maxBatchedTokens != 0 { p.max_batched_tokens = UInt32(options.maxBatchedTokens) }
-        if options.maxSeqs != 0 { p.max_seqs = UInt32(options.maxSeqs) }
-        if options.prefillChunkSize != 0 { p.prefill_chunk_size = UInt32(options.prefillChunkSize) }
+        p.memory_pool = ni_memory_pool(options.memoryPool.rawValue)
+        p.memory_utilization = options.memoryUtilization
+        if options.maxBatchedTokens != 0 {
+            p.max_batched_tokens = try cUInt32(options.maxBatchedTokens, "maxBatchedTokens", op)
+        }
+        if options.maxSeqs != 0 { p.max_seqs = try cUInt32(options.maxSeqs, "maxSeqs", op) }
+        if options.prefillChunkSize != 0 {
+            p.prefill_chunk_size = try cUInt32(options.prefillChunkSize, "prefillChunkSize", op)
+        }
         p.policy = ni_schedule_policy(options.policy.rawValue)
-        if options.agingSteps != 0 { p.aging_steps = UInt64(options.agingSteps) }
+        if options.agingSteps != 0 { p.aging_steps = try cUInt64(options.agingSteps, "agingSteps", op) }
         p.prefix_caching = options.prefixCaching
         p.preemption = ni_preemption_mode(options.preemption.rawValue)
         p.seed = options.seed
@@ -192,8 +205,8 @@ public final class Session: @unchecked Sendable {
         }
         p.add_special_tokens = r.addSpecialTokens
         p.parse_special = r.parseSpecial
-        p.max_tokens = UInt32(clamping: r.maxTokens)
-        p.min_tokens = UInt32(clamping: r.minTokens)
+        p.max_tokens = try cUInt32(r.maxTokens, "maxTokens", "ni_session_add_request")
+        p.min_tokens = try cUInt32(r.minTokens, "minTokens", "ni_session_add_request")
         p.temperature = r.temperature
         p.top_k = Int32(clamping: r.topK)
         p.top_p = r.topP
@@ -214,7 +227,7 @@ public final class Session: @unchecked Sendable {
         p.stop_strings = arena.copy(stops)
         p.n_stop_strings = stops.count
         p.ignore_eos = r.ignoreEOS
-        p.logprobs = UInt32(clamping: r.logprobs)
+        p.logprobs = try cUInt32(r.logprobs, "logprobs", "ni_session_add_request")
         p.priority = r.priority
         p.cache_salt = r.cacheSalt
         var id: UInt64 = 0
