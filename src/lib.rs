@@ -21,6 +21,7 @@ pub mod sampling;
 pub mod sysinfo;
 pub mod tensor;
 pub mod tokenizer;
+pub mod tuning;
 pub mod untrusted_file;
 
 pub use error::{Error, ErrorKind, Result};

@@ -18,7 +18,7 @@ const LAYERS: &[&[&str]] = &[
     &["memory"],
     &["forward"],
     &["tensor"],
-    &["limits", "sysinfo", "untrusted_file", "error"],
+    &["limits", "sysinfo", "tuning", "untrusted_file", "error"],
 ];
 
 fn layer_of(module: &str) -> Option<usize> {

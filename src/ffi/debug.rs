@@ -19,7 +19,8 @@ pub fn enable_test_hooks() {
 }
 
 fn enabled() -> bool {
-    ENABLED.load(Ordering::SeqCst) || std::env::var("NANOINFER_TEST_HOOKS").is_ok_and(|v| v == "1")
+    ENABLED.load(Ordering::SeqCst)
+        || crate::tuning::var("NANOINFER_TEST_HOOKS").is_some_and(|v| v == "1")
 }
 
 fn force_panic(session: *mut ni_session) -> Result<()> {

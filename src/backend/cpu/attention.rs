@@ -226,7 +226,7 @@ pub fn attention(
 
 /// Whether prefill chunks take the blocked AVX-512 path.
 fn use_blocks(head_dim: usize) -> bool {
-    static SIMPLE: Lazy<bool> = Lazy::new(|| std::env::var_os("NANOINFER_ATTN_SIMPLE").is_some());
+    static SIMPLE: Lazy<bool> = Lazy::new(|| crate::tuning::var("NANOINFER_ATTN_SIMPLE").is_some());
     isa() == Isa::Avx512 && head_dim.is_multiple_of(16) && !*SIMPLE
 }
 

@@ -88,7 +88,7 @@ pub fn bf16_path(m: usize) -> Option<Bf16Path> {
 /// order of the f32 sums), e.g. to measure their perplexity.
 pub fn emulate_amx_rounding(m: usize) -> bool {
     static ON: once_cell::sync::Lazy<bool> = once_cell::sync::Lazy::new(|| {
-        std::env::var("NANOINFER_BF16_ROUND_ACTS").is_ok_and(|v| v == "1")
+        crate::tuning::var("NANOINFER_BF16_ROUND_ACTS").is_some_and(|v| v == "1")
     });
     *ON && m >= AMX_MIN_ROWS && bf16_path(m).is_none()
 }

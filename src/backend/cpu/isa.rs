@@ -12,12 +12,12 @@ pub enum Isa {
 static DETECTED: Lazy<Isa> = Lazy::new(detect);
 
 fn detect() -> Isa {
-    if std::env::var("NANOINFER_ISA").ok().as_deref() == Some("scalar") {
+    if crate::tuning::var("NANOINFER_ISA").as_deref() == Some("scalar") {
         return Isa::Scalar;
     }
     #[cfg(target_arch = "x86_64")]
     {
-        let force_avx2 = std::env::var("NANOINFER_ISA").ok().as_deref() == Some("avx2");
+        let force_avx2 = crate::tuning::var("NANOINFER_ISA").as_deref() == Some("avx2");
         if !force_avx2
             && is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
@@ -43,7 +43,7 @@ static VNNI: Lazy<bool> = Lazy::new(|| {
     #[cfg(target_arch = "x86_64")]
     {
         isa() == Isa::Avx512
-            && std::env::var("NANOINFER_ISA").ok().as_deref() != Some("avx512")
+            && crate::tuning::var("NANOINFER_ISA").as_deref() != Some("avx512")
             && is_x86_feature_detected!("avx512vnni")
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -60,8 +60,8 @@ pub fn has_vnni() -> bool {
 /// Whether the switch `var` is not `0` (unset: on), and `NANOINFER_ISA`
 /// does not ask for plain AVX-512 (no extensions).
 fn switch_on(var: &str) -> bool {
-    std::env::var(var).map_or(true, |v| v != "0")
-        && std::env::var("NANOINFER_ISA").ok().as_deref() != Some("avx512")
+    crate::tuning::on_unless_zero(var)
+        && crate::tuning::var("NANOINFER_ISA").as_deref() != Some("avx512")
 }
 
 static AVX512_BF16: Lazy<bool> = Lazy::new(|| {

@@ -31,7 +31,7 @@ pub struct KernelCache {
 
 impl KernelCache {
     pub fn from_env() -> Self {
-        let dir = match std::env::var_os("NANOINFER_KERNEL_CACHE") {
+        let dir = match crate::tuning::var("NANOINFER_KERNEL_CACHE") {
             Some(v) if v == "off" => None,
             Some(v) => Some(PathBuf::from(v)),
             None => std::env::var_os("XDG_CACHE_HOME")
@@ -86,11 +86,10 @@ fn nvrtc_version() -> (i32, i32) {
 /// `NANOINFER_CUDA_DEFINES="-DNAME=VALUE ..."` (any `#ifndef` constant of
 /// the kernels, e.g. `W4_RING_2_1`, `W4_BLOCKS_1_1`).
 fn tuning_defines() -> Vec<String> {
-    let prefetch = std::env::var("NANOINFER_CUDA_GEMV_PREFETCH")
-        .ok()
+    let prefetch = crate::tuning::var("NANOINFER_CUDA_GEMV_PREFETCH")
         .and_then(|v| v.parse::<u32>().ok())
         .map(|bytes| format!("-DGEMV_PREFETCH_BYTES={bytes}"));
-    let extra = std::env::var("NANOINFER_CUDA_DEFINES").unwrap_or_default();
+    let extra = crate::tuning::var("NANOINFER_CUDA_DEFINES").unwrap_or_default();
     prefetch
         .into_iter()
         .chain(

@@ -843,16 +843,13 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
 /// Whether the comparison switch `var` (e.g. `NANOINFER_CUDA_GRAPHS`) is
 /// on: unset or anything but `0`.
 pub(crate) fn switch_on(var: &str) -> bool {
-    std::env::var(var).map_or(true, |v| v != "0")
+    crate::tuning::on_unless_zero(var)
 }
 
 /// The number in `var` (e.g. `NANOINFER_CUDA_W4_GEMM_ROWS`), or `default`
 /// when it is unset or not a number.
 pub(crate) fn env_number<T: std::str::FromStr>(var: &str, default: T) -> T {
-    std::env::var(var)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+    crate::tuning::number(var, default)
 }
 
 /// Programmatic dependent launch policy (`NANOINFER_CUDA_PDL`).
@@ -875,9 +872,9 @@ enum EarlyLaunch {
 
 impl EarlyLaunch {
     fn from_env() -> EarlyLaunch {
-        match std::env::var("NANOINFER_CUDA_PDL").as_deref() {
-            Ok("0") => EarlyLaunch::None,
-            Ok("1") => EarlyLaunch::All,
+        match crate::tuning::var("NANOINFER_CUDA_PDL").as_deref() {
+            Some("0") => EarlyLaunch::None,
+            Some("1") => EarlyLaunch::All,
             _ => EarlyLaunch::Prefetching,
         }
     }

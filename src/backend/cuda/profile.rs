@@ -33,8 +33,7 @@ pub struct Profiler {
 
 impl Profiler {
     pub fn from_env(ctx: &Arc<CudaContext>) -> Option<Profiler> {
-        let repeats = std::env::var("NANOINFER_CUDA_PROFILE")
-            .ok()?
+        let repeats = crate::tuning::var("NANOINFER_CUDA_PROFILE")?
             .parse::<usize>()
             .unwrap_or(1);
         (repeats > 0).then(|| Profiler {

@@ -202,15 +202,15 @@ impl W4Gemm {
         if arch != (9, 0) {
             return W4Gemm::Off;
         }
-        let blocks = match std::env::var("NANOINFER_CUDA_W4_GEMM").as_deref() {
-            Ok("0") => return W4Gemm::Off,
-            Ok("1") => W4GemmBlocks::Narrow,
-            Ok("2") => W4GemmBlocks::Wide,
-            Ok("3") => W4GemmBlocks::Tall,
-            Ok("4") => W4GemmBlocks::WideStreamK,
-            Ok("5") => W4GemmBlocks::TallStreamK,
-            Ok("6") => W4GemmBlocks::TallThenNarrow,
-            Ok("7") => W4GemmBlocks::TallSplitK,
+        let blocks = match crate::tuning::var("NANOINFER_CUDA_W4_GEMM").as_deref() {
+            Some("0") => return W4Gemm::Off,
+            Some("1") => W4GemmBlocks::Narrow,
+            Some("2") => W4GemmBlocks::Wide,
+            Some("3") => W4GemmBlocks::Tall,
+            Some("4") => W4GemmBlocks::WideStreamK,
+            Some("5") => W4GemmBlocks::TallStreamK,
+            Some("6") => W4GemmBlocks::TallThenNarrow,
+            Some("7") => W4GemmBlocks::TallSplitK,
             _ => W4GemmBlocks::Auto,
         };
         W4Gemm::with_blocks(blocks)
