@@ -78,7 +78,7 @@ pub const SWITCHES: &[Switch] = &[
     switch("NANOINFER_CUDA_POOL_RELEASE_BYTES", Tuning, "keep everything", "bytes the `cuda-stream` pool keeps before it releases memory to the driver"),
     switch("NANOINFER_CUDA_PROFILE", Diagnostic, "off", "`N`: time every kernel with events over N repeats (graphs off) and print a table"),
     switch("NANOINFER_CUDA_TILES", Comparison, "on", "`0`: per-row prefill attention instead of tiles"),
-    switch("NANOINFER_CUDA_W4_GEMM", Comparison, "the cost model's plan", "`0`: dequantize + cuBLAS for large int4 batches; `1`..`7`: force one int4 GEMM plan"),
+    switch("NANOINFER_CUDA_W4_GEMM", Comparison, "the cost model's plan", "`0`: dequantize + cuBLAS for large int4 batches; `narrow`, `wide`, `tall`, `wide-stream-k`, `tall-stream-k`, `tall-then-narrow` or `tall-split-k`: force that int4 GEMM plan"),
     switch("NANOINFER_CUDA_W4_GEMM_ROWS", Tuning, "the measured threshold", "int4 batches up to this many rows take the int4 GEMM (sm_90); larger ones dequantize for cuBLAS"),
     switch("NANOINFER_CUDA_W4_HANDOFF", Comparison, "on", "`0`: the int4 products norm the residual themselves instead of handing off"),
     switch("NANOINFER_CUDA_W4_MMA_ROWS", Tuning, "the measured threshold", "int4 batches up to this many rows run the int4 MMA kernels"),

@@ -204,13 +204,13 @@ impl W4Gemm {
         }
         let blocks = match crate::tuning::var("NANOINFER_CUDA_W4_GEMM").as_deref() {
             Some("0") => return W4Gemm::Off,
-            Some("1") => W4GemmBlocks::Narrow,
-            Some("2") => W4GemmBlocks::Wide,
-            Some("3") => W4GemmBlocks::Tall,
-            Some("4") => W4GemmBlocks::WideStreamK,
-            Some("5") => W4GemmBlocks::TallStreamK,
-            Some("6") => W4GemmBlocks::TallThenNarrow,
-            Some("7") => W4GemmBlocks::TallSplitK,
+            Some("narrow") => W4GemmBlocks::Narrow,
+            Some("wide") => W4GemmBlocks::Wide,
+            Some("tall") => W4GemmBlocks::Tall,
+            Some("wide-stream-k") => W4GemmBlocks::WideStreamK,
+            Some("tall-stream-k") => W4GemmBlocks::TallStreamK,
+            Some("tall-then-narrow") => W4GemmBlocks::TallThenNarrow,
+            Some("tall-split-k") => W4GemmBlocks::TallSplitK,
             _ => W4GemmBlocks::Auto,
         };
         W4Gemm::with_blocks(blocks)
