@@ -91,11 +91,6 @@ impl Canceller {
         std::mem::swap(&mut self.lock().pending, out);
     }
 
-    /// Whether cancels wait to be applied.
-    pub(super) fn has_pending(&self) -> bool {
-        !self.lock().pending.is_empty()
-    }
-
     /// A forward over `ids` starts. The stop flag is raised at once when
     /// one of them was cancelled since the step began.
     pub(super) fn begin_forward(&self, ids: impl Iterator<Item = RequestId>) {

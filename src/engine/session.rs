@@ -592,9 +592,6 @@ impl Session {
     /// Applies the cancels accepted by the [`Canceller`] since the last
     /// step: frees their KV and queues their terminal events.
     pub fn apply_cancels(&mut self) {
-        if !self.canceller.has_pending() {
-            return;
-        }
         let mut ids = std::mem::take(&mut self.scratch.cancels);
         self.canceller.take_pending(&mut ids);
         for &id in &ids {
