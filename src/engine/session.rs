@@ -628,6 +628,16 @@ impl Session {
         true
     }
 
+    /// The most tokens one request may hold, prompt and `max_tokens`
+    /// together: the model's context length or the session's KV capacity,
+    /// whichever is smaller (`add_request` refuses more).
+    pub fn request_token_limit(&self) -> usize {
+        self.model
+            .config()
+            .max_position_embeddings
+            .min(self.capacity_tokens)
+    }
+
     /// True while a request is queued or running, or an event is pending.
     pub fn has_work(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty() || !self.pending.is_empty()

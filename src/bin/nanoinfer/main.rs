@@ -6,6 +6,7 @@ mod bench;
 mod generate;
 mod perplexity;
 mod quantize;
+mod serve;
 mod serve_bench;
 mod session_opts;
 
@@ -36,6 +37,8 @@ const USAGE: &str = "usage:
   nanoinfer quantize --model DIR --out DIR --method q8_0|awq|gptq [--group-size 32|64|128]
                      [--lm-head q8_0|int4|dense] [--sym true|false] [--json]
                      [--calib FILE [--calib-tokens 2048] [--act-order] [--damp 0.01] [--awq-clip]]
+  nanoinfer serve --model DIR [--host 127.0.0.1] [--port 8080] [--api-key KEY] [session options]
+                  (OpenAI-compatible HTTP server and chat page; `nanoinfer serve --help`)
   --device cuda runs on GPU 0 (bf16 unless --dtype f16); the CPU is the default.
   --quant q8_0 quantizes at load; --quant-group-size 32|64|128 (default 32) and
   --quant-lm-head q8_0|dense (default q8_0) refine it. --quant awq|gptq: int4
@@ -68,6 +71,7 @@ fn main() {
         "bench" => Args::parse(&bench::expand_short_options(rest), bench::FLAGS)
             .and_then(|a| bench::run(&a)),
         "quantize" => Args::parse(rest, quantize::FLAGS).and_then(|a| quantize::run(&a)),
+        "serve" => serve::exec(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             Ok(())

@@ -1,0 +1,79 @@
+//! The OpenAI-compatible endpoints: request parsing and checking, the two
+//! generation endpoints, and the response shapes.
+
+pub mod chat;
+pub mod completions;
+pub mod error;
+pub mod request;
+pub mod respond;
+
+use crate::engine_loop::{EngineHandle, Refusal, Submission};
+use crate::metrics::Metrics;
+use crate::options::ServerOptions;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use error::ApiError;
+use nanoinfer::engine::RequestParams;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What every handler shares.
+pub struct App {
+    pub engine: EngineHandle,
+    pub opts: ServerOptions,
+    pub metrics: Arc<Metrics>,
+}
+
+impl App {
+    /// Checks the `model` field against the one this server serves.
+    pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            Some(m) if m != self.opts.model_name => {
+                Err(ApiError::model_not_found(m, &self.opts.model_name))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Puts the requests into the session, all or none.
+    pub async fn submit(
+        &self,
+        requests: Vec<RequestParams>,
+        arrived: Instant,
+    ) -> Result<Submission, ApiError> {
+        self.engine
+            .submit(requests, arrived)
+            .await
+            .map_err(|refusal| match refusal {
+                Refusal::Full => {
+                    self.metrics.rejected("queue_full");
+                    ApiError::overloaded("the server's request queue is full; retry later")
+                }
+                Refusal::Draining => {
+                    self.metrics.rejected("shutting_down");
+                    ApiError::overloaded("the server is shutting down")
+                }
+                Refusal::Session(e) => {
+                    self.metrics.rejected("invalid");
+                    match e.kind {
+                        nanoinfer::ErrorKind::InvalidArgument => ApiError::bad_request(e.message),
+                        _ => ApiError::internal(e.message),
+                    }
+                }
+                Refusal::Stopped => ApiError::internal("the engine has stopped"),
+            })
+    }
+}
+
+/// The body, or the error for one that could not be read (too large).
+pub fn read_body(app: &App, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|e| {
+        app.metrics.rejected("bad_body");
+        let mut err = ApiError::bad_request(format!(
+            "the request body could not be read: {e} (the limit is {} bytes)",
+            app.opts.max_body_bytes
+        ));
+        err.status = e.status();
+        err
+    })
+}
