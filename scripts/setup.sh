@@ -3,32 +3,47 @@
 # model converter, and the default model (F32, plus a BF16 copy for tests).
 # NANOINFER_SETUP_PACKAGING=1 (test.sh) also installs the system packages
 # scripts/test_packaging.sh needs (cmake, make, a C/C++ compiler, binutils,
-# pkg-config, valgrind), with apt-get as root or through passwordless sudo.
+# pkg-config, valgrind), with apt-get as root or through passwordless sudo;
+# NANOINFER_SETUP_SERVER=1 (test.sh) what scripts/test_server.sh needs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ "${NANOINFER_SETUP_PACKAGING:-0}" = 1 ]; then
-  missing=()
-  for pair in cmake:cmake make:make cc:gcc c++:g++ readelf:binutils pkg-config:pkg-config valgrind:valgrind; do
+# Installs the Debian packages of "command:package" pairs whose command is
+# missing, as root or through passwordless sudo.
+apt_install_missing() {
+  local missing=() pair as_root
+  for pair in "$@"; do
     command -v "${pair%%:*}" >/dev/null || missing+=("${pair#*:}")
   done
-  if [ ${#missing[@]} -gt 0 ]; then
-    if [ "$(id -u)" = 0 ]; then
-      as_root=()
-    elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
-      as_root=(sudo -n)
-    else
-      echo "setup: missing ${missing[*]}; install them (apt-get install ${missing[*]}) or rerun as root" >&2
-      exit 1
-    fi
-    command -v apt-get >/dev/null || { echo "setup: missing ${missing[*]} and no apt-get to install them" >&2; exit 1; }
-    echo "setup: installing ${missing[*]}" >&2
-    "${as_root[@]}" apt-get update -qq
-    "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  [ ${#missing[@]} -gt 0 ] || return 0
+  if [ "$(id -u)" = 0 ]; then
+    as_root=()
+  elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
+    as_root=(sudo -n)
+  else
+    echo "setup: missing ${missing[*]}; install them (apt-get install ${missing[*]}) or rerun as root" >&2
+    exit 1
   fi
+  command -v apt-get >/dev/null || { echo "setup: missing ${missing[*]} and no apt-get to install them" >&2; exit 1; }
+  echo "setup: installing ${missing[*]}" >&2
+  "${as_root[@]}" apt-get update -qq
+  "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+if [ "${NANOINFER_SETUP_PACKAGING:-0}" = 1 ]; then
+  apt_install_missing cmake:cmake make:make cc:gcc c++:g++ readelf:binutils pkg-config:pkg-config valgrind:valgrind
   # Go is not installed here: Debian's golang-go is older than the binding's
   # minimum (1.24). test_packaging.sh finds a go >= 1.24 on PATH or in
   # /usr/local/go, and otherwise skips the Go tests with a message.
+fi
+if [ "${NANOINFER_SETUP_SERVER:-0}" = 1 ]; then
+  # scripts/test_server.sh: Chromium and chromedriver for the chat page's
+  # browser test, the OpenAI client, httpx and Selenium.
+  apt_install_missing chromium:chromium chromedriver:chromium-driver
+  if ! python3 -c "import openai, httpx, selenium" 2>/dev/null; then
+    echo "setup: installing Python packages for the server tests" >&2
+    python3 -m pip install --quiet --disable-pip-version-check -r scripts/requirements-server.txt
+  fi
 fi
 if ! python3 -c "import gguf, numpy" 2>/dev/null; then
   echo "setup: installing Python packages for the model converter" >&2

@@ -3,8 +3,8 @@
 # (unit, goldens against transformers, bad files, engine, C ABI misuse and
 # concurrency, fault injection, the fuzz targets' logic over seeds and
 # mutations), a one-minute soak through the C ABI, the CUDA kernels' NVRTC
-# compile, then the packaging check (CMake package, C/C++ examples,
-# valgrind, Go binding).
+# compile, the HTTP server (OpenAI client, headless Chromium, load), then
+# the packaging check (CMake package, C/C++ examples, valgrind, Go binding).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NANOINFER_SETUP_BF16=1 NANOINFER_SETUP_PACKAGING=1 bash scripts/setup.sh
@@ -41,5 +41,7 @@ if [ -n "${NANOINFER_CI_FUZZ_SECS:-}" ]; then
 fi
 echo "== scripts/check_kernels.py --ptxas (CUDA kernels compile with NVRTC and assemble with ptxas)" >&2
 python3 scripts/check_kernels.py --ptxas
+echo "== scripts/test_server.sh (nanoinfer serve: OpenAI client, browser, load)" >&2
+bash scripts/test_server.sh
 echo "== scripts/test_packaging.sh" >&2
 bash scripts/test_packaging.sh
