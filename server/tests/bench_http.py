@@ -11,54 +11,70 @@ for the CPU; its CPU time is reported.
 """
 
 import argparse
-import asyncio
+import http.client
 import json
 import os
 import random
 import resource
 import statistics
 import subprocess
+import threading
 import time
-
-import httpx
+import urllib.parse
 
 from harness import CLI, MODEL, Server
 
 
 def engine_bench(a, session_args):
     out = subprocess.run(
-        [CLI, "bench", "--model", MODEL, "--threads", str(a.threads), "--num-requests", str(a.requests),
+        [a.cli, "bench", "--model", a.model, "--threads", str(a.threads), "--num-requests", str(a.requests),
          "--input-len", str(a.input_len), "--output-len", str(a.output_len),
          "--concurrency", str(a.concurrency), "--seed", "7", "--json", *session_args],
         check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])["output_tokens_per_s"]
 
 
-async def http_bench(base, a, vocab):
+def http_bench(base, a, vocab):
+    """C client threads, each streaming one request after another. Only the
+    standard library, so that it runs on GPU machines without pip."""
     rng = random.Random(7)
     prompts = [[rng.randrange(vocab) for _ in range(a.input_len)] for _ in range(a.requests)]
+    host, port = urllib.parse.urlsplit(base).netloc.split(":")
     queue = list(range(a.requests))
-    tokens = 0
+    lock = threading.Lock()
+    tokens = [0]
+    errors = []
 
-    async def worker(http):
-        nonlocal tokens
-        while queue:
-            i = queue.pop()
-            body = {"prompt": prompts[i], "max_tokens": a.output_len, "ignore_eos": True,
-                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-            async with http.stream("POST", base + "/v1/completions", json=body) as r:
-                r.raise_for_status()
-                async for line in r.aiter_lines():
-                    if line.startswith('data: {"choices":[],'):
-                        tokens += json.loads(line[6:])["usage"]["completion_tokens"]
+    def worker():
+        conn = http.client.HTTPConnection(host, int(port), timeout=600)
+        while True:
+            with lock:
+                if not queue:
+                    break
+                i = queue.pop()
+            body = json.dumps({"prompt": prompts[i], "max_tokens": a.output_len, "ignore_eos": True,
+                               "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                errors.append(f"status {resp.status}: {resp.read()[:200]!r}")
+                return
+            for line in resp:
+                if line.startswith(b'data: {"choices":[],'):
+                    with lock:
+                        tokens[0] += json.loads(line[6:])["usage"]["completion_tokens"]
+        conn.close()
 
-    limits = httpx.Limits(max_connections=a.concurrency, max_keepalive_connections=a.concurrency)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        start = time.monotonic()
-        await asyncio.gather(*(worker(http) for _ in range(a.concurrency)))
-        wall = time.monotonic() - start
-    assert tokens == a.requests * a.output_len, (tokens, a.requests * a.output_len)
-    return tokens / wall
+    threads = [threading.Thread(target=worker) for _ in range(a.concurrency)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - start
+    assert not errors, errors[:3]
+    assert tokens[0] == a.requests * a.output_len, (tokens[0], a.requests * a.output_len)
+    return tokens[0] / wall
 
 
 def main():
@@ -69,18 +85,20 @@ def main():
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("session", nargs="*", help="session options for both, e.g. --max-seqs 64")
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--cli", default=CLI, help="the nanoinfer binary (nanoinfer-serve beside it)")
+    ap.add_argument("session", nargs="*", help="session options for both, e.g. -- --device cuda")
     a = ap.parse_args()
     session = ["--max-seqs", str(a.concurrency), *a.session]
     direct, served = [], []
     for _ in range(a.rounds):
         direct.append(engine_bench(a, session))
-        with Server(*session, threads=a.threads) as s:
-            with open(os.path.join(MODEL, "config.json")) as f:
+        with Server(*session, threads=a.threads, cli=a.cli, model=a.model) as s:
+            with open(os.path.join(a.model, "config.json")) as f:
                 vocab = json.load(f)["vocab_size"]
             before = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.monotonic()
-            served.append(asyncio.run(http_bench(s.base, a, vocab)))
+            served.append(http_bench(s.base, a, vocab))
             after = resource.getrusage(resource.RUSAGE_SELF)
             client_cpu = (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / (
                 time.monotonic() - t0)

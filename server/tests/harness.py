@@ -16,8 +16,8 @@ MODEL = os.environ.get("NANOINFER_TEST_MODEL", os.path.join(REPO, "models", "Smo
 class Server:
     """`nanoinfer serve --port 0 ARGS...`; the port is read from its log."""
 
-    def __init__(self, *args, threads=2):
-        self.args = [CLI, "serve", "--model", MODEL, "--port", "0", "--threads", str(threads), *args]
+    def __init__(self, *args, threads=2, cli=CLI, model=MODEL):
+        self.args = [cli, "serve", "--model", model, "--port", "0", "--threads", str(threads), *args]
         self.proc = None
         self.base = None
         self.log = []
