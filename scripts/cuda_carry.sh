@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the release binaries the GPU machine runs (it has no Rust) and puts
-# stripped copies in gpu-carry/ (git-ignored): nanoinfer, engine_bench,
+# stripped copies in gpu-carry/ (git-ignored): nanoinfer, nanoinfer-serve, engine_bench,
 # w4_bench and the tests/cuda.rs test binary. Then, through the device tool, run e.g.
 #   BIN=gpu-carry bash scripts/cuda_device_run.sh fixtures tests
 # With `--baseline REV` it also builds nanoinfer, engine_bench and w4_bench of
@@ -25,7 +25,7 @@ if [ "${1:-}" = --baseline ]; then
     strip -o gpu-carry/baseline/w4_bench "$target/baseline/release/examples/w4_bench"
     git rev-parse "$rev" > gpu-carry/baseline/REVISION
 fi
-cargo build --release --bin nanoinfer --example engine_bench --example w4_bench
+cargo build --release --bin nanoinfer --bin nanoinfer-serve --example engine_bench --example w4_bench
 test_bin=$(cargo test --release --test cuda --no-run --message-format=json 2>/dev/null \
     | python3 -c 'import json,sys
 for l in sys.stdin:
@@ -33,6 +33,7 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "cuda" and m.get("executable"):
         print(m["executable"])')
 strip -o gpu-carry/nanoinfer "$target/release/nanoinfer"
+strip -o gpu-carry/nanoinfer-serve "$target/release/nanoinfer-serve"
 strip -o gpu-carry/engine_bench "$target/release/examples/engine_bench"
 strip -o gpu-carry/w4_bench "$target/release/examples/w4_bench"
 strip -o gpu-carry/cuda "$test_bin"

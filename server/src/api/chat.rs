@@ -55,12 +55,14 @@ fn chat_messages(messages: &[Message]) -> Result<Vec<ChatMessage>, ApiError> {
                 "system" | "user" | "assistant" => m.role.clone(),
                 // OpenAI's newer name for system instructions.
                 "developer" => "system".to_string(),
-                other => return Err(ApiError::invalid(
-                    format!("messages[{i}].role"),
-                    format!(
+                other => {
+                    return Err(ApiError::invalid(
+                        format!("messages[{i}].role"),
+                        format!(
                         "role `{other}` is not supported (system, developer, user or assistant)"
                     ),
-                )),
+                    ))
+                }
             };
             let content = match &m.content {
                 None => String::new(),
@@ -117,9 +119,12 @@ async fn handle(app: &Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<R
     let messages = chat_messages(&req.messages)?;
     let model = app.engine.model.clone();
     let limit = app.engine.facts.request_token_limit;
-    let tok = model
-        .tokenizer()
-        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let tok = model.tokenizer().map_err(|e| {
+        ApiError::invalid(
+            "messages",
+            format!("chat needs the model's tokenizer: {}", e.message),
+        )
+    })?;
     let text_bytes: usize = messages.iter().map(|m| m.content.len()).sum();
     // Refused before the template copies it and the tokenizer reads it.
     if text_bytes > tok.max_text_bytes(limit) {

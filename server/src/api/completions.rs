@@ -48,24 +48,30 @@ fn prompts(
     prompt: Option<Prompt>,
     limit: usize,
 ) -> Result<Vec<PromptIds>, ApiError> {
-    let tok = model
-        .tokenizer()
-        .map_err(|e| ApiError::internal(e.to_string()))?;
+    // Token-id prompts need no tokenizer (a model directory may have none);
+    // text prompts do.
+    let tok = model.tokenizer().ok();
     let encode = |i: usize, text: String| -> Result<PromptIds, ApiError> {
+        let param = if i == usize::MAX {
+            "prompt".to_string()
+        } else {
+            format!("prompt[{i}]")
+        };
+        let Some(tok) = tok else {
+            return Err(ApiError::invalid(
+                param,
+                "this model directory has no tokenizer.json: send the prompt as token ids",
+            ));
+        };
         let ids = tok
             .encode_bounded(&text, true, limit, "the prompt")
-            .map_err(|e| {
-                let param = if i == usize::MAX {
-                    "prompt".to_string()
-                } else {
-                    format!("prompt[{i}]")
-                };
-                ApiError::context_length(&param, e.message)
-            })?;
+            .map_err(|e| ApiError::context_length(&param, e.message))?;
         Ok(PromptIds { ids, text })
     };
     let from_ids = |ids: Vec<u32>| -> PromptIds {
-        let text = tok.decode(&ids, false).unwrap_or_default();
+        let text = tok
+            .and_then(|t| t.decode(&ids, false).ok())
+            .unwrap_or_default();
         PromptIds { ids, text }
     };
     let list = match prompt {
