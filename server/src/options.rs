@@ -99,7 +99,7 @@ impl ServerOptions {
         }
         let secs = |name: &str, default: f64| -> Result<f64, String> {
             let v: f64 = a.parse_or(name, default)?;
-            if !v.is_finite() || v < 0.0 || v > 1e7 {
+            if !(0.0..=1e7).contains(&v) {
                 return Err(format!(
                     "--{name} must be between 0 and 1e7 seconds, got {v}"
                 ));

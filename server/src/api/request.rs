@@ -311,7 +311,6 @@ impl CommonFields {
             stop_strings,
             ignore_eos: self.ignore_eos.unwrap_or(false),
             logprobs,
-            ..Default::default()
         })
     }
 }

@@ -198,7 +198,7 @@ impl<F: Format> Reply<F> {
             let mut choices = vec![ChoiceState::default(); sub.ids.len()];
             // Chat opens every choice with the role; completions with echo
             // open with the prompt.
-            for i in 0..choices.len() {
+            for (i, choice) in choices.iter_mut().enumerate() {
                 let opening = match self.format.opening_delta(i) {
                     Some(delta) => Some(delta),
                     None if !self.echo[i / self.n].is_empty() => {
@@ -214,7 +214,7 @@ impl<F: Format> Reply<F> {
                         return; // dropping `sub` cancels
                     }
                 }
-                choices[i].text = self.echo[i / self.n].clone();
+                choice.text = self.echo[i / self.n].clone();
             }
             let deadline = self.deadline();
             loop {
