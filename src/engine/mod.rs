@@ -3,6 +3,7 @@
 pub mod cancel;
 pub mod eval;
 pub mod faults;
+pub mod grammar;
 pub mod model;
 pub mod policy;
 pub mod request;
@@ -12,5 +13,5 @@ pub use cancel::Canceller;
 pub use faults::{FaultCounts, FaultPlan};
 pub use model::{Model, ModelParams};
 pub use policy::SchedulePolicyKind;
-pub use request::{Event, FinishReason, RequestId, RequestParams, TokenLogprob, Usage};
+pub use request::{Constraint, Event, FinishReason, RequestId, RequestParams, TokenLogprob, Usage};
 pub use session::{AbortCheck, PreemptionMode, Session, SessionParams, SessionStats, StepShape};

@@ -15,6 +15,35 @@ pub struct RequestParams {
     pub priority: i32,
     /// Requests share cached prefixes only with requests of the same salt.
     pub cache_salt: u64,
+    /// Structured output: every generated token keeps the output a prefix
+    /// of something this constraint matches, and end-of-sequence comes only
+    /// once it is a full match.
+    pub constraint: Option<Constraint>,
+}
+
+/// What a structured-output request's text must match.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Constraint {
+    /// A JSON Schema (the schema's JSON text).
+    JsonSchema(String),
+    /// A regular expression the whole output matches.
+    Regex(String),
+    /// A grammar in llguidance's Lark dialect.
+    Lark(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+}
+
+impl Constraint {
+    /// The name errors give it (the CLI's and the server's field names).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Constraint::JsonSchema(_) => "json_schema",
+            Constraint::Regex(_) => "regex",
+            Constraint::Lark(_) => "grammar",
+            Constraint::Choice(_) => "choice",
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,6 +56,9 @@ pub enum FinishReason {
     StopString(usize),
     /// `max_tokens` or the model's context length was reached.
     Length,
+    /// Like `Length`, for a structured-output request whose output was not
+    /// yet a full match of its constraint (a JSON object still open...).
+    LengthUnfinished,
     /// The caller cancelled the request.
     Cancelled,
     /// The request failed; the message says why.
@@ -38,7 +70,7 @@ impl FinishReason {
     pub fn as_str(&self) -> &'static str {
         match self {
             FinishReason::Eos | FinishReason::StopToken(_) | FinishReason::StopString(_) => "stop",
-            FinishReason::Length => "length",
+            FinishReason::Length | FinishReason::LengthUnfinished => "length",
             FinishReason::Cancelled => "cancelled",
             FinishReason::Error(_) => "error",
         }

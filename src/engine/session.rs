@@ -14,9 +14,10 @@ mod schedule;
 
 use super::cancel::Canceller;
 use super::faults::{FaultCounts, FaultPlan, FaultState};
+use super::grammar::GrammarCompiler;
 use super::model::Model;
 use super::policy::{create_policy, RankInput, SchedulePolicy, SchedulePolicyKind};
-use super::request::{Event, FinishReason, RequestId, RequestParams, Usage};
+use super::request::{Constraint, Event, FinishReason, RequestId, RequestParams, Usage};
 use crate::backend::Device;
 use crate::forward::AttnSeq;
 use crate::kv::{
@@ -27,7 +28,7 @@ use crate::memory::{
     MemoryPoolKind,
 };
 use crate::model::{ContextShape, ForwardContext, WorkspaceStats};
-use crate::sampling::{DeviceSampling, Rng, Sampler, StopMatcher};
+use crate::sampling::{DeviceSampling, GrammarMask, Rng, Sampler, StopMatcher};
 use crate::tokenizer::StreamDetokenizer;
 use crate::{bail_arg, Error, ErrorKind, Result};
 use std::collections::HashMap;
@@ -280,6 +281,8 @@ pub struct Session {
     canceller: Canceller,
     /// The app's abort check, polled by the running forward.
     abort: Option<AbortCheck>,
+    /// Structured output's compiler, built at the first constrained request.
+    grammar: Option<GrammarCompiler>,
 }
 
 /// An app's check that aborts a running step when it returns true (see
@@ -476,6 +479,7 @@ impl Session {
             overlap,
             in_flight: None,
             canceller: Canceller::default(),
+            grammar: None,
             abort: None,
             model,
             params,
@@ -529,6 +533,10 @@ impl Session {
                 self.capacity_tokens
             );
         }
+        let grammar = match &params.constraint {
+            Some(c) => Some(self.compile_constraint(c, &params.sampling)?),
+            None => None,
+        };
         let id = self.next_id;
         self.next_id += 1;
         let fallback_seed = self.rng.next_u64();
@@ -538,7 +546,13 @@ impl Session {
             .as_ref()
             .map(|_| StreamDetokenizer::new(true));
         let req = Request {
-            sampler: Sampler::new(&params.sampling, fallback_seed),
+            sampler: {
+                let mut sampler = Sampler::new(&params.sampling, fallback_seed);
+                if let Some(g) = grammar {
+                    sampler.set_grammar(g);
+                }
+                sampler
+            },
             stop: StopMatcher::new(&params.sampling.stop_strings),
             detok,
             tokens: {
@@ -566,6 +580,28 @@ impl Session {
         self.waiting.push(id);
         self.canceller.admit(id);
         Ok(id)
+    }
+
+    /// The grammar mask for a request's constraint (the compiler is built
+    /// on first use: it holds the vocabulary's token trie).
+    fn compile_constraint(
+        &mut self,
+        constraint: &Constraint,
+        sampling: &crate::sampling::SamplingParams,
+    ) -> Result<GrammarMask> {
+        if sampling.ignore_eos {
+            bail_arg!("ignore_eos cannot be combined with structured output (the output ends where the constraint does)");
+        }
+        if sampling.min_tokens > 0 {
+            bail_arg!("min_tokens cannot be combined with structured output (the constraint decides the length)");
+        }
+        if self.grammar.is_none() {
+            self.grammar = Some(GrammarCompiler::new(&self.model)?);
+        }
+        self.grammar
+            .as_ref()
+            .expect("built above")
+            .compile(constraint)
     }
 
     /// Cancels a waiting or running request and frees its KV at once. Its

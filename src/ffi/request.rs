@@ -271,6 +271,7 @@ pub(crate) unsafe fn to_engine(p: &ni_request_params, model: &Model) -> Result<R
         },
         priority: p.priority,
         cache_salt: p.cache_salt,
+        constraint: None,
     })
 }
 

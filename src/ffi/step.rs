@@ -204,7 +204,9 @@ impl ni_step_output {
                 Some(FinishReason::Eos) => (NI_FINISH_EOS, 0, -1),
                 Some(FinishReason::StopToken(t)) => (NI_FINISH_STOP_TOKEN, t, -1),
                 Some(FinishReason::StopString(i)) => (NI_FINISH_STOP_STRING, 0, i as i32),
-                Some(FinishReason::Length) => (NI_FINISH_LENGTH, 0, -1),
+                Some(FinishReason::Length | FinishReason::LengthUnfinished) => {
+                    (NI_FINISH_LENGTH, 0, -1)
+                }
                 Some(FinishReason::Cancelled) => (NI_FINISH_CANCELLED, 0, -1),
                 Some(FinishReason::Error(_)) => (NI_FINISH_ERROR, 0, -1),
             };

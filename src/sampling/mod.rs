@@ -6,6 +6,7 @@
 //! `StopMatcher` applies stop strings to the detokenized stream.
 
 pub mod candidates;
+mod grammar;
 pub mod history;
 mod math;
 pub mod params;
@@ -16,6 +17,7 @@ pub mod stop;
 
 pub use crate::forward::{DeviceSampling, RowSampling};
 pub use candidates::CandidateSet;
+pub use grammar::GrammarMask;
 pub use history::TokenHistory;
 pub use math::{check_finite_logits, non_finite_logits};
 pub use params::{SamplingParams, SamplingPlan};

@@ -2,6 +2,7 @@
 //! row of logits and draws a token with the request's own RNG stream.
 
 use super::candidates::CandidateSet;
+use super::grammar::GrammarMask;
 use super::history::TokenHistory;
 use super::params::{SamplingParams, SamplingPlan};
 use super::processors::{
@@ -42,6 +43,8 @@ pub struct Sampler {
     rng: Rng,
     history: Option<TokenHistory>,
     candidates: CandidateSet,
+    /// The request's structured-output grammar: the first stage.
+    grammar: Option<GrammarMask>,
 }
 
 impl Sampler {
@@ -57,7 +60,19 @@ impl Sampler {
             rng: Rng::seed_from_u64(params.seed.unwrap_or(fallback_seed)),
             history: None,
             candidates: CandidateSet::new(),
+            grammar: None,
         }
+    }
+
+    /// Constrains every token this sampler picks to `grammar`.
+    pub fn set_grammar(&mut self, grammar: GrammarMask) {
+        self.grammar = Some(grammar);
+    }
+
+    /// True when a grammar constrains this request and the output so far
+    /// does not complete it.
+    pub fn grammar_unfinished(&mut self) -> bool {
+        self.grammar.as_mut().is_some_and(|g| !g.is_complete())
     }
 
     pub fn plan(&self) -> &SamplingPlan {
@@ -82,6 +97,7 @@ impl Sampler {
             && !self.plan.needs_history()
             && self.logit_bias.is_empty()
             && self.logprobs == 0
+            && self.grammar.is_none()
     }
 
     pub fn sample(
@@ -93,6 +109,12 @@ impl Sampler {
     ) -> Result<SampledToken> {
         if logits.is_empty() {
             bail_arg!("sample: the logits row is empty");
+        }
+        // The grammar's mask comes before every other stage, so penalties,
+        // bias and temperature only ever weigh tokens it allows, and
+        // logprobs are those of the constrained distribution.
+        if let Some(g) = self.grammar.as_mut() {
+            g.apply(logits)?;
         }
         self.apply_penalties(logits, prompt, output);
         apply_logit_bias(logits, &self.logit_bias);
@@ -106,6 +128,9 @@ impl Sampler {
             }
         };
 
+        if let Some(g) = self.grammar.as_mut() {
+            g.consume(token)?;
+        }
         let (logprob, top_logprobs) = if self.logprobs > 0 {
             let lse = log_sum_exp(logits);
             let mut top = Vec::with_capacity(self.logprobs);
@@ -165,9 +190,10 @@ impl Sampler {
     }
 
     /// Whether `sample` for this request can run on a device through
-    /// `push_device_row` (everything but logprobs, which need the row here).
+    /// `push_device_row` (everything but logprobs and grammars, which need the
+    /// row here).
     pub fn samples_on_device(&self) -> bool {
-        self.logprobs == 0
+        self.logprobs == 0 && self.grammar.is_none()
     }
 
     /// Appends this step's row to `batch`: what `sample` would do to a

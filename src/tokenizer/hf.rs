@@ -371,6 +371,11 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// The `tokenizers` object, for this module's siblings.
+    pub(super) fn hf(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
     /// Token string of an id, as stored in the vocabulary (not decoded text).
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)

@@ -20,9 +20,11 @@ mod protect;
 mod pyfmt;
 mod sandbox;
 mod stream;
+mod token_bytes;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::SpecialTokens;
 pub use hf::{EncodeOptions, Tokenizer};
 pub use protect::ProtectedText;
 pub use stream::StreamDetokenizer;
+pub use token_bytes::TokenBytes;

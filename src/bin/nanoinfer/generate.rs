@@ -4,7 +4,9 @@ use crate::args::Args;
 use crate::session_opts::{
     load_model, sampling_params, session_params, MODEL_OPTS, SAMPLING_OPTS, SESSION_OPTS,
 };
-use nanoinfer::engine::{Event, FinishReason, RequestParams, Session, TokenLogprob, Usage};
+use nanoinfer::engine::{
+    Constraint, Event, FinishReason, RequestParams, Session, TokenLogprob, Usage,
+};
 use nanoinfer::tokenizer::ChatMessage;
 use nanoinfer::untrusted_file;
 use serde_json::json;
@@ -37,6 +39,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         SAMPLING_OPTS,
         FLAGS,
         &["prompt", "prompts-file", "prompt-ids"],
+        CONSTRAINT_OPTS,
     ]
     .concat();
     a.check_known(&known)?;
@@ -45,6 +48,7 @@ pub fn run(a: &Args) -> Result<(), String> {
     let session_params = session_params(a)?;
     let model = load_model(a)?;
     let prompts = prompt_ids(a, &model)?;
+    let constraint = constraint(a)?;
 
     let mut session = Session::new(model.clone(), session_params).map_err(|e| e.to_string())?;
     if !json_out {
@@ -55,6 +59,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         let req = RequestParams {
             prompt: p.clone(),
             sampling: sampling.clone(),
+            constraint: constraint.clone(),
             ..Default::default()
         };
         ids.push(session.add_request(req).map_err(|e| e.to_string())?);
@@ -167,6 +172,10 @@ fn to_json(o: &Output, load_ms: f64) -> serde_json::Value {
             "decode_tokens_per_s": if decode_secs > 0.0 { decoded as f64 / decode_secs } else { 0.0 },
         }
     });
+    if o.finish == Some(FinishReason::LengthUnfinished) {
+        // Cut off by max_tokens inside a structure it had not closed.
+        v["unfinished_structure"] = json!(true);
+    }
     if let Some(FinishReason::StopString(i)) = &o.finish {
         v["stop_index"] = json!(i);
     }
@@ -178,6 +187,46 @@ fn to_json(o: &Output, load_ms: f64) -> serde_json::Value {
             .collect();
     }
     v
+}
+
+const CONSTRAINT_OPTS: &[&str] = &["json-schema", "regex", "grammar", "choice"];
+
+/// `--json-schema FILE | --regex R | --grammar FILE | --choice A --choice B`:
+/// structured output, at most one of them.
+fn constraint(a: &Args) -> Result<Option<Constraint>, String> {
+    let given: Vec<&str> = CONSTRAINT_OPTS
+        .iter()
+        .copied()
+        .filter(|o| a.get(o).is_some())
+        .collect();
+    if given.len() > 1 {
+        return Err(format!(
+            "give at most one of --json-schema, --regex, --grammar and --choice (got --{})",
+            given.join(", --")
+        ));
+    }
+    let read = |opt: &str, path: &str| {
+        untrusted_file::read_text(
+            Path::new(path),
+            nanoinfer::engine::grammar::MAX_CONSTRAINT_BYTES as u64,
+        )
+        .map_err(|e| format!("--{opt}: {e}"))
+    };
+    Ok(match given.first() {
+        None => None,
+        Some(&"json-schema") => Some(Constraint::JsonSchema(read(
+            "json-schema",
+            a.get("json-schema").unwrap_or_default(),
+        )?)),
+        Some(&"grammar") => Some(Constraint::Lark(read(
+            "grammar",
+            a.get("grammar").unwrap_or_default(),
+        )?)),
+        Some(&"regex") => Some(Constraint::Regex(
+            a.get("regex").unwrap_or_default().to_string(),
+        )),
+        Some(_) => Some(Constraint::Choice(a.all("choice").to_vec())),
+    })
 }
 
 fn prompt_ids(a: &Args, model: &nanoinfer::engine::Model) -> Result<Vec<Vec<u32>>, String> {

@@ -24,7 +24,7 @@ const USAGE: &str = "usage:
                      [--memory-pool arena|slab|system|cuda-stream|cuda-buddy] [--kv-cache-dtype auto|fp8]
                      [--max-batched-tokens N] [--max-seqs N] [--prefill-chunk N]
                      [--policy fcfs|priority] [--preemption recompute|swap] [--no-prefix-cache]
-                     [--host-sampling]
+                     [--host-sampling] [--json-schema FILE | --regex R | --grammar FILE | --choice A --choice B ...]
   nanoinfer perplexity --model DIR --file PATH [--max-tokens 1024] [--device ..] [--threads N] [--dtype ..]
                      [--quant ..] [--json]
   nanoinfer bench --model DIR [-p 512] [-n 128] [-r|--repetitions 3] [--device ..] [-t|--threads N]
@@ -39,6 +39,8 @@ const USAGE: &str = "usage:
                      [--calib FILE [--calib-tokens 2048] [--act-order] [--damp 0.01] [--awq-clip]]
   nanoinfer serve --model DIR [--host 127.0.0.1] [--port 8080] [--api-key KEY] [session options]
                   (OpenAI-compatible HTTP server and chat page; `nanoinfer serve --help`)
+  --json-schema/--regex/--grammar (llguidance's Lark dialect)/--choice: structured output; every
+  token keeps the text a prefix of a match, and it ends only on a full match.
   --device cuda runs on GPU 0 (bf16 unless --dtype f16); the CPU is the default.
   --quant q8_0 quantizes at load; --quant-group-size 32|64|128 (default 32) and
   --quant-lm-head q8_0|dense (default q8_0) refine it. --quant awq|gptq: int4

@@ -243,7 +243,11 @@ impl Session {
         } else if generated >= s.max_tokens as usize
             || req.tokens.len() >= self.model.config().max_position_embeddings
         {
-            Some(FinishReason::Length)
+            Some(if req.sampler.grammar_unfinished() {
+                FinishReason::LengthUnfinished
+            } else {
+                FinishReason::Length
+            })
         } else {
             None
         };
