@@ -109,6 +109,7 @@ async fn handle(app: &Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<R
     app.check_model(c.model.as_deref())?;
     c.refuse_unsupported()?;
     let shape = c.shape()?;
+    let constraint = c.constraint()?;
     let want_logprobs = req.logprobs.unwrap_or(false);
     if req.top_logprobs.is_some() && !want_logprobs {
         return Err(ApiError::invalid(
@@ -165,10 +166,14 @@ async fn handle(app: &Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<R
                 ..sampling.clone()
             },
             priority: c.priority.unwrap_or(0),
+            constraint: constraint.as_ref().map(|(c, _)| c.clone()),
             ..Default::default()
         })
         .collect();
-    let sub = app.submit(requests, arrived).await?;
+    let sub = app
+        .submit(requests, arrived)
+        .await
+        .map_err(|e| e.about_constraint(constraint.as_ref().map(|(_, param)| *param)))?;
     let reply = Reply {
         format: ChatFormat {
             top_logprobs: top as usize,

@@ -137,6 +137,7 @@ async fn handle(app: &Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<R
     app.check_model(c.model.as_deref())?;
     c.refuse_unsupported()?;
     let shape = c.shape()?;
+    let constraint = c.constraint()?;
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::unsupported(
             "suffix",
@@ -202,11 +203,15 @@ async fn handle(app: &Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<R
                     ..sampling.clone()
                 },
                 priority: c.priority.unwrap_or(0),
+                constraint: constraint.as_ref().map(|(c, _)| c.clone()),
                 ..Default::default()
             });
         }
     }
-    let sub = app.submit(requests, arrived).await?;
+    let sub = app
+        .submit(requests, arrived)
+        .await
+        .map_err(|e| e.about_constraint(constraint.as_ref().map(|(_, param)| *param)))?;
     let reply = Reply {
         format: CompletionFormat {
             top_logprobs: top as usize,

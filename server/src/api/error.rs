@@ -104,6 +104,15 @@ impl ApiError {
         )
     }
 
+    /// A session refusal of a structured-output request names the field
+    /// the constraint came from (the engine's message names the problem).
+    pub fn about_constraint(mut self, param: Option<&'static str>) -> ApiError {
+        if self.status == StatusCode::BAD_REQUEST && self.param.is_none() {
+            self.param = param.map(str::to_string);
+        }
+        self
+    }
+
     pub fn body(&self) -> serde_json::Value {
         json!({"error": {
             "message": self.message,

@@ -5,6 +5,7 @@
 use super::error::ApiError;
 use crate::engine_loop::MAX_CHOICES;
 use crate::options::RequestDefaults;
+use nanoinfer::engine::Constraint;
 use nanoinfer::sampling::params::{
     LOGIT_BIAS_LIMIT, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES,
 };
@@ -80,6 +81,11 @@ pub struct CommonFields {
     pub ignore_eos: Option<bool>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub priority: Option<i32>,
+    // vLLM's structured-output extras.
+    pub guided_json: Option<serde_json::Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub guided_grammar: Option<String>,
 }
 
 /// What the common fields ask of the response.
@@ -108,19 +114,69 @@ impl CommonFields {
                 ));
             }
         }
-        if let Some(format) = &self.response_format {
-            let kind = format.get("type").and_then(|t| t.as_str());
-            if !(format.is_null() || kind == Some("text")) {
-                return Err(ApiError::unsupported(
-                    "response_format",
+        Ok(())
+    }
+
+    /// The structured-output constraint the request asks for, with the
+    /// field it came from (for errors): `response_format` (`json_object`,
+    /// `json_schema`) or one of vLLM's `guided_*` fields, at most one.
+    pub fn constraint(&self) -> Result<Option<(Constraint, &'static str)>, ApiError> {
+        let mut found: Vec<(Constraint, &'static str)> = Vec::new();
+        if let Some(format) = self.response_format.as_ref().filter(|f| !f.is_null()) {
+            let param = "response_format";
+            match format.get("type").and_then(|t| t.as_str()) {
+                Some("text") => {}
+                Some("json_object") => found.push((
+                    Constraint::JsonSchema(r#"{"type": "object"}"#.into()),
+                    param,
+                )),
+                Some("json_schema") => {
+                    let schema = format
+                        .get("json_schema")
+                        .and_then(|j| j.get("schema"))
+                        .ok_or_else(|| {
+                            ApiError::invalid(
+                                "response_format.json_schema.schema",
+                                "`response_format` of type json_schema needs `json_schema.schema`",
+                            )
+                        })?;
+                    found.push((Constraint::JsonSchema(schema.to_string()), param));
+                }
+                other => return Err(ApiError::invalid(
+                    "response_format.type",
                     format!(
-                        "response_format of type {} is not supported yet (structured output is not built); only {{\"type\": \"text\"}}",
-                        kind.map_or("(missing)".to_string(), |k| format!("`{k}`"))
+                        "`response_format.type` must be text, json_object or json_schema, got {}",
+                        other.map_or("nothing".to_string(), |o| format!("`{o}`"))
                     ),
-                ));
+                )),
             }
         }
-        Ok(())
+        if let Some(schema) = &self.guided_json {
+            let text = match schema {
+                serde_json::Value::String(s) => s.clone(),
+                v => v.to_string(),
+            };
+            found.push((Constraint::JsonSchema(text), "guided_json"));
+        }
+        if let Some(r) = &self.guided_regex {
+            found.push((Constraint::Regex(r.clone()), "guided_regex"));
+        }
+        if let Some(c) = &self.guided_choice {
+            found.push((Constraint::Choice(c.clone()), "guided_choice"));
+        }
+        if let Some(g) = &self.guided_grammar {
+            found.push((Constraint::Lark(g.clone()), "guided_grammar"));
+        }
+        if found.len() > 1 {
+            return Err(ApiError::invalid(
+                found[1].1,
+                format!(
+                    "give one structured-output field, not {}",
+                    found.iter().map(|f| f.1).collect::<Vec<_>>().join(" and ")
+                ),
+            ));
+        }
+        Ok(found.pop())
     }
 
     pub fn shape(&self) -> Result<Shape, ApiError> {
