@@ -380,6 +380,11 @@ typedef struct ni_logit_bias {
 } ni_logit_bias;
 
 /**
+ * What a structured-output request's text must match.
+ */
+typedef uint32_t ni_constraint_kind;
+
+/**
  * One generation request. Fill with `ni_request_params_init`, then set the
  * prompt and change what you need. All arrays and strings are copied by
  * `ni_session_add_request`; they need to live only during that call.
@@ -526,6 +531,26 @@ typedef struct ni_request_params {
      * that the model answers. Default true.
      */
     bool add_generation_prompt;
+    /**
+     * Structured output: with `constraint_kind` `NI_CONSTRAINT_JSON_SCHEMA`,
+     * `NI_CONSTRAINT_REGEX` or `NI_CONSTRAINT_GRAMMAR` (llguidance's Lark
+     * dialect), the NUL-terminated schema, regex or grammar (at most 1 MiB).
+     * Every generated token keeps the text a prefix of a match; it ends
+     * (`NI_FINISH_EOS`) only on a full match. Copied during the call.
+     */
+    const char *constraint;
+    /**
+     * With `NI_CONSTRAINT_CHOICE`: `n_choices` NUL-terminated strings, the
+     * output being exactly one of them.
+     */
+    const char *const *choices;
+    size_t n_choices;
+    /**
+     * Which of the above applies; `NI_CONSTRAINT_NONE` (default): none.
+     * A bad schema, regex or grammar fails `ni_session_add_request` with
+     * `NI_ERR_INVALID_ARGUMENT` naming the problem.
+     */
+    ni_constraint_kind constraint_kind;
 } ni_request_params;
 
 /**
@@ -996,6 +1021,16 @@ typedef bool (*ni_abort_callback)(void *user_data);
  * `memory_utilization`.
  */
 #define NI_BUDGET_UTILIZATION 3
+
+#define NI_CONSTRAINT_NONE 0
+
+#define NI_CONSTRAINT_JSON_SCHEMA 1
+
+#define NI_CONSTRAINT_REGEX 2
+
+#define NI_CONSTRAINT_GRAMMAR 3
+
+#define NI_CONSTRAINT_CHOICE 4
 
 /**
  * The request is still running; more events follow.

@@ -4,7 +4,8 @@
 use super::args;
 use super::boundary::ffi_value;
 use super::text::{chat_messages, ni_chat_message};
-use crate::engine::{Model, RequestParams};
+use crate::engine::grammar::{MAX_CHOICES, MAX_CONSTRAINT_BYTES};
+use crate::engine::{Constraint, Model, RequestParams};
 use crate::sampling::params::{MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES};
 use crate::sampling::SamplingParams;
 use crate::tokenizer::EncodeOptions;
@@ -119,7 +120,29 @@ pub struct ni_request_params {
     /// With `messages`: end the prompt with the assistant turn's opening, so
     /// that the model answers. Default true.
     pub add_generation_prompt: bool,
+    /// Structured output: with `constraint_kind` `NI_CONSTRAINT_JSON_SCHEMA`,
+    /// `NI_CONSTRAINT_REGEX` or `NI_CONSTRAINT_GRAMMAR` (llguidance's Lark
+    /// dialect), the NUL-terminated schema, regex or grammar (at most 1 MiB).
+    /// Every generated token keeps the text a prefix of a match; it ends
+    /// (`NI_FINISH_EOS`) only on a full match. Copied during the call.
+    pub constraint: *const c_char,
+    /// With `NI_CONSTRAINT_CHOICE`: `n_choices` NUL-terminated strings, the
+    /// output being exactly one of them.
+    pub choices: *const *const c_char,
+    pub n_choices: usize,
+    /// Which of the above applies; `NI_CONSTRAINT_NONE` (default): none.
+    /// A bad schema, regex or grammar fails `ni_session_add_request` with
+    /// `NI_ERR_INVALID_ARGUMENT` naming the problem.
+    pub constraint_kind: ni_constraint_kind,
 }
+
+/// What a structured-output request's text must match.
+pub type ni_constraint_kind = u32;
+pub const NI_CONSTRAINT_NONE: ni_constraint_kind = 0;
+pub const NI_CONSTRAINT_JSON_SCHEMA: ni_constraint_kind = 1;
+pub const NI_CONSTRAINT_REGEX: ni_constraint_kind = 2;
+pub const NI_CONSTRAINT_GRAMMAR: ni_constraint_kind = 3;
+pub const NI_CONSTRAINT_CHOICE: ni_constraint_kind = 4;
 
 /// `sizeof(ni_request_params)` before `parse_special` and the chat fields
 /// were appended; such callers are still accepted with those fields at their
@@ -127,8 +150,12 @@ pub struct ni_request_params {
 pub(crate) const NI_REQUEST_PARAMS_SIZE_V1: usize =
     std::mem::offset_of!(ni_request_params, parse_special);
 
+/// `sizeof(ni_request_params)` before the structured-output fields.
+pub(crate) const NI_REQUEST_PARAMS_SIZE_V2: usize =
+    std::mem::offset_of!(ni_request_params, constraint);
+
 impl args::Appendable for ni_request_params {
-    const OLDER_SIZES: &'static [usize] = &[NI_REQUEST_PARAMS_SIZE_V1];
+    const OLDER_SIZES: &'static [usize] = &[NI_REQUEST_PARAMS_SIZE_V1, NI_REQUEST_PARAMS_SIZE_V2];
 }
 
 impl Default for ni_request_params {
@@ -166,6 +193,10 @@ impl Default for ni_request_params {
             messages: std::ptr::null(),
             n_messages: 0,
             add_generation_prompt: true,
+            constraint: std::ptr::null(),
+            choices: std::ptr::null(),
+            n_choices: 0,
+            constraint_kind: NI_CONSTRAINT_NONE,
         }
     }
 }
@@ -271,7 +302,63 @@ pub(crate) unsafe fn to_engine(p: &ni_request_params, model: &Model) -> Result<R
         },
         priority: p.priority,
         cache_salt: p.cache_salt,
-        constraint: None,
+        // SAFETY: forwarded contract.
+        constraint: unsafe { constraint(p)? },
+    })
+}
+
+/// The structured-output constraint `p` asks for.
+///
+/// # Safety
+/// `p.constraint` and `p.choices` must honour their documented contract.
+unsafe fn constraint(p: &ni_request_params) -> Result<Option<Constraint>> {
+    let text = |what: &str| -> Result<String> {
+        if p.constraint.is_null() {
+            bail_arg!("request.constraint is NULL, and {what} needs the text");
+        }
+        // SAFETY: a NUL-terminated string (contract).
+        let bytes = unsafe { args::cstr_bytes(p.constraint, "request.constraint")? };
+        if bytes.len() > MAX_CONSTRAINT_BYTES {
+            bail_arg!(
+                "request.constraint is {} bytes long, at most {MAX_CONSTRAINT_BYTES} allowed",
+                bytes.len()
+            );
+        }
+        // SAFETY: as above.
+        Ok(unsafe { args::cstr(p.constraint, "request.constraint")? }.to_string())
+    };
+    Ok(match p.constraint_kind {
+        NI_CONSTRAINT_NONE => None,
+        NI_CONSTRAINT_JSON_SCHEMA => {
+            Some(Constraint::JsonSchema(text("NI_CONSTRAINT_JSON_SCHEMA")?))
+        }
+        NI_CONSTRAINT_REGEX => Some(Constraint::Regex(text("NI_CONSTRAINT_REGEX")?)),
+        NI_CONSTRAINT_GRAMMAR => Some(Constraint::Lark(text("NI_CONSTRAINT_GRAMMAR")?)),
+        NI_CONSTRAINT_CHOICE => {
+            if p.n_choices > MAX_CHOICES {
+                bail_arg!(
+                    "request.n_choices is {}, more than the limit of {MAX_CHOICES}",
+                    p.n_choices
+                );
+            }
+            // SAFETY: `n_choices` string pointers (contract).
+            let ptrs = unsafe { args::slice(p.choices, p.n_choices, "request.choices")? };
+            let mut choices = Vec::with_capacity(ptrs.len());
+            let mut total = 0usize;
+            for (i, &c) in ptrs.iter().enumerate() {
+                let what = format!("request.choices[{i}]");
+                // SAFETY: each entry is a NUL-terminated string (contract).
+                let bytes = unsafe { args::cstr_bytes(c, &what)? };
+                total += bytes.len();
+                if total > MAX_CONSTRAINT_BYTES {
+                    bail_arg!("request.choices hold more than {MAX_CONSTRAINT_BYTES} bytes");
+                }
+                // SAFETY: as above.
+                choices.push(unsafe { args::cstr(c, &what)? }.to_string());
+            }
+            Some(Constraint::Choice(choices))
+        }
+        other => bail_arg!("request.constraint_kind {other} is not a NI_CONSTRAINT_* value"),
     })
 }
 

@@ -142,13 +142,15 @@ impl CommonFields {
                         })?;
                     found.push((Constraint::JsonSchema(schema.to_string()), param));
                 }
-                other => return Err(ApiError::invalid(
-                    "response_format.type",
-                    format!(
+                other => {
+                    return Err(ApiError::invalid(
+                        "response_format.type",
+                        format!(
                         "`response_format.type` must be text, json_object or json_schema, got {}",
                         other.map_or("nothing".to_string(), |o| format!("`{o}`"))
                     ),
-                )),
+                    ))
+                }
             }
         }
         if let Some(schema) = &self.guided_json {
