@@ -81,6 +81,7 @@ fn random_request(rng: &mut TestRng, prefixes: &[Vec<u32>], capacity: usize) -> 
         sampling,
         priority: rng.range(0, 4) as i32,
         cache_salt: rng.range(0, 2) as u64,
+        constraint: None,
     }
 }
 

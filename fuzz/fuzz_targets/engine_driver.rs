@@ -246,6 +246,7 @@ pub fn session_ops(model: &Arc<Model>, data: &[u8]) {
                     },
                     priority: inp.range(0, 5) as i32 - 2,
                     cache_salt: inp.u8() as u64 % 2,
+                    constraint: None,
                 };
                 let fits = !r.prompt.is_empty() && r.prompt.len() + max_tokens as usize <= capacity;
                 match s.add_request(r.clone()) {
@@ -395,6 +396,7 @@ pub fn request_params(model: &Arc<Model>, data: &[u8]) -> bool {
         sampling,
         priority: inp.u8() as i32 - 128,
         cache_salt: inp.u8() as u64,
+        constraint: None,
     };
     let mut s = Session::new(
         model.clone(),

@@ -51,7 +51,7 @@ impl Tokenizer {
             let bytes = match encoding {
                 Encoding::ByteLevel => name
                     .chars()
-                    .map(|c| byte_of_char(c))
+                    .map(&byte_of_char)
                     .collect::<Option<Vec<u8>>>()
                     // An added non-special token is stored as plain text.
                     .unwrap_or_else(|| name.clone().into_bytes()),
