@@ -107,6 +107,7 @@ fn the_docs_name_only_switches_that_exist() {
         "bindings",
         "fuzz",
         "src",
+        "server",
     ] {
         let d = r.join(dir);
         if d.is_dir() {
