@@ -3,19 +3,18 @@
 //! open or close turns), then generated like a completion.
 
 use super::error::ApiError;
-use super::request::{parse_body, seed_for_choice, CommonFields};
+
 use super::respond::{token_text, Format, Reply};
-use super::{read_body, App};
+use super::{App, Parsed};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use nanoinfer::engine::{Model, RequestParams, TokenLogprob};
+use axum::response::Response;
+use nanoinfer::engine::{Model, TokenLogprob};
 use nanoinfer::tokenizer::ChatMessage;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::sync::Arc;
-use std::time::Instant;
 
 #[derive(Deserialize)]
 struct ChatRequest {
@@ -94,22 +93,9 @@ fn chat_messages(messages: &[Message]) -> Result<Vec<ChatMessage>, ApiError> {
 pub async fn chat_completions(
     State(app): State<Arc<App>>,
     body: Result<Bytes, BytesRejection>,
-) -> Response {
-    match handle(&app, body).await {
-        Ok(r) => r,
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn handle(app: &Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let arrived = Instant::now();
-    let body = read_body(app, body)?;
-    let (req, common): (ChatRequest, CommonFields) = parse_body(&body)?;
-    let c = &common;
-    app.check_model(c.model.as_deref())?;
-    c.refuse_unsupported()?;
-    let shape = c.shape()?;
-    let constraint = c.constraint()?;
+) -> Result<Response, ApiError> {
+    let parsed: Parsed<ChatRequest> = app.parse(body)?;
+    let (req, c, shape) = (&parsed.req, &parsed.common, &parsed.shape);
     let want_logprobs = req.logprobs.unwrap_or(false);
     if req.top_logprobs.is_some() && !want_logprobs {
         return Err(ApiError::invalid(
@@ -158,22 +144,8 @@ async fn handle(app: &Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<R
         engine_logprobs,
         "messages",
     )?;
-    let requests = (0..shape.n)
-        .map(|i| RequestParams {
-            prompt: prompt.clone(),
-            sampling: nanoinfer::sampling::SamplingParams {
-                seed: seed_for_choice(sampling.seed, i),
-                ..sampling.clone()
-            },
-            priority: c.priority.unwrap_or(0),
-            constraint: constraint.as_ref().map(|(c, _)| c.clone()),
-            ..Default::default()
-        })
-        .collect();
-    let sub = app
-        .submit(requests, arrived)
-        .await
-        .map_err(|e| e.about_constraint(constraint.as_ref().map(|(_, param)| *param)))?;
+    let requests = parsed.choices(&prompt, &sampling).collect();
+    let sub = parsed.submit(&app, requests).await?;
     let reply = Reply {
         format: ChatFormat {
             top_logprobs: top as usize,

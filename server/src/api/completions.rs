@@ -2,18 +2,17 @@
 //! `n` choices each.
 
 use super::error::ApiError;
-use super::request::{parse_body, seed_for_choice, CommonFields};
+
 use super::respond::{token_text, Format, Reply};
-use super::{read_body, App};
+use super::{App, Parsed};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use nanoinfer::engine::{Model, RequestParams, TokenLogprob};
+use axum::response::Response;
+use nanoinfer::engine::{Model, TokenLogprob};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
-use std::time::Instant;
 
 /// Prompts of one request, at most (each gets `n` choices).
 const MAX_PROMPTS: usize = 64;
@@ -122,22 +121,10 @@ fn check_count(n: usize) -> Result<(), ApiError> {
 pub async fn completions(
     State(app): State<Arc<App>>,
     body: Result<Bytes, BytesRejection>,
-) -> Response {
-    match handle(&app, body).await {
-        Ok(r) => r,
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn handle(app: &Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let arrived = Instant::now();
-    let body = read_body(app, body)?;
-    let (req, common): (CompletionRequest, CommonFields) = parse_body(&body)?;
-    let c = &common;
-    app.check_model(c.model.as_deref())?;
-    c.refuse_unsupported()?;
-    let shape = c.shape()?;
-    let constraint = c.constraint()?;
+) -> Result<Response, ApiError> {
+    let mut parsed: Parsed<CompletionRequest> = app.parse(body)?;
+    let prompt_field = parsed.req.prompt.take();
+    let (req, c, shape) = (&parsed.req, &parsed.common, &parsed.shape);
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::unsupported(
             "suffix",
@@ -159,7 +146,7 @@ async fn handle(app: &Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<R
     }
     let model = app.engine.model.clone();
     let limit = app.engine.facts.request_token_limit;
-    let prompts = prompts(&model, req.prompt, limit)?;
+    let prompts = prompts(&model, prompt_field, limit)?;
     if prompts.len() * shape.n > crate::engine_loop::MAX_CHOICES * 4 {
         return Err(ApiError::invalid(
             "n",
@@ -195,23 +182,9 @@ async fn handle(app: &Arc<App>, body: Result<Bytes, BytesRejection>) -> Result<R
                 }
                 e
             })?;
-        for i in 0..shape.n {
-            requests.push(RequestParams {
-                prompt: prompt.ids.clone(),
-                sampling: nanoinfer::sampling::SamplingParams {
-                    seed: seed_for_choice(sampling.seed, i),
-                    ..sampling.clone()
-                },
-                priority: c.priority.unwrap_or(0),
-                constraint: constraint.as_ref().map(|(c, _)| c.clone()),
-                ..Default::default()
-            });
-        }
+        requests.extend(parsed.choices(&prompt.ids, &sampling));
     }
-    let sub = app
-        .submit(requests, arrived)
-        .await
-        .map_err(|e| e.about_constraint(constraint.as_ref().map(|(_, param)| *param)))?;
+    let sub = parsed.submit(&app, requests).await?;
     let reply = Reply {
         format: CompletionFormat {
             top_logprobs: top as usize,

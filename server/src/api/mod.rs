@@ -13,7 +13,8 @@ use crate::options::ServerOptions;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use error::ApiError;
-use nanoinfer::engine::RequestParams;
+use nanoinfer::engine::{Constraint, RequestParams};
+use nanoinfer::sampling::SamplingParams;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -62,6 +63,71 @@ impl App {
                 }
                 Refusal::Stopped => ApiError::internal("the engine has stopped"),
             })
+    }
+}
+
+/// What both generation endpoints read first: the body as the endpoint's
+/// own fields and the common ones, checked.
+pub struct Parsed<T> {
+    pub arrived: Instant,
+    pub req: T,
+    pub common: request::CommonFields,
+    pub shape: request::Shape,
+    /// The structured-output constraint and the field it came from.
+    pub constraint: Option<(Constraint, &'static str)>,
+}
+
+impl App {
+    pub fn parse<T: serde::de::DeserializeOwned>(
+        &self,
+        body: Result<Bytes, BytesRejection>,
+    ) -> Result<Parsed<T>, ApiError> {
+        let arrived = Instant::now();
+        let body = read_body(self, body)?;
+        let (req, common): (T, request::CommonFields) = request::parse_body(&body)?;
+        self.check_model(common.model.as_deref())?;
+        common.refuse_unsupported()?;
+        let shape = common.shape()?;
+        let constraint = common.constraint()?;
+        Ok(Parsed {
+            arrived,
+            req,
+            common,
+            shape,
+            constraint,
+        })
+    }
+}
+
+impl<T> Parsed<T> {
+    /// The `n` requests (choices) of one prompt: each its own seed.
+    pub fn choices<'a>(
+        &'a self,
+        prompt: &'a [u32],
+        sampling: &'a SamplingParams,
+    ) -> impl Iterator<Item = RequestParams> + 'a {
+        (0..self.shape.n).map(move |i| RequestParams {
+            prompt: prompt.to_vec(),
+            sampling: SamplingParams {
+                seed: request::seed_for_choice(sampling.seed, i),
+                ..sampling.clone()
+            },
+            priority: self.common.priority.unwrap_or(0),
+            constraint: self.constraint.as_ref().map(|(c, _)| c.clone()),
+            ..Default::default()
+        })
+    }
+
+    /// Puts the requests into the session; a refusal of the constraint
+    /// names the field it came from.
+    pub async fn submit(
+        &self,
+        app: &App,
+        requests: Vec<RequestParams>,
+    ) -> Result<Submission, ApiError> {
+        app.submit(requests, self.arrived)
+            .await
+            .map_err(|e| e.about_constraint(self.constraint.as_ref().map(|(_, param)| *param)))
     }
 }
 
