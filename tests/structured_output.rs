@@ -78,6 +78,18 @@ fn run(model: &Arc<Model>, reqs: Vec<RequestParams>) -> Vec<(String, FinishReaso
         .collect()
 }
 
+/// The session still works: the text of one more constrained request.
+fn serves(s: &mut Session, prompt: Vec<u32>, c: Constraint) -> String {
+    s.add_request(request(prompt, Some(c), 0.0, 0)).unwrap();
+    let mut text = String::new();
+    while s.has_work() {
+        for e in s.step().unwrap() {
+            text.push_str(&e.text);
+        }
+    }
+    text
+}
+
 fn schemas() -> Vec<(&'static str, &'static str, Value)> {
     vec![
         (
@@ -298,20 +310,7 @@ fn bad_constraints_are_refused_naming_the_problem() {
     r.sampling.min_tokens = 2;
     assert!(s.add_request(r).unwrap_err().message.contains("min_tokens"));
     // The session still serves.
-    s.add_request(request(
-        prompt,
-        Some(Constraint::Regex("ok".into())),
-        0.0,
-        0,
-    ))
-    .unwrap();
-    let mut text = String::new();
-    while s.has_work() {
-        for e in s.step().unwrap() {
-            text.push_str(&e.text);
-        }
-    }
-    assert_eq!(text, "ok");
+    assert_eq!(serves(&mut s, prompt, Constraint::Regex("ok".into())), "ok");
 }
 
 #[test]
@@ -364,18 +363,8 @@ fn hostile_grammars_fail_their_request_not_the_session() {
         s.check_invariants().unwrap();
     }
     // The session serves the next request normally.
-    s.add_request(request(
-        prompt,
-        Some(Constraint::Choice(vec!["fine".into()])),
-        0.0,
-        0,
-    ))
-    .unwrap();
-    let mut text = String::new();
-    while s.has_work() {
-        for e in s.step().unwrap() {
-            text.push_str(&e.text);
-        }
-    }
-    assert_eq!(text, "fine");
+    assert_eq!(
+        serves(&mut s, prompt, Constraint::Choice(vec!["fine".into()])),
+        "fine"
+    );
 }

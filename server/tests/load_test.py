@@ -48,6 +48,16 @@ async def one_request(http, base, rng, tally, burst=False):
         await asyncio.sleep(rng.uniform(0.2, 1.0))
 
 
+def refused(r, tally):
+    """A 503 is counted, and must say when to retry."""
+    if r.status_code != 503:
+        return False
+    tally.refused += 1
+    if r.headers.get("retry-after") is None:
+        tally.bad.append("503 without Retry-After")
+    return True
+
+
 async def attempt(http, base, rng, tally, burst):
     """False when refused with 503."""
     stream = burst or rng.random() < 0.85
@@ -65,10 +75,7 @@ async def attempt(http, base, rng, tally, burst):
     url = base + "/v1/chat/completions"
     if not stream:
         r = await http.post(url, json=body)
-        if r.status_code == 503:
-            tally.refused += 1
-            if r.headers.get("retry-after") is None:
-                tally.bad.append("503 without Retry-After")
+        if refused(r, tally):
             return False
         if r.status_code != 200:
             tally.bad.append(f"status {r.status_code}: {r.text[:200]}")
@@ -80,10 +87,7 @@ async def attempt(http, base, rng, tally, burst):
         tally.tokens += j["usage"]["completion_tokens"]
         return True
     async with http.stream("POST", url, json=body) as r:
-        if r.status_code == 503:
-            tally.refused += 1
-            if r.headers.get("retry-after") is None:
-                tally.bad.append("503 without Retry-After")
+        if refused(r, tally):
             return False
         if r.status_code != 200:
             tally.bad.append(f"status {r.status_code}")
