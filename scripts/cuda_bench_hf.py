@@ -15,11 +15,14 @@ import time
 import torch
 
 
-def make_8b(out):
+def make_8b(out, vocab=128256):
+    """Llama-3-8B's shape with random weights; `vocab` other than Llama 3's
+    takes SmolLM2's BOS/EOS ids (1, 2), for borrowing its tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    llama3 = vocab == 128256
     cfg = LlamaConfig(
-        vocab_size=128256,
+        vocab_size=vocab,
         hidden_size=4096,
         intermediate_size=14336,
         num_hidden_layers=32,
@@ -32,8 +35,8 @@ def make_8b(out):
                           high_freq_factor=4.0, original_max_position_embeddings=8192),
         tie_word_embeddings=False,
         initializer_range=0.02,
-        bos_token_id=128000,
-        eos_token_id=128001,
+        bos_token_id=128000 if llama3 else 1,
+        eos_token_id=128001 if llama3 else 2,
     )
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
@@ -181,6 +184,7 @@ def offline(model_dir, requests, n_prompt, n_gen, batch):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--make-8b")
+    ap.add_argument("--vocab", type=int, default=128256, help="vocabulary size of --make-8b")
     ap.add_argument("--model")
     ap.add_argument("--golden", help="write DIR/golden.json (greedy ids + top-5 logprobs)")
     ap.add_argument("-p", type=int, default=512)
@@ -194,7 +198,7 @@ def main():
         print(json.dumps({"gpu": torch.cuda.get_device_name(), "bf16_gemm_tflops": round(gemm_peak(), 1),
                           "copy_tb_s": round(copy_bandwidth() / 1e12, 3)}))
     if a.make_8b:
-        make_8b(a.make_8b)
+        make_8b(a.make_8b, a.vocab)
     if a.golden:
         write_golden(a.golden)
     if a.model and a.offline:

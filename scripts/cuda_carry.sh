@@ -25,7 +25,8 @@ if [ "${1:-}" = --baseline ]; then
     strip -o gpu-carry/baseline/w4_bench "$target/baseline/release/examples/w4_bench"
     git rev-parse "$rev" > gpu-carry/baseline/REVISION
 fi
-cargo build --release --bin nanoinfer --bin nanoinfer-serve --example engine_bench --example w4_bench
+cargo build --release --bin nanoinfer --bin nanoinfer-serve --example engine_bench --example w4_bench \
+    --example grammar_bench
 test_bin=$(cargo test --release --test cuda --no-run --message-format=json 2>/dev/null \
     | python3 -c 'import json,sys
 for l in sys.stdin:
@@ -36,5 +37,9 @@ strip -o gpu-carry/nanoinfer "$target/release/nanoinfer"
 strip -o gpu-carry/nanoinfer-serve "$target/release/nanoinfer-serve"
 strip -o gpu-carry/engine_bench "$target/release/examples/engine_bench"
 strip -o gpu-carry/w4_bench "$target/release/examples/w4_bench"
+strip -o gpu-carry/grammar_bench "$target/release/examples/grammar_bench"
+# SmolLM2's tokenizer, for random models that have none (the `grammar` step).
+mkdir -p gpu-carry/tok
+cp models/SmolLM2-135M-Instruct/tokenizer.json models/SmolLM2-135M-Instruct/tokenizer_config.json gpu-carry/tok/
 strip -o gpu-carry/cuda "$test_bin"
 ls -la gpu-carry

@@ -2,7 +2,7 @@
 # Runs the CUDA checks on a GPU machine that has no Rust: the release binaries
 # built elsewhere are in $BIN (nanoinfer, cuda test binary), torch +
 # transformers are installed. Prints a short table last.
-#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|int4test|make8b|tests8b|bench|bench4|ab4|profile|trace|sampling|serve|http|engine|offline|kvfp8]...
+#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|int4test|make8b|tests8b|bench|bench4|ab4|profile|trace|sampling|serve|http|grammar|engine|offline|kvfp8]...
 # Binaries: `bash scripts/cuda_carry.sh` (here, with Rust) fills gpu-carry/.
 # KV_CACHE_DTYPE=fp8 runs the offline steps with an FP8 KV cache (default auto).
 set -uo pipefail
@@ -124,6 +124,13 @@ for step in "$@"; do
         "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda --num-requests 512 --input-len 512 \
             --output-len 256 --concurrency 256 --max-seqs 256 --max-batched-tokens 8192 --prefill-chunk 8192 --json
         python3 scripts/cuda_bench_hf.py --model "$WORK/l8b" --offline 256 --batch 256 -p 512 -n 256 ;;
+    grammar)
+        # Structured output's cost on the 8B shape (examples/grammar_bench.rs),
+        # with SmolLM2's vocabulary and tokenizer (gpu-carry/tok, from
+        # scripts/cuda_carry.sh): the random 8B model has no tokenizer.
+        [ -f "$WORK/l8bt/config.json" ] || python3 scripts/cuda_bench_hf.py --make-8b "$WORK/l8bt" --vocab 49152
+        cp "$BIN"/tok/* "$WORK/l8bt/"
+        "$BIN/grammar_bench" --model "$WORK/l8bt" --device cuda --concurrency 1,64 --rounds 3 2>&1 | tail -4 ;;
     http)
         # nanoinfer serve's cost on the 8B shape: 64 concurrent streaming
         # clients against nanoinfer bench's serving mode, same call, A B A B.
