@@ -2,6 +2,7 @@ package nanoinfer
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"os"
 	"path/filepath"
@@ -674,5 +675,55 @@ func TestUserTextStaysText(t *testing.T) {
 	}
 	if _, err := s.AddRequest(Request{Messages: msgs, Text: "x"}); !errors.Is(err, ErrInvalidArgument) {
 		t.Fatalf("Messages with Text: %v", err)
+	}
+}
+
+// generatedText runs req to the end and returns its text and last event.
+func generatedText(t *testing.T, s *Session, req Request) (string, Event) {
+	t.Helper()
+	var text strings.Builder
+	var last Event
+	for ev, err := range s.Generate(context.Background(), req) {
+		if err != nil {
+			t.Fatal(err)
+		}
+		text.WriteString(ev.Text)
+		last = ev
+	}
+	return text.String(), last
+}
+
+func TestStructuredOutput(t *testing.T) {
+	s := session(t)
+	schema := `{"type":"object","properties":{"name":{"type":"string","maxLength":30},"age":{"type":"integer","minimum":0,"maximum":120}},"required":["name","age"],"additionalProperties":false}`
+	msgs := []ChatMessage{{Role: "user", Content: "Give a person's name and age as JSON."}}
+	text, last := generatedText(t, s, Request{Messages: msgs, MaxTokens: 120, JSONSchema: schema})
+	var v struct {
+		Name *string `json:"name"`
+		Age  *int    `json:"age"`
+	}
+	dec := json.NewDecoder(strings.NewReader(text))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&v); err != nil || v.Name == nil || v.Age == nil || *v.Age < 0 || *v.Age > 120 {
+		t.Fatalf("%q does not match the schema (%v)", text, err)
+	}
+	if last.Finish != FinishEOS {
+		t.Fatalf("finish %v, want EOS", last.Finish)
+	}
+	text, _ = generatedText(t, s, Request{Messages: msgs, Choices: []string{"alpha", "beta"}, Temperature: 1})
+	if text != "alpha" && text != "beta" {
+		t.Fatalf("choice output %q", text)
+	}
+	text, _ = generatedText(t, s, Request{Messages: msgs, Regex: `[0-9]{3}`})
+	if len(text) != 3 || strings.Trim(text, "0123456789") != "" {
+		t.Fatalf("regex output %q", text)
+	}
+	_, err := s.AddRequest(Request{Messages: msgs, Regex: "a", Choices: []string{"b"}})
+	if err == nil || !strings.Contains(err.Error(), "at most one of") {
+		t.Fatalf("two constraints: %v", err)
+	}
+	_, err = s.AddRequest(Request{Messages: msgs, JSONSchema: "{nope"})
+	if err == nil || !strings.Contains(err.Error(), "json_schema is not valid JSON") {
+		t.Fatalf("bad schema: %v", err)
 	}
 }

@@ -138,6 +138,15 @@ type Request struct {
 	// Messages is the prompt as a conversation, rendered with the model's
 	// chat template with its text protected (as TokenizeChat does).
 	Messages []ChatMessage
+
+	// Structured output, at most one of them: the output is JSON matching
+	// JSONSchema, a full match of Regex, a sentence of Grammar
+	// (llguidance's Lark dialect), or exactly one of Choices. A cut-off
+	// output inside an unfinished structure ends FinishLength.
+	JSONSchema string
+	Regex      string
+	Grammar    string
+	Choices    []string
 	// NoGenerationPrompt leaves the assistant turn's opening off a
 	// Messages prompt (it is added by default, so that the model answers).
 	NoGenerationPrompt bool
@@ -433,6 +442,7 @@ func (s *Session) addLocked(req *Request) (RequestID, error) {
 	p.logprobs = C.uint32_t(check.uint32("Logprobs", req.Logprobs))
 	p.priority = C.int32_t(req.Priority)
 	p.cache_salt = C.uint64_t(req.CacheSalt)
+	setConstraint(&p, &pinner, &check, req)
 	if check.err != nil {
 		return 0, check.err
 	}
@@ -440,6 +450,43 @@ func (s *Session) addLocked(req *Request) (RequestID, error) {
 	var id C.uint64_t
 	err := call("ni_session_add_request", func() C.ni_status { return C.ni_session_add_request(s.ptr, &p, &id) })
 	return RequestID(id), err
+}
+
+// setConstraint fills the structured-output fields of p from req.
+func setConstraint(p *C.ni_request_params, pinner *runtime.Pinner, check *fieldCheck, req *Request) {
+	set := 0
+	for _, on := range []bool{req.JSONSchema != "", req.Regex != "", req.Grammar != "", len(req.Choices) > 0} {
+		if on {
+			set++
+		}
+	}
+	if set > 1 {
+		if check.err == nil {
+			check.err = invalidArgument(check.op, "set at most one of JSONSchema, Regex, Grammar and Choices")
+		}
+		return
+	}
+	text := func(kind C.ni_constraint_kind, s string) {
+		p.constraint_kind = kind
+		p.constraint = pinnedCString(pinner, s)
+	}
+	switch {
+	case req.JSONSchema != "":
+		text(C.NI_CONSTRAINT_JSON_SCHEMA, req.JSONSchema)
+	case req.Regex != "":
+		text(C.NI_CONSTRAINT_REGEX, req.Regex)
+	case req.Grammar != "":
+		text(C.NI_CONSTRAINT_GRAMMAR, req.Grammar)
+	case len(req.Choices) > 0:
+		ptrs := make([]*C.char, len(req.Choices))
+		for i, c := range req.Choices {
+			ptrs[i] = pinnedCString(pinner, c)
+		}
+		pinner.Pin(&ptrs[0])
+		p.constraint_kind = C.NI_CONSTRAINT_CHOICE
+		p.choices = &ptrs[0]
+		p.n_choices = C.size_t(len(ptrs))
+	}
 }
 
 // Step runs one engine step and returns its events (possibly none), after
