@@ -66,6 +66,13 @@ public struct Request {
     public var logprobs = 0
     public var priority: Int32 = 0
     public var cacheSalt: UInt64 = 0
+    /// Structured output, at most one of them: JSON matching `jsonSchema`,
+    /// a full match of `regex`, a sentence of `grammar` (llguidance's Lark
+    /// dialect), or exactly one of `choices`.
+    public var jsonSchema = ""
+    public var regex = ""
+    public var grammar = ""
+    public var choices: [String] = []
 
     public init(prompt: [UInt32] = [], text: String = "", maxTokens: Int = 256) {
         self.prompt = prompt
@@ -230,6 +237,24 @@ public final class Session: @unchecked Sendable {
         p.logprobs = try cUInt32(r.logprobs, "logprobs", "ni_session_add_request")
         p.priority = r.priority
         p.cache_salt = r.cacheSalt
+        let texts: [(ni_constraint_kind, String)] = [
+            (ni_constraint_kind(NI_CONSTRAINT_JSON_SCHEMA), r.jsonSchema),
+            (ni_constraint_kind(NI_CONSTRAINT_REGEX), r.regex),
+            (ni_constraint_kind(NI_CONSTRAINT_GRAMMAR), r.grammar),
+        ].filter { !$0.1.isEmpty }
+        if texts.count + (r.choices.isEmpty ? 0 : 1) > 1 {
+            throw NanoInferError(code: .invalidArgument, operation: "ni_session_add_request",
+                                 message: "set at most one of jsonSchema, regex, grammar and choices")
+        }
+        if let (kind, text) = texts.first {
+            p.constraint_kind = kind
+            p.constraint = arena.cString(text)
+        } else if !r.choices.isEmpty {
+            let ptrs: [UnsafePointer<CChar>?] = r.choices.map { arena.cString($0) }
+            p.constraint_kind = ni_constraint_kind(NI_CONSTRAINT_CHOICE)
+            p.choices = arena.copy(ptrs)
+            p.n_choices = ptrs.count
+        }
         var id: UInt64 = 0
         try withExtendedLifetime(arena) {
             try check("ni_session_add_request", ni_session_add_request(handle, &p, &id))
