@@ -5,16 +5,21 @@
 //! needs the tokenizer) and hands it here.
 
 use crate::{Error, Result};
+use llguidance::toktrie::SimpleVob;
 use llguidance::Matcher;
 
 pub struct GrammarMask {
     matcher: Matcher,
+    /// The mask for the next token, computed ahead by `prepare` (while the
+    /// forward runs); `apply` computes it when it is not there.
+    prepared: Option<std::result::Result<SimpleVob, String>>,
 }
 
 impl Clone for GrammarMask {
     fn clone(&self) -> Self {
         GrammarMask {
             matcher: self.matcher.clone(),
+            prepared: self.prepared.clone(),
         }
     }
 }
@@ -35,17 +40,37 @@ fn grammar_error(what: &str, e: impl std::fmt::Display) -> Error {
 
 impl GrammarMask {
     pub fn new(matcher: Matcher) -> GrammarMask {
-        GrammarMask { matcher }
+        GrammarMask {
+            matcher,
+            prepared: None,
+        }
+    }
+
+    /// Computes the next token's mask now, for `apply` to use. It depends
+    /// only on the tokens consumed so far, so it can run on another thread
+    /// while the forward computes the logits.
+    pub fn prepare(&mut self) {
+        if self.prepared.is_none() {
+            self.prepared = Some(
+                self.matcher
+                    .compute_mask_or_eos()
+                    .map_err(|e| e.to_string()),
+            );
+        }
     }
 
     /// Forbids (sets to -inf) every token of `logits` the grammar does not
     /// allow next; only end-of-sequence once the grammar is complete. Fails
     /// when the grammar's step budget runs out or it allows nothing here.
     pub fn apply(&mut self, logits: &mut [f32]) -> Result<()> {
-        let mask = self
-            .matcher
-            .compute_mask_or_eos()
-            .map_err(|e| grammar_error("computing the token mask", e))?;
+        let mask = match self.prepared.take() {
+            Some(m) => m,
+            None => self
+                .matcher
+                .compute_mask_or_eos()
+                .map_err(|e| e.to_string()),
+        }
+        .map_err(|e| grammar_error("computing the token mask", e))?;
         let mut any = false;
         let n = logits.len();
         mask.iter_unset_entries(|i| {
@@ -65,6 +90,7 @@ impl GrammarMask {
     /// Advances the grammar by the sampled token.
     pub fn consume(&mut self, token: u32) -> Result<()> {
         // A complete grammar allowed only end-of-sequence: nothing to advance.
+        self.prepared = None;
         if self.matcher.is_stopped() {
             return Ok(());
         }

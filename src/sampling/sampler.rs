@@ -69,6 +69,16 @@ impl Sampler {
         self.grammar = Some(grammar);
     }
 
+    pub fn has_grammar(&self) -> bool {
+        self.grammar.is_some()
+    }
+
+    /// Computes the grammar's mask for the next token ahead of `sample`
+    /// (see `GrammarMask::prepare`); false when there is no grammar.
+    pub fn prepare_grammar(&mut self) -> bool {
+        self.grammar.as_mut().map(GrammarMask::prepare).is_some()
+    }
+
     /// True when a grammar constrains this request and the output so far
     /// does not complete it.
     pub fn grammar_unfinished(&mut self) -> bool {

@@ -9,6 +9,9 @@ use crate::sampling::{check_finite_logits, non_finite_logits, SampledToken};
 use crate::Error;
 use std::time::Instant;
 
+/// Threads that compute structured-output masks during a device's forward.
+const MASK_THREADS: usize = 4;
+
 impl Session {
     /// One forward over the plan. A sequence wants logits when this step
     /// computes its last known token; those rows are listed in plan order,
@@ -105,7 +108,33 @@ impl Session {
         let launch =
             *overlap && (scratch.tokens_from == TokensFrom::DeviceArgmax || sampled_on_device);
         canceller.begin_forward(scratch.plan.iter().map(|&(id, _)| id));
-        let result = match scratch.tokens_from {
+        // Structured-output rows need their grammar's mask after the
+        // forward. Where the forward runs on a device (the host only waits
+        // for it), the masks are computed meanwhile on helper threads; on
+        // the CPU the forward has the cores, and the sampler computes each
+        // mask when it samples.
+        let grammar_ids: Vec<RequestId> = if ctx.samples_on_device() && !launch {
+            let mut ids: Vec<RequestId> = scratch
+                .plan
+                .iter()
+                .map(|&(id, _)| id)
+                .filter(|id| requests[id].sampler.has_grammar())
+                .collect();
+            ids.sort_unstable();
+            ids
+        } else {
+            Vec::new()
+        };
+        let mut samplers: Vec<&mut crate::sampling::Sampler> = if grammar_ids.is_empty() {
+            Vec::new()
+        } else {
+            requests
+                .iter_mut()
+                .filter(|(id, _)| grammar_ids.binary_search(id).is_ok())
+                .map(|(_, r)| &mut r.sampler)
+                .collect()
+        };
+        let mut forward = || match scratch.tokens_from {
             _ if launch => {
                 let sampling = sampled_on_device.then_some(&scratch.device_sampling);
                 ctx.launch(&batch, sampling, false)
@@ -118,6 +147,23 @@ impl Session {
                 &mut scratch.device_tokens,
                 logits,
             ),
+        };
+        // (A scope allocates: entered only when there are masks to compute,
+        // so that plain decode steps stay allocation-free.)
+        let result = if samplers.is_empty() {
+            forward()
+        } else {
+            std::thread::scope(|scope| {
+                let per_thread = samplers.len().div_ceil(MASK_THREADS);
+                for chunk in samplers.chunks_mut(per_thread) {
+                    scope.spawn(move || {
+                        for s in chunk.iter_mut() {
+                            s.prepare_grammar();
+                        }
+                    });
+                }
+                forward()
+            })
         };
         let interrupted_by_cancel = canceller.end_forward();
         stats.forward_time_ns += forward_started.elapsed().as_nanos() as u64;
