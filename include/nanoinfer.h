@@ -551,6 +551,19 @@ typedef struct ni_request_params {
      * `NI_ERR_INVALID_ARGUMENT` naming the problem.
      */
     ni_constraint_kind constraint_kind;
+    /**
+     * Unused, 0. It fills the padding that ended the struct before
+     * `retain_state`, so that field starts past the older struct's end and
+     * an older caller's padding bytes are never read as it.
+     */
+    uint32_t reserved0;
+    /**
+     * Keep the request's state (tokens, KV, sampler position) when it
+     * ends, so `ni_session_save_state` can save it afterwards; freed by
+     * `ni_session_release_state` or with the session. Default false (a
+     * running request can be saved without it).
+     */
+    bool retain_state;
 } ni_request_params;
 
 /**
@@ -1123,6 +1136,14 @@ void ni_string_free(char *s);
 void ni_tokens_free(uint32_t *tokens);
 
 /**
+ * Frees a byte buffer returned by the library (`ni_session_save_state`).
+ * NULL is a no-op.
+ *
+ * Thread-safety: any thread; each buffer is freed once.
+ */
+void ni_bytes_free(uint8_t *data);
+
+/**
  * Installs the process-wide log callback (NULL removes it; without one,
  * messages are dropped). Messages: model loads and session creation (info),
  * recovery after an internal panic (warn), caught panics (error).
@@ -1442,6 +1463,98 @@ const struct ni_event *ni_step_output_events(const struct ni_step_output *output
  * in parallel.
  */
 ni_status ni_session_step(struct ni_session *session, struct ni_step_output *output);
+
+/**
+ * Saves the state of request `request_id` (its tokens, the KV of the
+ * positions computed so far, where its output history starts and its
+ * sampler's random stream) into a new buffer: `*out_data` (free it with
+ * `ni_bytes_free`) of `*out_len` bytes. The request is waiting or running
+ * (call between steps), or it ended with `retain_state` set and its state
+ * was not released. The bytes restore with `ni_session_restore_request` into
+ * any session of the same model and KV format, in this process or another.
+ *
+ * Thread-safety: any thread; serialized with other calls on this session.
+ */
+ni_status ni_session_save_state(struct ni_session *session,
+                                uint64_t request_id,
+                                uint8_t **out_data,
+                                size_t *out_len);
+
+/**
+ * `ni_session_save_state` into the file at `path` (NUL-terminated UTF-8),
+ * written whole or not at all (a temporary file renamed into place).
+ *
+ * Thread-safety: any thread; serialized with other calls on this session.
+ */
+ni_status ni_session_save_state_file(struct ni_session *session,
+                                     uint64_t request_id,
+                                     const char *path);
+
+/**
+ * Queues a new request continuing the conversation saved in `data` (`len`
+ * bytes from `ni_session_save_state`): its tokens, then the prompt of
+ * `request` (may be empty: the output goes on where it stopped). `request`
+ * gives the rest as for `ni_session_add_request` (NULL: the defaults). The
+ * saved KV is copied in when the request is admitted, so only the
+ * positions it lacks are computed. With `use_seed` the request continues
+ * the saved random stream (a seeded conversation goes on exactly as if
+ * never interrupted); without, it draws a fresh one. A state of another
+ * model or KV format, one longer than this session allows, or corrupt in
+ * any way fails with `NI_ERR_INVALID_ARGUMENT` naming the problem, and
+ * nothing is queued. On success `*out_id` receives the new request's id.
+ *
+ * Thread-safety: any thread; serialized with other calls on this session.
+ */
+ni_status ni_session_restore_request(struct ni_session *session,
+                                     const uint8_t *data,
+                                     size_t len,
+                                     const struct ni_request_params *request,
+                                     uint64_t *out_id);
+
+/**
+ * `ni_session_restore_request` from the file at `path` (NUL-terminated
+ * UTF-8) written by `ni_session_save_state_file`.
+ *
+ * Thread-safety: any thread; serialized with other calls on this session.
+ */
+ni_status ni_session_restore_request_file(struct ni_session *session,
+                                          const char *path,
+                                          const struct ni_request_params *request,
+                                          uint64_t *out_id);
+
+/**
+ * Frees the state kept for ended request `request_id` (`retain_state`).
+ * An id with no kept state fails with `NI_ERR_INVALID_ARGUMENT`.
+ *
+ * Thread-safety: any thread; serialized with other calls on this session.
+ */
+ni_status ni_session_release_state(struct ni_session *session, uint64_t request_id);
+
+/**
+ * Writes the session's prefix cache (every cached prompt prefix with its
+ * KV and cache salt) to `dir/prefix_cache.nikv`, creating the directory
+ * `dir` (NUL-terminated UTF-8) if needed. `*out_tokens` (may be NULL)
+ * receives the number of cached tokens written.
+ *
+ * Thread-safety: any thread; serialized with other calls on this session.
+ */
+ni_status ni_session_save_prefix_cache(struct ni_session *session,
+                                       const char *dir,
+                                       size_t *out_tokens);
+
+/**
+ * Warm-starts the prefix cache from `dir` (written by
+ * `ni_session_save_prefix_cache` for the same model and KV format). The
+ * whole file is checked first (a foreign, truncated or corrupt one fails
+ * with `NI_ERR_INVALID_ARGUMENT` and changes nothing); its prefixes then
+ * enter the cache within the session's KV budget. `*out_tokens` (may be
+ * NULL) receives the number of tokens now cached from it.
+ *
+ * Thread-safety: any thread; serialized with other calls on this session.
+ */
+ni_status ni_session_load_prefix_cache(struct ni_session *session,
+                                       const char *dir,
+                                       size_t *out_tokens);
 
 /**
  * Installs `callback` (with `user_data`) as the session's abort check, or

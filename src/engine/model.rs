@@ -5,6 +5,7 @@
 use crate::backend::cpu::ThreadPool;
 use crate::backend::Device;
 use crate::model::config::token_ids;
+use crate::model::fingerprint::model_fingerprint;
 use crate::model::{CpuDecoder, Decoder, DeviceDecoder, ModelConfig, QuantMode, WeightDType};
 use crate::tokenizer::Tokenizer;
 use crate::{untrusted_file, Error, Result};
@@ -46,6 +47,8 @@ pub struct Model {
     /// the tokenizer has a token for (checkpoints pad `vocab_size` past the
     /// tokenizer; those rows are never sampled).
     pub sample_vocab: usize,
+    /// Identity of the loaded model for saved state (see `model::fingerprint`).
+    pub fingerprint: u128,
     pub load_ms: f64,
 }
 
@@ -96,6 +99,8 @@ impl Model {
                 params.quant,
             )?,
         };
+        let fingerprint =
+            model_fingerprint(decoder.config(), &weights, decoder.weight_dtype_name());
         weights.finish_loading();
         report(0.9)?;
         let tokenizer = if dir.join("tokenizer.json").exists() {
@@ -115,6 +120,7 @@ impl Model {
             tokenizer,
             eos_token_ids,
             sample_vocab,
+            fingerprint,
             load_ms: start.elapsed().as_secs_f64() * 1e3,
         })
     }

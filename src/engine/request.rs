@@ -19,6 +19,10 @@ pub struct RequestParams {
     /// of something this constraint matches, and end-of-sequence comes only
     /// once it is a full match.
     pub constraint: Option<Constraint>,
+    /// Keep the request's state (tokens, KV, sampler) in host memory when
+    /// it ends, so `Session::save_state` can still save it; freed by
+    /// `Session::release_state`. A running request can be saved without it.
+    pub retain_state: bool,
 }
 
 /// What a structured-output request's text must match.

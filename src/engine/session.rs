@@ -11,6 +11,9 @@
 mod output;
 mod overlap;
 mod schedule;
+mod state;
+
+pub use state::{PrefixCacheReport, PREFIX_CACHE_FILE};
 
 use super::cancel::Canceller;
 use super::faults::{FaultCounts, FaultPlan, FaultState};
@@ -18,6 +21,7 @@ use super::grammar::GrammarCompiler;
 use super::model::Model;
 use super::policy::{create_policy, RankInput, SchedulePolicy, SchedulePolicyKind};
 use super::request::{Constraint, Event, FinishReason, RequestId, RequestParams, Usage};
+use super::state_file::SavedSequence;
 use crate::backend::Device;
 use crate::forward::AttnSeq;
 use crate::kv::{
@@ -230,6 +234,14 @@ struct Request {
     /// Prompt followed by generated tokens.
     tokens: Vec<u32>,
     prompt_len: usize,
+    /// Where the sampler's output history starts (penalties count the
+    /// output from here): `prompt_len`, or for a restored conversation
+    /// continued without new tokens, its original prompt's length.
+    history_start: usize,
+    /// The sampler's RNG state before the draw of a launched step whose
+    /// token has not been reported (overlapped steps): a saved state
+    /// resumes from there.
+    flight_rng: Option<[u64; 4]>,
     /// Tokens whose KV is in the cache.
     computed: usize,
     /// True between `kv.begin` and `kv.release`: exactly the running requests.
@@ -283,6 +295,9 @@ pub struct Session {
     abort: Option<AbortCheck>,
     /// Structured output's compiler, built at the first constrained request.
     grammar: Option<GrammarCompiler>,
+    /// States of ended requests that asked for `retain_state`, until
+    /// `release_state` (the error when keeping one failed).
+    retained: HashMap<RequestId, Result<SavedSequence>>,
 }
 
 /// An app's check that aborts a running step when it returns true (see
@@ -480,6 +495,7 @@ impl Session {
             in_flight: None,
             canceller: Canceller::default(),
             grammar: None,
+            retained: HashMap::new(),
             abort: None,
             model,
             params,
@@ -503,9 +519,20 @@ impl Session {
     /// `arrived` (e.g. before its prompt was tokenized and the session was
     /// free): the instant its [`Usage`] times count from.
     pub fn add_request_at(&mut self, params: RequestParams, arrived: Instant) -> Result<RequestId> {
+        self.add_request_with(params, arrived, None)
+    }
+
+    /// Validates and queues a request that continues `restored` (whose
+    /// tokens come before `params.prompt`) or, without one, a new request.
+    fn add_request_with(
+        &mut self,
+        params: RequestParams,
+        arrived: Instant,
+        restored: Option<SavedSequence>,
+    ) -> Result<RequestId> {
         let c = self.model.config();
         let vocab = c.vocab_size;
-        if params.prompt.is_empty() {
+        if params.prompt.is_empty() && restored.is_none() {
             bail_arg!("prompt is empty");
         }
         if let Some(&bad) = params.prompt.iter().find(|&&t| t as usize >= vocab) {
@@ -515,20 +542,28 @@ impl Session {
         if !params.sampling.stop_strings.is_empty() && self.model.tokenizer.is_none() {
             bail_arg!("stop strings need a tokenizer, and this model has none");
         }
-        let need = params.prompt.len() + params.sampling.max_tokens as usize;
+        let earlier = restored.as_ref().map_or(0, |r| r.tokens.len());
+        let prompt_len = earlier + params.prompt.len();
+        let what = if earlier > 0 {
+            format!(
+                "restored conversation ({earlier} tokens) + prompt ({} tokens)",
+                params.prompt.len()
+            )
+        } else {
+            format!("prompt ({prompt_len} tokens)")
+        };
+        let need = prompt_len + params.sampling.max_tokens as usize;
         if need > c.max_position_embeddings {
             bail_arg!(
-                "prompt ({} tokens) + max_tokens ({}) exceeds the model's context length {}",
-                params.prompt.len(),
+                "{what} + max_tokens ({}) exceeds the model's context length {}",
                 params.sampling.max_tokens,
                 c.max_position_embeddings
             );
         }
         if need > self.capacity_tokens {
             bail_arg!(
-                "prompt ({} tokens) + max_tokens ({}) exceeds the session's KV capacity of {} tokens; \
+                "{what} + max_tokens ({}) exceeds the session's KV capacity of {} tokens; \
                  shorten the prompt, lower max_tokens or raise the KV capacity",
-                params.prompt.len(),
                 params.sampling.max_tokens,
                 self.capacity_tokens
             );
@@ -540,31 +575,54 @@ impl Session {
         let id = self.next_id;
         self.next_id += 1;
         let fallback_seed = self.rng.next_u64();
-        let detok = self
-            .model
-            .tokenizer
-            .as_ref()
-            .map(|_| StreamDetokenizer::new(true));
+        let mut sampler = Sampler::new(&params.sampling, fallback_seed);
+        if let Some(g) = grammar {
+            sampler.set_grammar(g);
+        }
+        // Room for every token the request may generate: no growth while decoding.
+        let mut tokens = Vec::new();
+        tokens.try_reserve_exact(need).map_err(|_| {
+            Error::new(
+                ErrorKind::OutOfMemory,
+                format!("no host memory for the {need} tokens of a request"),
+            )
+        })?;
+        let mut history_start = prompt_len;
+        let mut swapped = None;
+        if let Some(r) = restored {
+            tokens.extend_from_slice(&r.tokens);
+            if params.prompt.is_empty() {
+                // A continuation: the output goes on where it stopped.
+                history_start = r.history_start;
+            }
+            // A seeded continuation goes on with the saved random stream,
+            // so it draws what the uninterrupted request would have.
+            if params.sampling.seed.is_some() {
+                sampler.resume_rng(r.rng);
+            }
+            // At least one token is left to compute: its logits come next.
+            let positions = r.kv_positions.min(prompt_len - 1);
+            let mut kv = r.kv;
+            kv.truncate(positions * self.ctx.kv_values_per_slot());
+            swapped = (positions > 0).then_some((positions, kv));
+        }
+        tokens.extend_from_slice(&params.prompt);
+        let detok = self.model.tokenizer.as_ref().map(|tok| match earlier {
+            0 => StreamDetokenizer::new(true),
+            // A continuation's text follows the restored tokens' text.
+            _ => StreamDetokenizer::after(true, tok, &tokens),
+        });
         let req = Request {
-            sampler: {
-                let mut sampler = Sampler::new(&params.sampling, fallback_seed);
-                if let Some(g) = grammar {
-                    sampler.set_grammar(g);
-                }
-                sampler
-            },
+            sampler,
             stop: StopMatcher::new(&params.sampling.stop_strings),
             detok,
-            tokens: {
-                // Room for every token the request may generate: no growth while decoding.
-                let mut tokens = Vec::with_capacity(need);
-                tokens.extend_from_slice(&params.prompt);
-                tokens
-            },
-            prompt_len: params.prompt.len(),
+            tokens,
+            prompt_len,
+            history_start,
+            flight_rng: None,
             computed: 0,
             in_kv: false,
-            swapped: None,
+            swapped,
             rank: RankInput {
                 priority: params.priority,
                 arrival: self.next_arrival,
@@ -654,6 +712,7 @@ impl Session {
         };
         self.waiting.retain(|&r| r != id);
         self.running.retain(|&r| r != id);
+        self.retain_if_asked(id, &req, &FinishReason::Cancelled);
         if req.in_kv {
             self.kv.release(id);
         }

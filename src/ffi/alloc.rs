@@ -41,6 +41,14 @@ pub(crate) fn alloc_tokens(tokens: &[u32]) -> Result<*mut u32> {
     Ok(p)
 }
 
+/// A copy of `bytes`; never NULL (an empty copy is a 1-byte allocation).
+pub(crate) fn alloc_bytes(bytes: &[u8]) -> Result<*mut u8> {
+    let p = malloc_bytes(bytes.len(), "a byte buffer")?;
+    // SAFETY: p has room for `bytes.len()` bytes and does not overlap `bytes`.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, bytes.len()) };
+    Ok(p)
+}
+
 /// Frees a string returned by the library (`ni_detokenize`,
 /// `ni_apply_chat_template`). NULL is a no-op.
 ///
@@ -61,4 +69,14 @@ pub unsafe extern "C" fn ni_tokens_free(tokens: *mut u32) {
     super::boundary::ffi_value("ni_tokens_free", (), || unsafe {
         libc::free(tokens.cast())
     })
+}
+
+/// Frees a byte buffer returned by the library (`ni_session_save_state`).
+/// NULL is a no-op.
+///
+/// Thread-safety: any thread; each buffer is freed once.
+#[no_mangle]
+pub unsafe extern "C" fn ni_bytes_free(data: *mut u8) {
+    // SAFETY: `data` is NULL or came from `alloc_bytes` (malloc), per the contract.
+    super::boundary::ffi_value("ni_bytes_free", (), || unsafe { libc::free(data.cast()) })
 }

@@ -50,6 +50,8 @@ mod request;
 
 mod step;
 
+mod state;
+
 mod abort;
 
 mod debug;
@@ -64,6 +66,7 @@ pub use log::*;
 pub use model::*;
 pub use request::*;
 pub use session::*;
+pub use state::*;
 pub use status::*;
 pub use step::*;
 pub use text::*;

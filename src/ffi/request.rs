@@ -134,6 +134,15 @@ pub struct ni_request_params {
     /// A bad schema, regex or grammar fails `ni_session_add_request` with
     /// `NI_ERR_INVALID_ARGUMENT` naming the problem.
     pub constraint_kind: ni_constraint_kind,
+    /// Unused, 0. It fills the padding that ended the struct before
+    /// `retain_state`, so that field starts past the older struct's end and
+    /// an older caller's padding bytes are never read as it.
+    pub reserved0: u32,
+    /// Keep the request's state (tokens, KV, sampler position) when it
+    /// ends, so `ni_session_save_state` can save it afterwards; freed by
+    /// `ni_session_release_state` or with the session. Default false (a
+    /// running request can be saved without it).
+    pub retain_state: bool,
 }
 
 /// What a structured-output request's text must match.
@@ -154,8 +163,21 @@ pub(crate) const NI_REQUEST_PARAMS_SIZE_V1: usize =
 pub(crate) const NI_REQUEST_PARAMS_SIZE_V2: usize =
     std::mem::offset_of!(ni_request_params, constraint);
 
+/// `sizeof(ni_request_params)` before `retain_state`.
+pub(crate) const NI_REQUEST_PARAMS_SIZE_V3: usize =
+    std::mem::offset_of!(ni_request_params, retain_state);
+
+const _: () = assert!(
+    NI_REQUEST_PARAMS_SIZE_V3 == std::mem::offset_of!(ni_request_params, constraint_kind) + 8,
+    "retain_state must start where the struct ended before it"
+);
+
 impl args::Appendable for ni_request_params {
-    const OLDER_SIZES: &'static [usize] = &[NI_REQUEST_PARAMS_SIZE_V1, NI_REQUEST_PARAMS_SIZE_V2];
+    const OLDER_SIZES: &'static [usize] = &[
+        NI_REQUEST_PARAMS_SIZE_V1,
+        NI_REQUEST_PARAMS_SIZE_V2,
+        NI_REQUEST_PARAMS_SIZE_V3,
+    ];
 }
 
 impl Default for ni_request_params {
@@ -197,6 +219,8 @@ impl Default for ni_request_params {
             choices: std::ptr::null(),
             n_choices: 0,
             constraint_kind: NI_CONSTRAINT_NONE,
+            reserved0: 0,
+            retain_state: false,
         }
     }
 }
@@ -304,6 +328,7 @@ pub(crate) unsafe fn to_engine(p: &ni_request_params, model: &Model) -> Result<R
         cache_salt: p.cache_salt,
         // SAFETY: forwarded contract.
         constraint: unsafe { constraint(p)? },
+        retain_state: p.retain_state,
     })
 }
 

@@ -40,6 +40,17 @@ pub struct KvStats {
     pub prefix_tokens_reused: u64,
 }
 
+/// A run of cached tokens and the slots holding their KV, as
+/// [`KvCacheBackend::cached_runs`] lists them: the run continues the tokens
+/// of run `parent` (an earlier one), or starts at the root of its salt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CachedRun {
+    pub parent: Option<usize>,
+    pub salt: u64,
+    pub tokens: Vec<u32>,
+    pub slots: Vec<u32>,
+}
+
 /// Which manager to build.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvBackendKind {
@@ -89,6 +100,11 @@ pub trait KvCacheBackend: Send {
 
     /// The sequence's position → slot mapping (covers at least what was allocated).
     fn mapping(&self, seq: SeqId) -> KvMapping<'_>;
+
+    /// The prefix cache's contents, parents before children: every cached
+    /// token reachable from a root, with the slot holding its KV (what a
+    /// saved prefix cache holds). Empty with prefix caching off.
+    fn cached_runs(&self) -> Vec<CachedRun>;
 
     /// Slots that `allocate` could still obtain (free + evictable), in tokens.
     fn available_slots(&self) -> usize;

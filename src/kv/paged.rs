@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use super::block_pool::BlockPool;
 use super::prefix_hash::{block_key, root_key, BlockKey};
-use super::{KvBackendKind, KvCacheBackend, KvMapping, KvStats, SeqId};
+use super::{CachedRun, KvBackendKind, KvCacheBackend, KvMapping, KvStats, SeqId};
 
 #[derive(Debug, Default)]
 struct PagedSeq {
@@ -23,6 +23,14 @@ pub struct PagedKv {
     prefix_caching: bool,
     pool: BlockPool,
     seqs: HashMap<SeqId, PagedSeq>,
+    /// What each cached block holds, for listing the cache (`cached_runs`):
+    /// its tokens (`block_size` per block), its chain parent's key and its
+    /// salt. Valid while the pool holds the block under the key it was
+    /// cached with. Sized once (empty with prefix caching off), so caching
+    /// a block never allocates.
+    block_tokens: Vec<u32>,
+    block_parent: Vec<BlockKey>,
+    block_salt: Vec<u64>,
     prefix_hits: u64,
     prefix_tokens_reused: u64,
 }
@@ -32,11 +40,17 @@ impl PagedKv {
     /// the storage needs `num_blocks * block_size` slots. A zero `block_size`
     /// is treated as 1 and `num_blocks` is at least 1.
     pub fn new(num_blocks: usize, block_size: usize, prefix_caching: bool) -> Self {
+        let block_size = block_size.max(1);
+        let pool = BlockPool::new(num_blocks);
+        let listed = if prefix_caching { pool.num_blocks() } else { 0 };
         PagedKv {
-            block_size: block_size.max(1),
+            block_size,
             prefix_caching,
-            pool: BlockPool::new(num_blocks),
+            pool,
             seqs: HashMap::new(),
+            block_tokens: vec![0; listed * block_size],
+            block_parent: vec![0; listed],
+            block_salt: vec![0; listed],
             prefix_hits: 0,
             prefix_tokens_reused: 0,
         }
@@ -141,7 +155,14 @@ impl KvCacheBackend for PagedKv {
             let key = block_key(parent, &tokens[i * bs..(i + 1) * bs]);
             // If another block already holds this key, it stays the cached
             // copy and ours remains private; the chain continues either way.
-            self.pool.cache(state.table[i], key);
+            let block = state.table[i];
+            if self.pool.cache(block, key) {
+                let b = block as usize;
+                self.block_tokens[b * bs..(b + 1) * bs]
+                    .copy_from_slice(&tokens[i * bs..(i + 1) * bs]);
+                self.block_parent[b] = parent;
+                self.block_salt[b] = state.salt;
+            }
             state.keys.push(key);
         }
     }
@@ -162,6 +183,54 @@ impl KvCacheBackend for PagedKv {
             table: self.block_table(seq),
             block_size: self.block_size,
         }
+    }
+
+    fn cached_runs(&self) -> Vec<CachedRun> {
+        if !self.prefix_caching {
+            return Vec::new();
+        }
+        let bs = self.block_size;
+        // Cached blocks by the key of the block they continue.
+        let mut children: HashMap<BlockKey, Vec<u32>> = HashMap::new();
+        for block in 1..self.pool.num_blocks() as u32 {
+            if self.pool.key_of(block).is_some() {
+                let parent = self.block_parent[block as usize];
+                children.entry(parent).or_default().push(block);
+            }
+        }
+        let mut stack: Vec<(u32, Option<usize>)> = children
+            .iter()
+            .flat_map(|(&parent, blocks)| blocks.iter().map(move |&b| (parent, b)))
+            .filter(|&(parent, b)| parent == root_key(self.block_salt[b as usize]))
+            .map(|(_, b)| (b, None))
+            .collect();
+        stack.sort_unstable_by(|a, b| b.cmp(a));
+        let mut runs = Vec::new();
+        while let Some((first, parent)) = stack.pop() {
+            let mut run = CachedRun {
+                parent,
+                salt: self.block_salt[first as usize],
+                tokens: Vec::new(),
+                slots: Vec::new(),
+            };
+            // A chain of only children is one run.
+            let mut block = first;
+            let next = loop {
+                let b = block as usize;
+                run.tokens
+                    .extend_from_slice(&self.block_tokens[b * bs..(b + 1) * bs]);
+                run.slots.extend((b * bs..(b + 1) * bs).map(|s| s as u32));
+                let key = self.pool.key_of(block).expect("listed blocks are cached");
+                match children.get(&key).map(Vec::as_slice) {
+                    Some(&[only]) => block = only,
+                    more => break more.unwrap_or(&[]),
+                }
+            };
+            runs.push(run);
+            let index = runs.len() - 1;
+            stack.extend(next.iter().rev().map(|&b| (b, Some(index))));
+        }
+        runs
     }
 
     fn available_slots(&self) -> usize {

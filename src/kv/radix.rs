@@ -380,6 +380,35 @@ impl RadixTree {
             .collect()
     }
 
+    /// Every cached run, parents before children (see
+    /// `KvCacheBackend::cached_runs`): a node is a run, its parent node's
+    /// run its parent. Salts in ascending order, children by first token.
+    pub fn runs(&self) -> Vec<super::CachedRun> {
+        let mut salts: Vec<(&u64, &NodeId)> = self.roots.iter().collect();
+        salts.sort_unstable();
+        let mut runs = Vec::new();
+        let mut stack: Vec<(NodeId, Option<usize>)> = Vec::new();
+        let push_children = |stack: &mut Vec<(NodeId, Option<usize>)>, node: &Node, run| {
+            let mut kids: Vec<(&u32, &NodeId)> = node.children.iter().collect();
+            kids.sort_unstable_by(|a, b| b.cmp(a));
+            stack.extend(kids.into_iter().map(|(_, &c)| (c, run)));
+        };
+        for (_, &root) in salts {
+            push_children(&mut stack, self.node(root), None);
+            while let Some((id, parent)) = stack.pop() {
+                let n = self.node(id);
+                runs.push(super::CachedRun {
+                    parent,
+                    salt: n.salt,
+                    tokens: n.key.clone(),
+                    slots: n.slots.clone(),
+                });
+                push_children(&mut stack, n, Some(runs.len() - 1));
+            }
+        }
+        runs
+    }
+
     /// Whether `node` is a live, non-root node.
     pub fn is_live(&self, node: NodeId) -> bool {
         self.nodes

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 
 use super::radix::{NodeId, RadixTree};
-use super::{KvBackendKind, KvCacheBackend, KvMapping, KvStats, SeqId};
+use super::{CachedRun, KvBackendKind, KvCacheBackend, KvMapping, KvStats, SeqId};
 
 /// Slot 0 is the dummy slot and is never handed out.
 pub const DUMMY_SLOT: u32 = 0;
@@ -179,6 +179,10 @@ impl KvCacheBackend for TokenKv {
 
     fn mapping(&self, seq: SeqId) -> KvMapping<'_> {
         KvMapping::Slots(self.slots(seq))
+    }
+
+    fn cached_runs(&self) -> Vec<CachedRun> {
+        self.tree.as_ref().map_or_else(Vec::new, RadixTree::runs)
     }
 
     fn available_slots(&self) -> usize {

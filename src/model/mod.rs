@@ -3,6 +3,7 @@
 pub mod config;
 pub mod cuda_decoder;
 pub mod decoder;
+pub mod fingerprint;
 pub mod loader;
 pub mod quant;
 pub mod quant_int4;

@@ -53,6 +53,11 @@ impl Rng {
         Rng { s: state }
     }
 
+    /// The 256-bit state, which `from_state` resumes the stream from.
+    pub fn state(&self) -> [u64; 4] {
+        self.s
+    }
+
     pub fn next_u64(&mut self) -> u64 {
         let s = &mut self.s;
         let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);

@@ -69,6 +69,16 @@ impl Sampler {
         self.grammar = Some(grammar);
     }
 
+    /// The state of the RNG stream the next draw comes from.
+    pub fn rng_state(&self) -> [u64; 4] {
+        self.rng.state()
+    }
+
+    /// Continues the RNG stream of a saved sampler (see `rng_state`).
+    pub fn resume_rng(&mut self, state: [u64; 4]) {
+        self.rng = Rng::from_state(state);
+    }
+
     pub fn has_grammar(&self) -> bool {
         self.grammar.is_some()
     }

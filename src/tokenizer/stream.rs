@@ -62,6 +62,19 @@ impl StreamDetokenizer {
         }
     }
 
+    /// A detokenizer whose output continues text that `earlier` decodes
+    /// to: its last tokens are the first window's context, so the first
+    /// delta carries the spacing it would have had in one stream.
+    pub fn after(skip_special_tokens: bool, tok: &Tokenizer, earlier: &[u32]) -> Self {
+        let mut d = Self::new(skip_special_tokens);
+        let shown = |id: &&u32| !(skip_special_tokens && tok.is_special_id(**id));
+        d.ids
+            .extend(earlier.iter().rev().filter(shown).take(MAX_HELD));
+        d.ids.reverse();
+        d.read = d.ids.len();
+        d
+    }
+
     /// Adds one generated token and returns the text it completes (often empty
     /// while a multi-byte character is still incomplete). Fails on an id outside
     /// the vocabulary, leaving the state unchanged.

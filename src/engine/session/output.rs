@@ -92,7 +92,7 @@ impl Session {
                     continue;
                 }
                 suppression(req, &model.eos_token_ids, &mut scratch.suppress);
-                let (prompt, output) = req.tokens.split_at(req.prompt_len);
+                let (prompt, output) = req.tokens.split_at(req.history_start);
                 req.sampler.push_device_row(
                     vocab,
                     prompt,
@@ -248,7 +248,7 @@ impl Session {
         check_finite_logits(logits)?;
         let suppress = &mut self.scratch.suppress;
         suppression(req, &self.model.eos_token_ids, suppress);
-        let (prompt, output) = req.tokens.split_at(req.prompt_len);
+        let (prompt, output) = req.tokens.split_at(req.history_start);
         // Rows past the tokenizer are left out: they have no text.
         let logits = &mut logits[..self.model.sample_vocab];
         req.sampler.sample(logits, prompt, output, suppress)
@@ -323,6 +323,7 @@ impl Session {
         }
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
+        self.retain_if_asked(id, &req, &reason);
         if req.in_kv {
             self.kv.release(id);
         }

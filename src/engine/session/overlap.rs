@@ -122,7 +122,10 @@ impl Session {
             scratch.device_sampling.clear();
             for &(id, _) in plan {
                 let req = requests.get_mut(&id).expect("chained request exists");
-                let (prompt, output) = req.tokens.split_at(req.prompt_len);
+                // The draw below belongs to a token not yet reported: a
+                // state saved meanwhile resumes from before it.
+                req.flight_rng = Some(req.sampler.rng_state());
+                let (prompt, output) = req.tokens.split_at(req.history_start);
                 // Nothing suppressed: `can_chain` saw min_tokens reached.
                 let rows = &mut scratch.device_sampling;
                 req.sampler
@@ -187,6 +190,11 @@ impl Session {
         let started = Instant::now();
         let result = self.ctx.collect_ids(ids);
         self.stats.forward_time_ns += started.elapsed().as_nanos() as u64;
+        for (id, _) in &plan {
+            if let Some(r) = self.requests.get_mut(id) {
+                r.flight_rng = None;
+            }
+        }
         if chained {
             // One row per entry.
             let mut kept = 0;

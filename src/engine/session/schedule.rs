@@ -2,6 +2,8 @@
 
 use super::{PreemptionMode, Session};
 use crate::engine::request::{Event, FinishReason, RequestId};
+use crate::kv::KvCacheBackend;
+use crate::model::ForwardContext;
 use crate::{Error, ErrorKind, Result};
 
 /// Fewest tokens a deferred admission must expect to gain from a prefix
@@ -136,8 +138,9 @@ impl Session {
         req.in_kv = true;
         req.computed = cached;
         // Only the first admission's hit is the request's cached prompt: a
-        // resumed request finds (or restores) KV it computed itself.
-        req.cached_prompt_tokens.get_or_insert(cached);
+        // resumed request finds (or restores) KV it computed itself. A
+        // restored conversation's first admission counts its restored KV.
+        req.cached_prompt_tokens.get_or_insert(resume_to);
         if cached > 0 {
             self.stats.prefix_hits += 1;
             self.stats.prefix_cached_tokens += cached as u64;
@@ -209,26 +212,13 @@ impl Session {
     /// Copies the KV of positions `0..n` of running request `id` to host
     /// memory. A host that cannot hold it is an error, not an abort.
     fn swap_out(&mut self, id: RequestId, n: usize) -> Result<Vec<f32>> {
-        let mapping = self.kv.mapping(id);
-        let slots: Vec<u32> = (0..n).map(|p| mapping.slot(p) as u32).collect();
-        let values = n.saturating_mul(self.ctx.kv_values_per_slot());
-        let mut saved = Vec::new();
-        saved.try_reserve_exact(values).map_err(|_| {
-            Error::new(
-                ErrorKind::OutOfMemory,
-                format!(
-                    "swap-out of {n} tokens: cannot allocate {values} f32 values of host memory"
-                ),
-            )
-        })?;
         let step = self.stats.steps;
         if let Some(e) = self.faults.as_mut().and_then(|f| f.swap_out_error(step)) {
             // A copy that broke off midway.
-            self.ctx.save_kv(&slots[..slots.len() / 2], &mut saved)?;
+            kv_to_host(self.kv.as_ref(), self.ctx.as_mut(), id, n / 2)?;
             return Err(e);
         }
-        self.ctx.save_kv(&slots, &mut saved)?;
-        Ok(saved)
+        kv_to_host(self.kv.as_ref(), self.ctx.as_mut(), id, n)
     }
 
     /// Restores swapped KV after `allocate` gave the request room again.
@@ -271,4 +261,28 @@ impl Session {
         }
         self.ctx.restore_kv(slots, data)
     }
+}
+
+/// Copies the KV of positions `0..n` of sequence `id` to host memory. A
+/// host that cannot hold it is an error, not an abort.
+pub(super) fn kv_to_host(
+    kv: &dyn KvCacheBackend,
+    ctx: &mut dyn ForwardContext,
+    id: RequestId,
+    n: usize,
+) -> Result<Vec<f32>> {
+    let mapping = kv.mapping(id);
+    let slots: Vec<u32> = (0..n).map(|p| mapping.slot(p) as u32).collect();
+    let values = n.saturating_mul(ctx.kv_values_per_slot());
+    let mut saved = Vec::new();
+    saved.try_reserve_exact(values).map_err(|_| {
+        Error::new(
+            ErrorKind::OutOfMemory,
+            format!(
+                "copying the KV of {n} tokens: cannot allocate {values} f32 values of host memory"
+            ),
+        )
+    })?;
+    ctx.save_kv(&slots, &mut saved)?;
+    Ok(saved)
 }
