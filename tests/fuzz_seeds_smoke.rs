@@ -156,3 +156,24 @@ fn stream_detok() {
 fn chat_template() {
     smoke("chat_template", 5000, parsers_driver::chat_template);
 }
+
+#[test]
+fn state_file() {
+    // The committed seeds are the files the current format writes
+    // (NANOINFER_BLESS=1 rewrites them after a format change).
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/state_file");
+    for (name, bytes) in parsers_driver::state_file_seeds() {
+        let path = dir.join(name);
+        if std::env::var_os("NANOINFER_BLESS").is_some() {
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(&path, &bytes).unwrap();
+        }
+        let committed = std::fs::read(&path).unwrap_or_default();
+        assert!(
+            committed == bytes,
+            "{} is stale: run with NANOINFER_BLESS=1",
+            path.display()
+        );
+    }
+    smoke("state_file", 20_000, parsers_driver::state_file);
+}

@@ -1,5 +1,5 @@
 //! The bodies of the parser fuzz targets (safetensors, config_json,
-//! tokenizer_json, tokenizer_text, stream_detok, chat_template), shared with
+//! tokenizer_json, tokenizer_text, stream_detok, chat_template, state_file), shared with
 //! the normal test suite: tests/fuzz_seeds_smoke.rs includes this file with
 //! `#[path]` and runs each over its committed seeds and mutations of them on
 //! stable, so CI checks the same properties without a fuzzer.
@@ -227,5 +227,87 @@ pub fn chat_template(data: &[u8]) {
     for gen in [true, false] {
         let _ = t.render(&messages, gen);
         let _ = t.render(&[], gen);
+    }
+}
+
+/// What the state-file target's files are read against.
+pub fn state_identity() -> nanoinfer::engine::StateIdentity {
+    nanoinfer::engine::StateIdentity {
+        fingerprint: 0x5eed_f00d,
+        kv_format: "cpu auto 32".into(),
+        values_per_slot: 4,
+        vocab: 100,
+        max_tokens: 64,
+    }
+}
+
+/// Valid files of both kinds for `state_identity`: the target's seeds
+/// (tests/fuzz_seeds_smoke.rs checks the committed ones are current).
+pub fn state_file_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    use nanoinfer::engine::state_file::{write_prefixes, SavedRun, SavedSequence};
+    let id = state_identity();
+    let seq = SavedSequence {
+        tokens: vec![1, 17, 42, 99, 3],
+        history_start: 3,
+        kv_positions: 4,
+        kv: (0..16).map(|v| v as f32 / 8.0 - 1.0).collect(),
+        rng: [9, 8, 7, 6],
+    };
+    let mut sequence = Vec::new();
+    seq.write(&id, &mut sequence).unwrap();
+    let runs = [
+        SavedRun {
+            parent: None,
+            salt: 0,
+            tokens: vec![5, 6, 7],
+            kv: vec![0.5; 12],
+        },
+        SavedRun {
+            parent: Some(0),
+            salt: 0,
+            tokens: vec![8],
+            kv: vec![-0.25; 4],
+        },
+        SavedRun {
+            parent: None,
+            salt: 11,
+            tokens: vec![2, 2],
+            kv: vec![1.0; 8],
+        },
+    ];
+    let mut prefixes = Vec::new();
+    write_prefixes(&id, runs.len(), &mut prefixes, |i| Ok(runs[i].clone())).unwrap();
+    vec![("sequence.nistate", sequence), ("prefixes.nikv", prefixes)]
+}
+
+/// A saved conversation or prefix cache (hostile bytes). Reading either
+/// fails with an error or yields contents within the identity's limits
+/// that write back to the same bytes.
+pub fn state_file(data: &[u8]) {
+    use nanoinfer::engine::state_file::{read_prefixes, write_prefixes, SavedSequence};
+    let id = state_identity();
+    let len = data.len() as u64;
+    if let Ok(seq) = SavedSequence::read(&mut &data[..], len, &id) {
+        assert!(!seq.tokens.is_empty() && seq.tokens.len() <= id.max_tokens);
+        assert!(seq.tokens.iter().all(|&t| (t as usize) < id.vocab));
+        assert!(seq.kv_positions <= seq.tokens.len() && seq.history_start <= seq.tokens.len());
+        assert_eq!(seq.kv.len(), seq.kv_positions * id.values_per_slot);
+        assert!(seq.kv.iter().all(|v| v.is_finite()));
+        let mut again = Vec::new();
+        seq.write(&id, &mut again).unwrap();
+        assert_eq!(again, data, "a sequence read back writes other bytes");
+    }
+    let mut runs = Vec::new();
+    let read = read_prefixes(&mut &data[..], len, &id, |run, path| {
+        assert!(path.len() <= id.max_tokens && path.ends_with(&run.tokens));
+        assert_eq!(run.kv.len(), run.tokens.len() * id.values_per_slot);
+        assert!(run.parent.is_none_or(|p| p < runs.len()));
+        runs.push(run.clone());
+        Ok(())
+    });
+    if read.is_ok() {
+        let mut again = Vec::new();
+        write_prefixes(&id, runs.len(), &mut again, |i| Ok(runs[i].clone())).unwrap();
+        assert_eq!(again, data, "a prefix cache read back writes other bytes");
     }
 }

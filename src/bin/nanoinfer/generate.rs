@@ -40,6 +40,7 @@ pub fn run(a: &Args) -> Result<(), String> {
         FLAGS,
         &["prompt", "prompts-file", "prompt-ids"],
         CONSTRAINT_OPTS,
+        STATE_OPTS,
     ]
     .concat();
     a.check_known(&known)?;
@@ -50,9 +51,26 @@ pub fn run(a: &Args) -> Result<(), String> {
     let prompts = prompt_ids(a, &model)?;
     let constraint = constraint(a)?;
 
+    let save_state = a.get("save-state").map(Path::new);
+    let load_state = a.get("load-state").map(Path::new);
+    if prompts.len() > 1 && (save_state.is_some() || load_state.is_some()) {
+        return Err("--save-state and --load-state take one conversation: give one prompt".into());
+    }
+
     let mut session = Session::new(model.clone(), session_params).map_err(|e| e.to_string())?;
     if !json_out {
         eprintln!("[{}]", session.stats().memory);
+    }
+    if let Some(dir) = a.get("load-prefix-cache") {
+        let r = session
+            .load_prefix_cache(Path::new(dir))
+            .map_err(|e| format!("--load-prefix-cache: {e}"))?;
+        if !json_out {
+            eprintln!(
+                "[prefix cache: {} cached tokens loaded from {dir}, {} left out]",
+                r.tokens, r.skipped_tokens
+            );
+        }
     }
     let mut ids = Vec::new();
     for p in &prompts {
@@ -60,9 +78,16 @@ pub fn run(a: &Args) -> Result<(), String> {
             prompt: p.clone(),
             sampling: sampling.clone(),
             constraint: constraint.clone(),
+            retain_state: save_state.is_some(),
             ..Default::default()
         };
-        ids.push(session.add_request(req).map_err(|e| e.to_string())?);
+        let added = match load_state {
+            Some(path) => session
+                .restore_request_file(path, req)
+                .map_err(|e| format!("--load-state: {e}")),
+            None => session.add_request(req).map_err(|e| e.to_string()),
+        };
+        ids.push(added?);
     }
     let mut outputs: Vec<Output> = prompts
         .iter()
@@ -90,6 +115,19 @@ pub fn run(a: &Args) -> Result<(), String> {
     }
     if stream {
         let _ = writeln!(stdout);
+    }
+    if let Some(path) = save_state {
+        session
+            .save_state_file(ids[0], path)
+            .map_err(|e| format!("--save-state: {e}"))?;
+    }
+    if let Some(dir) = a.get("save-prefix-cache") {
+        let r = session
+            .save_prefix_cache(Path::new(dir))
+            .map_err(|e| format!("--save-prefix-cache: {e}"))?;
+        if !json_out {
+            eprintln!("[prefix cache: {} cached tokens saved to {dir}]", r.tokens);
+        }
     }
     let load_ms = model.load_ms;
     for o in &outputs {
@@ -191,6 +229,18 @@ fn to_json(o: &Output, load_ms: f64) -> serde_json::Value {
 
 const CONSTRAINT_OPTS: &[&str] = &["json-schema", "regex", "grammar", "choice"];
 
+/// `--save-state FILE`: save the conversation when it ends. `--load-state
+/// FILE`: continue a saved conversation, the prompt (optional, tokenized
+/// as raw text without BOS: write a chat turn's markers yourself) appended
+/// to it. `--save-prefix-cache DIR` / `--load-prefix-cache DIR`: the
+/// session's prefix cache after the run / before it.
+const STATE_OPTS: &[&str] = &[
+    "save-state",
+    "load-state",
+    "save-prefix-cache",
+    "load-prefix-cache",
+];
+
 /// `--json-schema FILE | --regex R | --grammar FILE | --choice A --choice B`:
 /// structured output, at most one of them.
 fn constraint(a: &Args) -> Result<Option<Constraint>, String> {
@@ -246,11 +296,32 @@ fn prompt_ids(a: &Args, model: &nanoinfer::engine::Model) -> Result<Vec<Vec<u32>
                 .map(str::to_string),
         );
     }
+    let continuing = a.get("load-state").is_some();
     if texts.is_empty() {
+        if continuing {
+            // The saved conversation goes on where it stopped.
+            return Ok(vec![Vec::new()]);
+        }
         return Err("give --prompt TEXT, --prompts-file PATH or --prompt-ids".into());
     }
     let tok = model.tokenizer().map_err(|e| e.to_string())?;
     let context = model.config().max_position_embeddings;
+    if continuing {
+        if a.flag("chat") {
+            return Err(
+                "--chat renders a whole conversation; with --load-state give the new turn as text, \
+                 its chat markers included"
+                    .into(),
+            );
+        }
+        return texts
+            .iter()
+            .map(|t| {
+                tok.encode_bounded(t, false, context, "--prompt")
+                    .map_err(|e| e.to_string())
+            })
+            .collect();
+    }
     texts
         .iter()
         .map(|t| {

@@ -25,6 +25,8 @@ const USAGE: &str = "usage:
                      [--max-batched-tokens N] [--max-seqs N] [--prefill-chunk N]
                      [--policy fcfs|priority] [--preemption recompute|swap] [--no-prefix-cache]
                      [--host-sampling] [--json-schema FILE | --regex R | --grammar FILE | --choice A --choice B ...]
+                     [--save-state FILE] [--load-state FILE (prompt optional: appended as raw text)]
+                     [--save-prefix-cache DIR] [--load-prefix-cache DIR]
   nanoinfer perplexity --model DIR --file PATH [--max-tokens 1024] [--device ..] [--threads N] [--dtype ..]
                      [--quant ..] [--json]
   nanoinfer bench --model DIR [-p 512] [-n 128] [-r|--repetitions 3] [--device ..] [-t|--threads N]
