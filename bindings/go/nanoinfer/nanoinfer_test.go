@@ -727,3 +727,72 @@ func TestStructuredOutput(t *testing.T) {
 		t.Fatalf("bad schema: %v", err)
 	}
 }
+
+func TestSavedState(t *testing.T) {
+	seed := uint64(99)
+	base := Request{
+		Text:        chatPrompt(t, "Describe a thunderstorm."),
+		Temperature: 0.8,
+		TopP:        0.9,
+		Seed:        &seed,
+		IgnoreEOS:   true,
+	}
+	whole := base
+	whole.MaxTokens = 24
+	want, _ := generateAll(t, session(t), whole)
+
+	first := session(t)
+	part := base
+	part.MaxTokens = 10
+	part.RetainState = true
+	got, last := generateAll(t, first, part)
+	if !slices.Equal(got, want[:10]) {
+		t.Fatalf("first part %v, want %v", got, want[:10])
+	}
+	state, err := first.SaveState(last.RequestID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := first.ReleaseState(last.RequestID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := first.SaveState(last.RequestID); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("saving a released state: %v", err)
+	}
+
+	rest := Request{State: state, MaxTokens: 14, Temperature: 0.8, TopP: 0.9, Seed: &seed, IgnoreEOS: true}
+	got, last = generateAll(t, session(t), rest)
+	if !slices.Equal(got, want[10:]) {
+		t.Fatalf("continuation %v, want %v", got, want[10:])
+	}
+	if last.Usage.CachedPromptTokens != last.Usage.PromptTokens-1 {
+		t.Fatalf("restored KV not used: %+v", *last.Usage)
+	}
+
+	bad := slices.Clone(state)
+	bad[len(bad)/2] ^= 1
+	if _, err := session(t).AddRequest(Request{State: bad, MaxTokens: 4}); !errors.Is(err, ErrInvalidArgument) ||
+		!strings.Contains(err.Error(), "checksum") {
+		t.Fatalf("corrupt state: %v", err)
+	}
+}
+
+func TestPrefixCacheWarmStart(t *testing.T) {
+	dir := t.TempDir()
+	req := Request{Text: strings.Repeat("The committee met to review the annual budget. ", 8), MaxTokens: 4}
+	a := session(t)
+	want, _ := generateAll(t, a, req)
+	saved, err := a.SavePrefixCache(dir)
+	if err != nil || saved < 64 {
+		t.Fatalf("saved %d tokens: %v", saved, err)
+	}
+	b := session(t)
+	loaded, err := b.LoadPrefixCache(dir)
+	if err != nil || loaded < saved-16 {
+		t.Fatalf("loaded %d of %d tokens: %v", loaded, saved, err)
+	}
+	got, last := generateAll(t, b, req)
+	if !slices.Equal(got, want) || last.Usage.CachedPromptTokens < 64 {
+		t.Fatalf("warm start: %v (cached %d), want %v", got, last.Usage.CachedPromptTokens, want)
+	}
+}

@@ -150,6 +150,18 @@ type Request struct {
 	// NoGenerationPrompt leaves the assistant turn's opening off a
 	// Messages prompt (it is added by default, so that the model answers).
 	NoGenerationPrompt bool
+	// RetainState keeps the request's state when it ends, so SaveState can
+	// still save it (until ReleaseState). A running request can be saved
+	// without it.
+	RetainState bool
+	// State continues a conversation saved by SaveState (in this process or
+	// another, with the same model): its tokens come first, then the prompt
+	// (which may be empty: the output goes on where it stopped). Its KV is
+	// restored, not recomputed. With Seed set the saved random stream goes
+	// on, so a seeded conversation continues exactly as if never
+	// interrupted. A state of another model or corrupt in any way fails
+	// with ErrInvalidArgument, naming the problem.
+	State []byte
 }
 
 // RequestID identifies a request within its session.
@@ -447,9 +459,96 @@ func (s *Session) addLocked(req *Request) (RequestID, error) {
 		return 0, check.err
 	}
 
+	p.retain_state = C.bool(req.RetainState)
+
 	var id C.uint64_t
+	if req.State != nil {
+		data := req.State
+		if len(data) == 0 {
+			data = []byte{0} // a non-NULL pointer with length 0: refused as truncated
+		}
+		err := call("ni_session_restore_request", func() C.ni_status {
+			return C.ni_session_restore_request(s.ptr, (*C.uint8_t)(unsafe.Pointer(&data[0])), C.size_t(len(req.State)), &p, &id)
+		})
+		return RequestID(id), err
+	}
 	err := call("ni_session_add_request", func() C.ni_status { return C.ni_session_add_request(s.ptr, &p, &id) })
 	return RequestID(id), err
+}
+
+// SaveState returns the saved state of request id: its tokens, the KV of
+// the positions computed so far and its sampler's position. The request is
+// waiting or running, or it ended with RetainState and was not released.
+// Continue it with Request.State, in any session of the same model.
+func (s *Session) SaveState(id RequestID) ([]byte, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ptr == nil {
+		return nil, ErrClosed
+	}
+	var data *C.uint8_t
+	var n C.size_t
+	if err := call("ni_session_save_state", func() C.ni_status {
+		return C.ni_session_save_state(s.ptr, C.uint64_t(id), &data, &n)
+	}); err != nil {
+		return nil, err
+	}
+	defer C.ni_bytes_free(data)
+	return C.GoBytes(unsafe.Pointer(data), C.int(n)), nil
+}
+
+// SaveStateFile writes SaveState's bytes to path (whole or not at all).
+func (s *Session) SaveStateFile(id RequestID, path string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ptr == nil {
+		return ErrClosed
+	}
+	cpath := C.CString(path)
+	defer C.free(unsafe.Pointer(cpath))
+	return call("ni_session_save_state_file", func() C.ni_status {
+		return C.ni_session_save_state_file(s.ptr, C.uint64_t(id), cpath)
+	})
+}
+
+// ReleaseState frees the state kept for ended request id (RetainState).
+func (s *Session) ReleaseState(id RequestID) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ptr == nil {
+		return ErrClosed
+	}
+	return call("ni_session_release_state", func() C.ni_status { return C.ni_session_release_state(s.ptr, C.uint64_t(id)) })
+}
+
+// SavePrefixCache writes the session's prefix cache (cached prompt prefixes
+// with their KV) into directory dir and returns the number of tokens saved.
+func (s *Session) SavePrefixCache(dir string) (int, error) {
+	return s.prefixCache(dir, "ni_session_save_prefix_cache", func(d *C.char, n *C.size_t) C.ni_status {
+		return C.ni_session_save_prefix_cache(s.ptr, d, n)
+	})
+}
+
+// LoadPrefixCache warm-starts the prefix cache from a directory written by
+// SavePrefixCache for the same model; it returns the number of tokens now
+// cached from it. A foreign or corrupt file changes nothing.
+func (s *Session) LoadPrefixCache(dir string) (int, error) {
+	return s.prefixCache(dir, "ni_session_load_prefix_cache", func(d *C.char, n *C.size_t) C.ni_status {
+		return C.ni_session_load_prefix_cache(s.ptr, d, n)
+	})
+}
+
+func (s *Session) prefixCache(dir, op string, f func(*C.char, *C.size_t) C.ni_status) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ptr == nil {
+		return 0, ErrClosed
+	}
+	cdir := C.CString(dir)
+	defer C.free(unsafe.Pointer(cdir))
+	var n C.size_t
+	err := call(op, func() C.ni_status { return f(cdir, &n) })
+	return int(n), err
 }
 
 // setConstraint fills the structured-output fields of p from req.
