@@ -694,6 +694,90 @@ fn soak(b: Backend) {
     }
 }
 
+/// Each listed run's full token path (its ancestors' tokens, then its own).
+fn run_paths(runs: &[super::CachedRun]) -> Vec<(u64, Vec<u32>, Vec<u32>)> {
+    let mut out: Vec<(u64, Vec<u32>, Vec<u32>)> = Vec::new();
+    for (i, r) in runs.iter().enumerate() {
+        let (mut path, mut slots) = match r.parent {
+            Some(p) => {
+                assert!(p < i, "run {i}'s parent {p} comes after it");
+                assert_eq!(runs[p].salt, r.salt, "run {i} changes salt");
+                (out[p].1.clone(), out[p].2.clone())
+            }
+            None => (Vec::new(), Vec::new()),
+        };
+        assert!(!r.tokens.is_empty() && r.tokens.len() == r.slots.len());
+        path.extend_from_slice(&r.tokens);
+        slots.extend_from_slice(&r.slots);
+        out.push((r.salt, path, slots));
+    }
+    out
+}
+
+fn cached_runs_list_the_cache(b: Backend) {
+    let g = b.g();
+    let (mut kv, _) = b.make(1024, true);
+    let p = distinct_tokens(1, 100);
+    let a = cat(&p, &distinct_tokens(2, 37));
+    let c = cat(&p, &distinct_tokens(3, 21));
+    let q = distinct_tokens(4, 50);
+    for (seq, tokens, salt) in [(1, &a, 0), (2, &c, 0), (3, &q, 5)] {
+        run_prompt(kv.as_mut(), seq, tokens, salt);
+    }
+    // Slots as the live sequences map them, before they leave.
+    let mapped: Vec<Vec<usize>> = [(1, &a), (2, &c), (3, &q)]
+        .iter()
+        .map(|&(seq, t)| slots(kv.as_ref(), seq, t.len() / g * g))
+        .collect();
+    for seq in 1..=3 {
+        kv.release(seq);
+    }
+    let runs = kv.cached_runs();
+    let paths = run_paths(&runs);
+    let listed: usize = runs.iter().map(|r| r.tokens.len()).sum();
+    assert_eq!(listed, kv.stats().evictable_slots, "every cached token, once");
+    for (i, (t, salt)) in [(&a, 0), (&c, 0), (&q, 5)].into_iter().enumerate() {
+        let full = t.len() / g * g;
+        let run = paths
+            .iter()
+            .find(|(s, path, _)| *s == salt && path[..] == t[..full])
+            .unwrap_or_else(|| panic!("prompt {i} ({full} cached tokens) is not listed"));
+        let listed_slots: Vec<usize> = run.2.iter().map(|&s| s as usize).collect();
+        assert_eq!(listed_slots, mapped[i], "prompt {i}'s slots");
+    }
+    // Replaying the runs into a fresh cache gives the same cache.
+    let (mut fresh, _) = b.make(1024, true);
+    for (salt, path, _) in &paths {
+        let mut probe = path.clone();
+        probe.push(0);
+        fresh.begin(99, &probe, *salt);
+        assert!(fresh.allocate(99, path.len()));
+        fresh.commit(99, path);
+        fresh.release(99);
+        check(fresh.as_ref());
+    }
+    let mut again: Vec<_> = run_paths(&fresh.cached_runs())
+        .into_iter()
+        .map(|(s, p, _)| (s, p))
+        .collect();
+    let mut want: Vec<_> = paths.into_iter().map(|(s, p, _)| (s, p)).collect();
+    again.sort();
+    want.sort();
+    // Leaves carry the same token paths (a tree may split runs differently).
+    let leaves = |v: &[(u64, Vec<u32>)]| -> Vec<(u64, Vec<u32>)> {
+        v.iter()
+            .filter(|(s, p)| !v.iter().any(|(s2, p2)| s2 == s && p2.len() > p.len() && p2.starts_with(p)))
+            .cloned()
+            .collect()
+    };
+    assert_eq!(leaves(&again), leaves(&want));
+
+    let (mut off, _) = b.make(256, false);
+    run_prompt(off.as_mut(), 1, &a, 0);
+    off.release(1);
+    assert!(off.cached_runs().is_empty());
+}
+
 macro_rules! suite {
     ($($module:ident => $kind:ident, $bs:expr;)*) => {$(
         mod $module {
@@ -714,6 +798,7 @@ macro_rules! suite {
             #[test] fn concurrent_duplicate_prefill() { super::concurrent_duplicate_prefill(B) }
             #[test] fn restart_replaces_sequence() { super::restart_replaces_sequence(B) }
             #[test] fn soak() { super::soak(B) }
+            #[test] fn cached_runs_list_the_cache() { super::cached_runs_list_the_cache(B) }
         }
     )*};
 }

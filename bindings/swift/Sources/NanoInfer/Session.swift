@@ -73,6 +73,14 @@ public struct Request {
     public var regex = ""
     public var grammar = ""
     public var choices: [String] = []
+    /// Keep the request's state when it ends, so `saveState` can still
+    /// save it (until `releaseState`). A running request saves without it.
+    public var retainState = false
+    /// A conversation saved by `saveState` (this process or another, same
+    /// model) that this request continues: its tokens, then the prompt
+    /// (which may be empty). Its KV is restored, not recomputed; with a
+    /// seed the saved random stream goes on.
+    public var state: [UInt8]? = nil
 
     public init(prompt: [UInt32] = [], text: String = "", maxTokens: Int = 256) {
         self.prompt = prompt
@@ -255,11 +263,57 @@ public final class Session: @unchecked Sendable {
             p.choices = arena.copy(ptrs)
             p.n_choices = ptrs.count
         }
+        p.retain_state = r.retainState
         var id: UInt64 = 0
         try withExtendedLifetime(arena) {
-            try check("ni_session_add_request", ni_session_add_request(handle, &p, &id))
+            if let state = r.state {
+                try state.withUnsafeBufferPointer { buf in
+                    try check("ni_session_restore_request",
+                              ni_session_restore_request(handle, buf.baseAddress, buf.count, &p, &id))
+                }
+            } else {
+                try check("ni_session_add_request", ni_session_add_request(handle, &p, &id))
+            }
         }
         return id
+    }
+
+    /// The saved state of request `id` (waiting, running, or ended with
+    /// `retainState` and not released); continue it with `Request.state`.
+    public func saveState(_ id: RequestID) throws -> [UInt8] {
+        lock.lock()
+        defer { lock.unlock() }
+        var data: UnsafeMutablePointer<UInt8>? = nil
+        var n = 0
+        try check("ni_session_save_state", ni_session_save_state(handle, id, &data, &n))
+        defer { ni_bytes_free(data) }
+        return Array(UnsafeBufferPointer(start: data, count: n))
+    }
+
+    /// Frees the state kept for ended request `id` (`retainState`).
+    public func releaseState(_ id: RequestID) throws {
+        lock.lock()
+        defer { lock.unlock() }
+        try check("ni_session_release_state", ni_session_release_state(handle, id))
+    }
+
+    /// Writes the prefix cache into directory `dir`; returns the tokens saved.
+    public func savePrefixCache(_ dir: String) throws -> Int {
+        lock.lock()
+        defer { lock.unlock() }
+        var n = 0
+        try check("ni_session_save_prefix_cache", ni_session_save_prefix_cache(handle, dir, &n))
+        return n
+    }
+
+    /// Warm-starts the prefix cache from `dir` (same model); returns the
+    /// tokens now cached from it. A foreign or corrupt file changes nothing.
+    public func loadPrefixCache(_ dir: String) throws -> Int {
+        lock.lock()
+        defer { lock.unlock() }
+        var n = 0
+        try check("ni_session_load_prefix_cache", ni_session_load_prefix_cache(handle, dir, &n))
+        return n
     }
 
     /// Runs one engine step; returns its events (after any collected by `generate`).
