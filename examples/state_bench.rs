@@ -34,7 +34,10 @@ fn session(model: &Arc<Model>, tokens: usize) -> Session {
 fn first_token(s: &mut Session, id: RequestId, from: Instant) -> f64 {
     loop {
         let events = s.step().expect("step");
-        if events.iter().any(|e| e.request_id == id && !e.tokens.is_empty()) {
+        if events
+            .iter()
+            .any(|e| e.request_id == id && !e.tokens.is_empty())
+        {
             let t = from.elapsed().as_secs_f64();
             while s.has_work() {
                 s.step().expect("step");
@@ -63,7 +66,8 @@ fn main() {
         .split(',')
         .map(|c| c.parse().unwrap())
         .collect();
-    let dir = PathBuf::from(get("--dir").unwrap_or_else(|| std::env::temp_dir().display().to_string()));
+    let dir =
+        PathBuf::from(get("--dir").unwrap_or_else(|| std::env::temp_dir().display().to_string()));
     let model = Arc::new(Model::load(&model_dir, &params, None).expect("model"));
     let vocab = model.sample_vocab as u64;
     println!(
@@ -85,7 +89,9 @@ fn main() {
         };
         // Warm-up: first-use costs (kernel compilation, page faults) out of the figures.
         let mut warm = session(&model, n);
-        let id = warm.add_request(request(prompt[..n.min(64)].to_vec(), false)).unwrap();
+        let id = warm
+            .add_request(request(prompt[..n.min(64)].to_vec(), false))
+            .unwrap();
         first_token(&mut warm, id, Instant::now());
         drop(warm);
 

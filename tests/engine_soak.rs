@@ -82,6 +82,7 @@ fn random_request(rng: &mut TestRng, prefixes: &[Vec<u32>], capacity: usize) -> 
         priority: rng.range(0, 4) as i32,
         cache_salt: rng.range(0, 2) as u64,
         constraint: None,
+        retain_state: false,
     }
 }
 

@@ -218,7 +218,7 @@ fn a_new_turn_computes_only_the_tokens_it_appends() {
             turn.len() + 1,
             "{backend:?}: the appended turn and the last saved token are computed"
         );
-        let usage = out.usage.clone().unwrap();
+        let usage = out.usage.unwrap();
         assert_eq!(usage.prompt_tokens, prompt.len() + 12 + turn.len());
         outputs.push(out.tokens);
     }

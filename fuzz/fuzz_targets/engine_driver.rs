@@ -218,7 +218,7 @@ pub fn session_ops(model: &Arc<Model>, data: &[u8]) {
     let mut accepted: Vec<(RequestId, RequestParams)> = vec![];
     let mut cancelled = std::collections::HashSet::new();
     while !inp.done() {
-        match inp.u8() % 8 {
+        match inp.u8() % 9 {
             0..=2 => {
                 let mut prompt = if inp.bool() {
                     prefixes[inp.range(0, prefixes.len())].clone()
@@ -247,6 +247,7 @@ pub fn session_ops(model: &Arc<Model>, data: &[u8]) {
                     priority: inp.range(0, 5) as i32 - 2,
                     cache_salt: inp.u8() as u64 % 2,
                     constraint: None,
+                    retain_state: inp.u8() < 64,
                 };
                 let fits = !r.prompt.is_empty() && r.prompt.len() + max_tokens as usize <= capacity;
                 match s.add_request(r.clone()) {
@@ -268,6 +269,44 @@ pub fn session_ops(model: &Arc<Model>, data: &[u8]) {
                 assert_eq!(res.is_ok(), active, "{cfg}: cancel of {id}");
                 if res.is_ok() {
                     cancelled.insert(id);
+                }
+            }
+            4 if !accepted.is_empty() => {
+                // Save a request (active, or kept when it ended) and
+                // continue it as a new request.
+                let (id, _) = accepted[inp.range(0, accepted.len())];
+                let active = s.is_active(id);
+                match s.save_state_bytes(id) {
+                    Ok(bytes) => {
+                        let max_tokens = inp.range(1, 20) as u32;
+                        let r = RequestParams {
+                            sampling: SamplingParams {
+                                max_tokens,
+                                ..Default::default()
+                            },
+                            retain_state: inp.bool(),
+                            ..Default::default()
+                        };
+                        match s.restore_request_bytes(&bytes, r.clone()) {
+                            Ok(new) => {
+                                log.expect(new);
+                                accepted.push((new, r));
+                            }
+                            // The saved tokens plus max_tokens may not fit.
+                            Err(e) => assert!(
+                                e.kind == ErrorKind::InvalidArgument
+                                    && e.message.contains("exceeds"),
+                                "{cfg}: restoring {id}'s state: {e}"
+                            ),
+                        }
+                        if inp.bool() {
+                            let _ = s.release_state(id);
+                        }
+                    }
+                    Err(e) => {
+                        assert!(!active, "{cfg}: saving active request {id}: {e}");
+                        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{cfg}: {e}");
+                    }
                 }
             }
             _ => log.record(s.step().expect("step")),
@@ -397,6 +436,7 @@ pub fn request_params(model: &Arc<Model>, data: &[u8]) -> bool {
         priority: inp.u8() as i32 - 128,
         cache_salt: inp.u8() as u64,
         constraint: None,
+        retain_state: false,
     };
     let mut s = Session::new(
         model.clone(),

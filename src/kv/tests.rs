@@ -735,7 +735,11 @@ fn cached_runs_list_the_cache(b: Backend) {
     let runs = kv.cached_runs();
     let paths = run_paths(&runs);
     let listed: usize = runs.iter().map(|r| r.tokens.len()).sum();
-    assert_eq!(listed, kv.stats().evictable_slots, "every cached token, once");
+    assert_eq!(
+        listed,
+        kv.stats().evictable_slots,
+        "every cached token, once"
+    );
     for (i, (t, salt)) in [(&a, 0), (&c, 0), (&q, 5)].into_iter().enumerate() {
         let full = t.len() / g * g;
         let run = paths
@@ -766,7 +770,10 @@ fn cached_runs_list_the_cache(b: Backend) {
     // Leaves carry the same token paths (a tree may split runs differently).
     let leaves = |v: &[(u64, Vec<u32>)]| -> Vec<(u64, Vec<u32>)> {
         v.iter()
-            .filter(|(s, p)| !v.iter().any(|(s2, p2)| s2 == s && p2.len() > p.len() && p2.starts_with(p)))
+            .filter(|(s, p)| {
+                !v.iter()
+                    .any(|(s2, p2)| s2 == s && p2.len() > p.len() && p2.starts_with(p))
+            })
             .cloned()
             .collect()
     };
