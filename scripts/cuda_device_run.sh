@@ -2,7 +2,7 @@
 # Runs the CUDA checks on a GPU machine that has no Rust: the release binaries
 # built elsewhere are in $BIN (nanoinfer, cuda test binary), torch +
 # transformers are installed. Prints a short table last.
-#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|int4test|make8b|tests8b|bench|bench4|ab4|profile|trace|sampling|serve|http|grammar|engine|offline|kvfp8]...
+#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|int4test|make8b|tests8b|bench|bench4|ab4|profile|trace|sampling|serve|http|grammar|state|engine|offline|kvfp8]...
 # Binaries: `bash scripts/cuda_carry.sh` (here, with Rust) fills gpu-carry/.
 # KV_CACHE_DTYPE=fp8 runs the offline steps with an FP8 KV cache (default auto).
 set -uo pipefail
@@ -131,6 +131,24 @@ for step in "$@"; do
         [ -f "$WORK/l8bt/config.json" ] || python3 scripts/cuda_bench_hf.py --make-8b "$WORK/l8bt" --vocab 49152
         cp "$BIN"/tok/* "$WORK/l8bt/"
         "$BIN/grammar_bench" --model "$WORK/l8bt" --device cuda --concurrency 1,64 --rounds 3 2>&1 | tail -4 ;;
+    state)
+        # Saved conversations on the GPU (bf16 and FP8 KV): a conversation
+        # saved after 12 tokens and continued in another process gives the
+        # uninterrupted run's tokens, greedy and seeded sampled; then the
+        # time to first token restored against recomputed (examples/state_bench.rs).
+        ids=$(python3 -c 'print(",".join(str(7 + 13 * i % 5000) for i in range(300)))')
+        for kv in auto fp8; do
+            for samp in "" "--temperature 0.8 --top-p 0.9 --seed 5"; do
+                g() { "$BIN/nanoinfer" generate --model "$WORK/l8b" --device cuda --kv-cache-dtype $kv --json \
+                    --ignore-eos $samp "$@" 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["output_ids"])'; }
+                whole=$(g --prompt-ids "$ids" --max-tokens 32)
+                first=$(g --prompt-ids "$ids" --max-tokens 12 --save-state "$WORK/s.nistate")
+                rest=$(g --load-state "$WORK/s.nistate" --max-tokens 20)
+                python3 -c "import sys; w,f,r=$whole,$first,$rest; ok=f==w[:12] and r==w[12:]; \
+print('state continuation (kv $kv, ${samp:-greedy}):', 'OK' if ok else 'MISMATCH', w, f, r)"
+            done
+        done
+        "$BIN/state_bench" --model "$WORK/l8b" --device cuda --lengths 1024,8000 --dir "$WORK" 2>&1 | tail -3 ;;
     http)
         # nanoinfer serve's cost on the 8B shape: 64 concurrent streaming
         # clients against nanoinfer bench's serving mode, same call, A B A B.
