@@ -130,7 +130,8 @@ pub trait ForwardContext: Send {
     }
     /// Starts a forward over `batch` that chooses each logits row's id on
     /// the device, its argmax (`forward_argmax`) or, with `sampling`, as
-    /// `forward_sample` does with every row on the device; returns without
+    /// `forward_sample` does with every row on the device and none masked
+    /// (a mask comes after the forward starts); returns without
     /// waiting. `collect_ids` hands out each launch's ids, oldest first. At
     /// most two launches are outstanding. With `chained`, row `i` of
     /// `batch` takes as its token the id the previous launch chose for its
