@@ -3,7 +3,8 @@
 //
 // The host resolves each row into a record (SAMPLE_ROW_WORDS words, layout in
 // src/backend/cuda/sampling.rs) plus token lists: the penalties' histories,
-// the logit bias and the min_tokens suppression. The RNG stays on the host:
+// the logit bias and the min_tokens suppression, and for a row under a
+// structured-output grammar its allowed-token bitmask. The RNG stays on the host:
 // every sampled row brings the uniform the CPU sampler would have drawn.
 //
 // Truncation keeps a prefix of the order (logit descending, id ascending),
@@ -26,6 +27,9 @@
 // steps): that token, ids[row] as the previous launch left it, is one more
 // output token the lists do not hold (presence and frequency in words 13, 14).
 #define SAMPLE_PENDING 64u
+// Word 15: the offset in params of the row's grammar mask (vocab bits, bit
+// t % 32 of word t / 32 set = token t allowed), 0 for none.
+#define SAMPLE_MASK_AT 15
 #define WEIGHT_ONE 1099511627776.0  // 2^40: the weight of the largest logit
 
 typedef unsigned long long u64;
@@ -484,6 +488,14 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     // Read before thread 0 writes this row's id below.
     const unsigned pending = flags & SAMPLE_PENDING ? ids[blockIdx.x] : 0xffffffffu;
     const bool pending_in_vocab = pending < (unsigned)vocab;
+    // Stage 0, the grammar: before everything else, as on the CPU, so the
+    // later stages only weigh allowed tokens.
+    if (p[SAMPLE_MASK_AT]) {
+        const unsigned* mask = params + p[SAMPLE_MASK_AT];
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+            if (!((mask[i >> 5] >> (i & 31)) & 1u)) row[i] = -NI_INF;
+        __syncthreads();
+    }
     // Stages 1-4, each over distinct tokens except the bias (one thread, in
     // list order, as repeated ids add up on the CPU).
     if (flags & SAMPLE_REPETITION) {

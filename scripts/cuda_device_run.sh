@@ -130,7 +130,10 @@ for step in "$@"; do
         # scripts/cuda_carry.sh): the random 8B model has no tokenizer.
         [ -f "$WORK/l8bt/config.json" ] || python3 scripts/cuda_bench_hf.py --make-8b "$WORK/l8bt" --vocab 49152
         cp "$BIN"/tok/* "$WORK/l8bt/"
-        "$BIN/grammar_bench" --model "$WORK/l8bt" --device cuda --concurrency 1,64 --rounds 3 2>&1 | tail -4 ;;
+        "$BIN/grammar_bench" --model "$WORK/l8bt" --device cuda --concurrency 1,64 --rounds 3 2>&1 | tail -4
+        # Constrained rows sampled on the GPU against host sampling (tests/cuda.rs).
+        NANOINFER_CUDA_GRAMMAR_MODEL="$WORK/l8bt" "$BIN/cuda" --test-threads 1 --nocapture constrained_rows 2>&1 \
+            | grep -E "^test |test result|panicked|constrained rows" ;;
     state)
         # Saved conversations on the GPU (bf16 and FP8 KV): a conversation
         # saved after 12 tokens and continued in another process gives the

@@ -10,7 +10,7 @@ mod common;
 
 use common::dequant::{dequantized_copy, dequantized_copy_as, DenseDType};
 use nanoinfer::backend::cuda::{
-    sampling::{sample_logits, sample_logits_after},
+    sampling::{sample_logits, sample_logits_after, sample_logits_masked},
     w4_packed_blocks, w4_packed_rows, ActDType, CudaDevice, GemmDType, KArg, W4GemmBlocks, W4Host,
     W4Matrix, W4Norm, W4Out, W4_PACKED_THREADS,
 };
@@ -24,7 +24,7 @@ use nanoinfer::quantize::calib::Calibration;
 use nanoinfer::quantize::gptq::GptqOptions;
 use nanoinfer::quantize::{quantize_checkpoint, quantize_checkpoint_with, QuantizeOptions};
 use nanoinfer::sampling::rng::SplitMix64;
-use nanoinfer::sampling::{DeviceSampling, Sampler, SamplingParams};
+use nanoinfer::sampling::{mask_words, DeviceSampling, Sampler, SamplingParams};
 use nanoinfer::ErrorKind;
 use serde_json::Value;
 use std::collections::HashMap;
@@ -820,6 +820,277 @@ fn gpu_sampler_picks_the_cpu_samplers_tokens() {
         }
     }
     eprintln!("{report}");
+}
+
+/// Row `r`'s allowed tokens, of the shapes grammars give: a few scattered
+/// tokens, most of the vocabulary, one token (end-of-sequence once a
+/// grammar is complete), a run of neighbouring ids.
+fn random_mask(rng: &mut SplitMix64, r: usize, vocab: usize) -> Vec<bool> {
+    match r % 4 {
+        0 => (0..vocab).map(|_| rng.below(100) == 0).collect(),
+        1 => (0..vocab).map(|_| rng.below(10) != 0).collect(),
+        2 => (0..vocab).map(|t| t == vocab - 1).collect(),
+        _ => {
+            let start = rng.below(vocab - 300);
+            (0..vocab)
+                .map(|t| (start..start + 300).contains(&t))
+                .collect()
+        }
+    }
+}
+
+#[test]
+fn gpu_sampler_applies_grammar_masks_before_every_stage_like_the_cpu() {
+    if fixtures().is_none() {
+        return;
+    }
+    let dev = CudaDevice::open(0, ActDType::BF16).expect("CUDA device");
+    let with = |f: &dyn Fn(&mut SamplingParams)| {
+        let mut p = SamplingParams::default();
+        f(&mut p);
+        p
+    };
+    let cases: Vec<(&str, SamplingParams)> = vec![
+        ("greedy", SamplingParams::default()),
+        (
+            "greedy + penalties + bias",
+            with(&|p| {
+                p.repetition_penalty = 1.3;
+                p.presence_penalty = 0.5;
+                p.logit_bias = vec![(5, 3.0), (17, -100.0)];
+            }),
+        ),
+        ("temperature", with(&|p| p.temperature = 0.9)),
+        (
+            "top-k 40",
+            with(&|p| {
+                p.temperature = 1.0;
+                p.top_k = 40;
+            }),
+        ),
+        (
+            "top-k 6000",
+            with(&|p| {
+                p.temperature = 1.0;
+                p.top_k = 6000;
+            }),
+        ),
+        (
+            "all stages",
+            with(&|p| {
+                p.temperature = 0.7;
+                p.top_k = 200;
+                p.top_p = 0.95;
+                p.min_p = 0.02;
+                p.repetition_penalty = 1.2;
+                p.frequency_penalty = 0.2;
+                p.logit_bias = vec![(3, 1.0)];
+            }),
+        ),
+    ];
+    let mut rng = SplitMix64::new(11);
+    let mut report = String::new();
+    for vocab in [32_000usize, 151_936] {
+        let rows = 48;
+        for (name, params) in &cases {
+            let logits = random_logits(&mut rng, rows, vocab);
+            let mut batch = DeviceSampling::default();
+            let mut masks = Vec::new();
+            let mut want = Vec::new();
+            for r in 0..rows {
+                let prompt: Vec<u32> = (0..50).map(|_| rng.below(vocab) as u32).collect();
+                let output: Vec<u32> = (0..30).map(|_| rng.below(64) as u32).collect();
+                let suppress = [1u32, 2];
+                let allowed = random_mask(&mut rng, r, vocab);
+                // The CPU sampler's grammar stage: -inf for every token the
+                // mask forbids, before the others (`GrammarMask::apply`,
+                // whose packing a unit test checks bit for bit).
+                let mut processed = logits[r * vocab..(r + 1) * vocab].to_vec();
+                for (l, &ok) in processed.iter_mut().zip(&allowed) {
+                    if !ok {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+                let mut host = Sampler::new(params, 3000 + r as u64);
+                let token = host
+                    .sample(&mut processed, &prompt, &output, &suppress)
+                    .unwrap()
+                    .token;
+                assert!(allowed[token as usize], "{name}: the CPU broke its mask");
+                want.push(token);
+                Sampler::new(params, 3000 + r as u64)
+                    .push_device_row(vocab, &prompt, &output, &suppress, &mut batch);
+                batch.rows.last_mut().unwrap().masked = true;
+                let mut words = vec![0u32; mask_words(vocab)];
+                for t in (0..vocab).filter(|&t| allowed[t]) {
+                    words[t / 32] |= 1 << (t % 32);
+                }
+                masks.extend(words);
+            }
+            let previous = vec![0; rows];
+            let got = sample_logits_masked(&dev, &logits, vocab, &batch, &previous, &masks)
+                .expect("GPU sampling");
+            let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
+            report += &format!("{name} (vocab {vocab}), masked: {same}/{rows} rows agree\n");
+            for (r, &t) in got.iter().enumerate() {
+                let allowed = masks[r * mask_words(vocab) + t as usize / 32] >> (t % 32) & 1;
+                assert_eq!(
+                    allowed, 1,
+                    "{name}, vocab {vocab}: row {r} got forbidden token {t}"
+                );
+            }
+            // As unmasked: only exp rounding at a draw's boundary may tip
+            // a sampled row to its neighbour.
+            let need = if params.temperature == 0.0 {
+                rows
+            } else {
+                rows - 2
+            };
+            assert!(
+                same >= need,
+                "{name}, vocab {vocab}: GPU {got:?}\nCPU {want:?}"
+            );
+        }
+    }
+    eprintln!("{report}");
+}
+
+/// A model with a tokenizer for structured output
+/// (`NANOINFER_CUDA_GRAMMAR_MODEL`; scripts/cuda_device_run.sh `grammar`
+/// makes one): the fixtures have none.
+fn grammar_model() -> Option<PathBuf> {
+    let dir = std::env::var_os("NANOINFER_CUDA_GRAMMAR_MODEL").map(PathBuf::from);
+    if dir.is_none() {
+        eprintln!("NANOINFER_CUDA_GRAMMAR_MODEL is not set: GPU structured-output test skipped");
+    }
+    dir
+}
+
+#[test]
+fn constrained_rows_sampled_on_the_gpu_match_host_sampling() {
+    let Some(dir) = grammar_model() else { return };
+    let model = load(&dir);
+    let mut report = String::new();
+    for greedy in [true, false] {
+        check_constrained_on_gpu(&model, greedy, &mut report);
+    }
+    eprintln!("{report}");
+}
+
+/// Constrained requests (a JSON Schema, a regex, choices) in one batch
+/// with an unconstrained and a logprobs row, generated with device and with
+/// host sampling: the outputs keep their constraints, and greedy ones are
+/// the same tokens (the same logits, step for step); seeded sampled ones
+/// differ only where exp rounding tips a draw.
+fn check_constrained_on_gpu(model: &Arc<Model>, greedy: bool, report: &mut String) {
+    use nanoinfer::engine::{Constraint, FinishReason};
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"enum": [1, 2, 3]}},
+        "required": ["color", "n"],
+        "additionalProperties": false
+    });
+    let constraints = [
+        Constraint::JsonSchema(schema.to_string()),
+        Constraint::Regex("[0-9]{4}-[a-f]{2,6}".into()),
+        Constraint::Choice(vec!["yes".into(), "no".into(), "maybe not".into()]),
+    ];
+    let vocab = model.config().vocab_size as u64;
+    let reqs: Vec<RequestParams> = (0..24u64)
+        .map(|i| RequestParams {
+            prompt: (0..20 + i)
+                .map(|j| ((i * 131 + j * 7) % (vocab - 10) + 5) as u32)
+                .collect(),
+            sampling: SamplingParams {
+                max_tokens: 48,
+                temperature: if greedy { 0.0 } else { 0.8 },
+                top_k: if i % 4 == 1 { 20 } else { 0 },
+                repetition_penalty: if i % 3 == 0 { 1.2 } else { 1.0 },
+                logprobs: if i == 5 { 2 } else { 0 },
+                // Unconstrained rows run to max_tokens either way, so the
+                // batches stay alike while the constrained rows agree.
+                ignore_eos: i % 6 == 3,
+                seed: Some(900 + i),
+                ..Default::default()
+            },
+            constraint: (i % 6 != 3).then(|| constraints[i as usize % 3].clone()),
+            ..Default::default()
+        })
+        .collect();
+    let generate = |params: SessionParams| {
+        let mut s = Session::new(model.clone(), params).expect("session");
+        let ids: Vec<u64> = reqs
+            .iter()
+            .map(|r| s.add_request(r.clone()).unwrap())
+            .collect();
+        let mut out: HashMap<u64, (Vec<u32>, String, Option<FinishReason>)> = HashMap::new();
+        while s.has_work() {
+            for ev in s.step().expect("step") {
+                let o = out.entry(ev.request_id).or_default();
+                o.0.extend(&ev.tokens);
+                o.1.push_str(&ev.text);
+                o.2 = ev.finish.clone();
+            }
+        }
+        s.check_invariants().expect("invariants");
+        ids.iter()
+            .map(|id| out.remove(id).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let device = generate(SessionParams::default());
+    let host = generate(SessionParams {
+        device_sampling: false,
+        ..Default::default()
+    });
+    let (mut agree, mut total) = (0, 0);
+    for (i, ((dt, text, finish), (ht, _, _))) in device.iter().zip(&host).enumerate() {
+        let r = &reqs[i];
+        let Some(c) = &r.constraint else { continue };
+        let finish = finish.as_ref().expect("a terminal event");
+        match c {
+            // Whitespace between JSON tokens is free, so a random model
+            // may not close the object within max_tokens.
+            Constraint::JsonSchema(_) => match finish {
+                FinishReason::Eos => {
+                    let v: Value =
+                        serde_json::from_str(text).unwrap_or_else(|e| panic!("{text}: {e}"));
+                    assert!(jsonschema::is_valid(&schema, &v), "request {i}: {text}");
+                }
+                FinishReason::LengthUnfinished => {}
+                f => panic!("request {i} ended with {f:?}: {text:?}"),
+            },
+            Constraint::Regex(_) => {
+                assert_eq!(finish, &FinishReason::Eos, "request {i}: {text:?}");
+                let (digits, hex) = text.split_once('-').expect("a dash");
+                assert!(
+                    digits.len() == 4 && digits.bytes().all(|b| b.is_ascii_digit()),
+                    "{text}"
+                );
+                assert!(
+                    (2..=6).contains(&hex.len()) && hex.bytes().all(|b| (b'a'..=b'f').contains(&b)),
+                    "{text}"
+                );
+            }
+            Constraint::Choice(cs) => {
+                assert_eq!(finish, &FinishReason::Eos, "request {i}: {text:?}");
+                assert!(cs.contains(text), "request {i}: {text}");
+            }
+            Constraint::Lark(_) => unreachable!(),
+        }
+        if greedy {
+            assert_eq!(dt, ht, "request {i}: greedy on the GPU and on the host");
+        }
+        total += dt.len();
+        agree += dt.iter().zip(ht).take_while(|(a, b)| a == b).count();
+    }
+    *report += &format!(
+        "constrained rows ({}), GPU vs host sampling: {agree}/{total} tokens before the first divergence\n",
+        if greedy { "greedy" } else { "sampled" }
+    );
+    assert!(
+        agree * 10 >= total * 9,
+        "GPU and host constrained sampling diverge early: {agree}/{total}"
+    );
 }
 
 #[test]

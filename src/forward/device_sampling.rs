@@ -6,6 +6,11 @@
 //! The RNG stays on the host: a row that draws carries the uniform its
 //! request's stream yields at exactly the point where the CPU sampler would
 //! draw it, so one seed gives one stream whichever side samples.
+//!
+//! A row under a structured-output grammar takes its allowed-token mask as
+//! well. The mask is known only once the host has computed it, which it does
+//! while the device runs the forward: the device asks for the step's masks
+//! (a `MaskFill`) after queuing the forward and before queuing the sampling.
 
 use std::ops::Range;
 
@@ -37,6 +42,21 @@ pub struct RowSampling {
     /// `frequency` to its `penalized` amount (`frequency + presence` when
     /// it is not there).
     pub pending: Option<(f32, f32)>,
+    /// The row's first stage is its grammar's mask: every token the mask
+    /// does not allow gets -inf. The masks come from the step's `MaskFill`.
+    pub masked: bool,
+}
+
+/// Writes the masks of a step's masked rows (`RowSampling::masked`), one
+/// after the other in row order, `mask_words(vocab)` words each: bit
+/// `t % 32` of word `t / 32` is set when token `t` is allowed. A device
+/// calls it once, after queuing the forward and before queuing the
+/// sampling, so the host computes the masks while the forward runs.
+pub type MaskFill<'a> = dyn FnMut(&mut [u32]) + 'a;
+
+/// Words of one row's mask over a vocabulary of `vocab` tokens.
+pub fn mask_words(vocab: usize) -> usize {
+    vocab.div_ceil(32)
 }
 
 /// The sampling of one forward's logits rows, in row order.
@@ -73,12 +93,18 @@ impl DeviceSampling {
             biased: 0..0,
             suppressed: 0..0,
             pending: None,
+            masked: false,
         });
     }
 
     /// Whether row `i` is sampled on the host.
     pub fn on_host(&self, i: usize) -> bool {
         self.host_rows.binary_search(&i).is_ok()
+    }
+
+    /// Rows whose first stage is a grammar's mask.
+    pub fn masked_rows(&self) -> usize {
+        self.rows.iter().filter(|r| r.masked).count()
     }
 
     /// Appends `tokens` with `value` each and returns their range.

@@ -14,7 +14,7 @@ mod device_sampling;
 mod kv_cache_dtype;
 mod stop;
 
-pub use device_sampling::{DeviceSampling, RowSampling};
+pub use device_sampling::{mask_words, DeviceSampling, MaskFill, RowSampling};
 pub use kv_cache_dtype::{e4m3_from_f32, e4m3_to_f32, KvCacheDType, E4M3_MAX};
 pub use stop::{check_stop, StepStop};
 

@@ -23,7 +23,7 @@ use crate::forward::{e4m3_from_f32, e4m3_to_f32};
 use crate::kv::{KvCacheDType, KvMapping};
 use crate::memory::buddy::BuddyAllocator;
 use crate::memory::{DeviceMemory, DevicePool, MemoryPoolKind};
-use crate::sampling::DeviceSampling;
+use crate::sampling::{DeviceSampling, MaskFill};
 use crate::{bail_arg, Error, ErrorKind, Result};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -1159,9 +1159,15 @@ enum Output<'a> {
     Logits(&'a mut [f32]),
     /// Only each row's argmax: greedy decoding without copying logits.
     Argmax(&'a mut [u32]),
-    /// Tokens sampled on the GPU, row `i` as `sampling.rows[i]` says, and
-    /// the logits of the rows the host samples.
-    Sample(&'a DeviceSampling, &'a mut [u32], &'a mut [f32]),
+    /// Tokens sampled on the GPU, row `i` as `sampling.rows[i]` says (the
+    /// masked rows' masks from the `MaskFill`), and the logits of the rows
+    /// the host samples.
+    Sample(
+        &'a DeviceSampling,
+        &'a mut MaskFill<'a>,
+        &'a mut [u32],
+        &'a mut [f32],
+    ),
     /// Each row's argmax, or its sample as `sampling` says (every row on
     /// the device), copied back without waiting (`ForwardContext::launch`);
     /// `chained`: the rows' tokens are the ids the previous launch left in
@@ -1419,8 +1425,8 @@ impl CudaForward {
         match out {
             _ if n_out == 0 => dev.synchronize(),
             Output::Logits(logits) => dev.download(&self.ws.logits, &mut logits[..n_out * vocab]),
-            Output::Sample(sampling, ids, logits) => {
-                self.enqueue_ids(Some(sampling), n_out)?;
+            Output::Sample(sampling, masks, ids, logits) => {
+                self.enqueue_ids(Some((sampling, masks)), n_out)?;
                 dev.download(&self.ws.argmax, &mut ids[..n_out])?;
                 let host_rows = logits.chunks_exact_mut(vocab);
                 for (&row, host) in sampling.host_rows.iter().zip(host_rows) {
@@ -1433,7 +1439,9 @@ impl CudaForward {
                 dev.download(&self.ws.argmax, &mut ids[..n_out])
             }
             Output::Launch { sampling, .. } => {
-                self.enqueue_ids(sampling, n_out)?;
+                // `launch` admits no masked row.
+                let no_masks: &mut MaskFill<'_> = &mut |_| {};
+                self.enqueue_ids(sampling.map(|s| (s, no_masks)), n_out)?;
                 let pending = match &mut self.pending {
                     Some(p) => p,
                     slot => slot.insert(dev.pending_ids(self.max_logits_rows)?),
@@ -1446,12 +1454,18 @@ impl CudaForward {
     }
 
     /// `ws.argmax[r]` = the token of the first `n_out` logits rows: sampled
-    /// as `sampling` says, or the first index of the row's largest logit.
-    fn enqueue_ids(&mut self, sampling: Option<&DeviceSampling>, n_out: usize) -> Result<()> {
+    /// as `sampling` says (with the masks `masks` writes), or the first
+    /// index of the row's largest logit. The forward is queued by now, so
+    /// the host computing the masks overlaps it.
+    fn enqueue_ids(
+        &mut self,
+        sampling: Option<(&DeviceSampling, &mut MaskFill<'_>)>,
+        n_out: usize,
+    ) -> Result<()> {
         let dev = self.model.dev.clone();
         let vocab = self.model.config.vocab_size;
-        if let Some(sampling) = sampling {
-            let params = self.upload_sampling(sampling)?;
+        if let Some((sampling, masks)) = sampling {
+            let params = self.upload_sampling(sampling, masks)?;
             let (logits, ids) = (self.ws.logits.ptr(), self.ws.argmax.ptr());
             return cuda::sampling::enqueue(&dev, logits, vocab, n_out, params, ids);
         }
@@ -1495,10 +1509,16 @@ impl CudaForward {
         }
     }
 
-    /// Uploads the step's sampling records; returns their device address.
-    fn upload_sampling(&mut self, sampling: &DeviceSampling) -> Result<u64> {
+    /// Uploads the step's sampling records and masks; returns their device
+    /// address.
+    fn upload_sampling(
+        &mut self,
+        sampling: &DeviceSampling,
+        masks: &mut MaskFill<'_>,
+    ) -> Result<u64> {
         let dev = &self.model.dev;
-        cuda::sampling::encode(sampling, &mut self.sampling_words);
+        let vocab = self.model.config.vocab_size;
+        cuda::sampling::encode_filled(sampling, vocab, &mut self.sampling_words, masks);
         let words = &self.sampling_words;
         let params = match &mut self.sampling_params {
             Some(b) if b.len() >= words.len() => b,
@@ -2284,11 +2304,14 @@ impl ForwardContext for CudaForward {
             bail_arg!("launch of an empty batch");
         }
         if let Some(s) = sampling {
-            if s.rows.len() != rows || !s.host_rows.is_empty() {
+            // A masked row's mask comes after the forward starts, which a
+            // launch does not wait for.
+            if s.rows.len() != rows || !s.host_rows.is_empty() || s.masked_rows() > 0 {
                 bail_arg!(
-                    "launch: {} sampling rows ({} on the host) for {rows} logits rows; every row samples on the device",
+                    "launch: {} sampling rows ({} on the host, {} masked) for {rows} logits rows; every row samples on the device, unmasked",
                     s.rows.len(),
-                    s.host_rows.len()
+                    s.host_rows.len(),
+                    s.masked_rows()
                 );
             }
         }
@@ -2313,6 +2336,7 @@ impl ForwardContext for CudaForward {
         &mut self,
         batch: &ForwardBatch<'_>,
         sampling: &DeviceSampling,
+        masks: &mut MaskFill<'_>,
         ids: &mut [u32],
         logits: &mut [f32],
     ) -> Result<()> {
@@ -2335,7 +2359,7 @@ impl ForwardContext for CudaForward {
         if batch.tokens.is_empty() {
             return Ok(());
         }
-        self.run(batch, Output::Sample(sampling, ids, logits))
+        self.run(batch, Output::Sample(sampling, masks, ids, logits))
     }
 
     fn kv_values_per_slot(&self) -> usize {

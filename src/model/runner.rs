@@ -13,7 +13,7 @@ use crate::backend::Device;
 use crate::forward::ForwardBatch;
 use crate::kv::{KvCacheDType, KvStorage};
 use crate::memory::{utilization_kv_bytes, DeviceMemory, MemoryPoolKind};
-use crate::sampling::DeviceSampling;
+use crate::sampling::{DeviceSampling, MaskFill};
 use crate::{bail_arg, Error, Result};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -130,7 +130,8 @@ pub trait ForwardContext: Send {
     }
     /// Starts a forward over `batch` that chooses each logits row's id on
     /// the device, its argmax (`forward_argmax`) or, with `sampling`, as
-    /// `forward_sample` does with every row on the device; returns without
+    /// `forward_sample` does with every row on the device and none masked
+    /// (a mask comes after the forward starts); returns without
     /// waiting. `collect_ids` hands out each launch's ids, oldest first. At
     /// most two launches are outstanding. With `chained`, row `i` of
     /// `batch` takes as its token the id the previous launch chose for its
@@ -152,15 +153,17 @@ pub trait ForwardContext: Send {
     /// Like `forward`, sampling logits row `i` on the device as
     /// `sampling.rows[i]` says and writing the token to `ids[i]`; the rows
     /// of `sampling.host_rows` are not sampled but their logits copied to
-    /// `logits`, one after the other.
+    /// `logits`, one after the other. `masks` is asked for the masked
+    /// rows' masks once the forward is under way (see `MaskFill`).
     fn forward_sample(
         &mut self,
         batch: &ForwardBatch<'_>,
         sampling: &DeviceSampling,
+        masks: &mut MaskFill<'_>,
         ids: &mut [u32],
         logits: &mut [f32],
     ) -> Result<()> {
-        let _ = (batch, sampling, ids, logits);
+        let _ = (batch, sampling, masks, ids, logits);
         Err(Error::unsupported("this device samples on the host"))
     }
     /// Values `save_kv` writes per slot (keys and values of every layer).

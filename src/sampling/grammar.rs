@@ -38,6 +38,42 @@ fn grammar_error(what: &str, e: impl std::fmt::Display) -> Error {
     Error::invalid_arg(format!("structured output: {what}: {first}"))
 }
 
+/// Sets the logits of the tokens `mask` forbids to -inf.
+fn forbid(mask: &SimpleVob, logits: &mut [f32]) {
+    let n = logits.len();
+    mask.iter_unset_entries(|i| {
+        if i < n {
+            logits[i] = f32::NEG_INFINITY;
+        }
+    });
+}
+
+/// `GrammarMask::pack` of `mask`: the bits of the tokens below `n` that
+/// `forbid` leaves alone.
+fn pack(mask: &SimpleVob, n: usize, out: &mut [u32]) {
+    out.fill(0);
+    let known = mask.len().min(n);
+    let whole = known / 32;
+    out[..whole].copy_from_slice(&mask.as_slice()[..whole]);
+    for t in whole * 32..n {
+        if t >= known || mask.is_allowed(t as u32) {
+            out[t / 32] |= 1 << (t % 32);
+        }
+    }
+}
+
+/// Fails when `mask` allows none of the first `n` tokens.
+fn allows_any(mask: &SimpleVob, n: usize) -> Result<()> {
+    let mut any = false;
+    mask.iter_set_entries(|i| any |= i < n);
+    if !any {
+        return Err(Error::invalid_arg(
+            "structured output: the grammar allows no token of this model's vocabulary here",
+        ));
+    }
+    Ok(())
+}
+
 impl GrammarMask {
     pub fn new(matcher: Matcher) -> GrammarMask {
         GrammarMask {
@@ -63,28 +99,44 @@ impl GrammarMask {
     /// allow next; only end-of-sequence once the grammar is complete. Fails
     /// when the grammar's step budget runs out or it allows nothing here.
     pub fn apply(&mut self, logits: &mut [f32]) -> Result<()> {
-        let mask = match self.prepared.take() {
+        let mask = self.take_mask()?;
+        forbid(&mask, logits);
+        allows_any(&mask, logits.len())
+    }
+
+    /// Writes the next token's mask as `apply` would leave a row of `n`
+    /// logits: bit `t % 32` of `out[t / 32]` set when token `t < n` keeps
+    /// its logit (the mask's own bits; tokens past the mask, which `apply`
+    /// does not touch, allowed). Nothing is allowed when the mask cannot be
+    /// computed: `accept` reports why. `out` holds `n.div_ceil(32)` words
+    /// or more; those past `n` are cleared.
+    pub fn pack(&mut self, n: usize, out: &mut [u32]) {
+        self.prepare();
+        match &self.prepared {
+            Some(Ok(mask)) => pack(mask, n, out),
+            _ => out.fill(0),
+        }
+    }
+
+    /// The grammar's side of a token chosen elsewhere from a row `pack`
+    /// masked (`n` logits): fails where `apply` would have failed on that
+    /// row, else advances the grammar by `token`.
+    pub fn accept(&mut self, n: usize, token: u32) -> Result<()> {
+        let mask = self.take_mask()?;
+        allows_any(&mask, n)?;
+        self.consume(token)
+    }
+
+    /// The next token's mask: the prepared one, or computed now.
+    fn take_mask(&mut self) -> Result<SimpleVob> {
+        match self.prepared.take() {
             Some(m) => m,
             None => self
                 .matcher
                 .compute_mask_or_eos()
                 .map_err(|e| e.to_string()),
         }
-        .map_err(|e| grammar_error("computing the token mask", e))?;
-        let mut any = false;
-        let n = logits.len();
-        mask.iter_unset_entries(|i| {
-            if i < n {
-                logits[i] = f32::NEG_INFINITY;
-            }
-        });
-        mask.iter_set_entries(|i| any |= i < n);
-        if !any {
-            return Err(Error::invalid_arg(
-                "structured output: the grammar allows no token of this model's vocabulary here",
-            ));
-        }
-        Ok(())
+        .map_err(|e| grammar_error("computing the token mask", e))
     }
 
     /// Advances the grammar by the sampled token.
@@ -102,5 +154,58 @@ impl GrammarMask {
     /// Whether the output so far is a complete match of the grammar.
     pub fn is_complete(&mut self) -> bool {
         self.matcher.is_stopped() || self.matcher.is_accepting().unwrap_or(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampling::rng::SplitMix64;
+
+    /// The packed bits are exactly the tokens `apply` leaves finite, for
+    /// masks shorter than, as long as and longer than the logits row, with
+    /// rows that end inside a word and words of every kind.
+    #[test]
+    fn packed_masks_allow_what_apply_allows() {
+        let mut rng = SplitMix64::new(3);
+        for (len, n) in [
+            (100, 100),
+            (64, 64),
+            (70, 100),
+            (100, 70),
+            (1000, 1003),
+            (33, 1),
+        ] {
+            for density in [0usize, 1, 50, 99, 100] {
+                let mut mask = SimpleVob::alloc(len);
+                for t in 0..len {
+                    if rng.below(100) < density {
+                        mask.allow_token(t as u32);
+                    }
+                }
+                // Whole words set and clear.
+                if len >= 64 && density == 50 {
+                    mask.allow_range(0..=31);
+                    (32..64).for_each(|t| mask.disallow_token(t));
+                }
+                let mut logits = vec![0.0f32; n];
+                forbid(&mask, &mut logits);
+                let mut words = vec![u32::MAX; n.div_ceil(32) + 1];
+                pack(&mask, n, &mut words);
+                for (t, &l) in logits.iter().enumerate() {
+                    let bit = words[t / 32] >> (t % 32) & 1 == 1;
+                    assert_eq!(bit, l == 0.0, "token {t} of {n}, mask of {len}");
+                }
+                for t in n..words.len() * 32 {
+                    assert_eq!(words[t / 32] >> (t % 32) & 1, 0, "token {t} past {n}");
+                }
+                // `accept` and `apply` fail alike (both ask `allows_any`);
+                // where the mask covers the row, exactly when no bit is set.
+                if len >= n {
+                    let packed_any = words.iter().any(|&w| w != 0);
+                    assert_eq!(allows_any(&mask, n).is_ok(), packed_any);
+                }
+            }
+        }
     }
 }

@@ -15,7 +15,7 @@ pub mod rng;
 pub mod sampler;
 pub mod stop;
 
-pub use crate::forward::{DeviceSampling, RowSampling};
+pub use crate::forward::{mask_words, DeviceSampling, MaskFill, RowSampling};
 pub use candidates::CandidateSet;
 pub use grammar::GrammarMask;
 pub use history::TokenHistory;

@@ -210,10 +210,29 @@ impl Sampler {
     }
 
     /// Whether `sample` for this request can run on a device through
-    /// `push_device_row` (everything but logprobs and grammars, which need the
-    /// row here).
+    /// `push_device_row` (everything but logprobs, which need the row
+    /// here). A grammar's row also needs its mask (`pack_grammar_mask`)
+    /// after the forward starts.
     pub fn samples_on_device(&self) -> bool {
-        self.logprobs == 0 && self.grammar.is_none()
+        self.logprobs == 0
+    }
+
+    /// Writes the grammar's mask for the row `push_device_row` appended
+    /// (see `GrammarMask::pack`; `n`: the logits `sample` would get).
+    pub fn pack_grammar_mask(&mut self, n: usize, out: &mut [u32]) {
+        if let Some(g) = self.grammar.as_mut() {
+            g.pack(n, out);
+        }
+    }
+
+    /// The grammar's side of `token`, sampled on a device from a row this
+    /// sampler pushed: fails where `sample` would have failed on the
+    /// grammar, else advances it.
+    pub fn accept_device_token(&mut self, n: usize, token: u32) -> Result<()> {
+        match self.grammar.as_mut() {
+            Some(g) => g.accept(n, token),
+            None => Ok(()),
+        }
     }
 
     /// Appends this step's row to `batch`: what `sample` would do to a
@@ -257,6 +276,7 @@ impl Sampler {
             biased,
             suppressed,
             pending: None,
+            masked: self.grammar.is_some(),
         });
     }
 

@@ -5,7 +5,7 @@ use crate::engine::request::{Event, FinishReason, RequestId, TokenLogprob};
 use crate::forward::AttnSeq;
 use crate::model::NON_FINITE_ROW;
 use crate::model::{ForwardBatch, StepStop};
-use crate::sampling::{check_finite_logits, non_finite_logits, SampledToken};
+use crate::sampling::{check_finite_logits, mask_words, non_finite_logits, MaskFill, SampledToken};
 use crate::Error;
 use std::time::Instant;
 
@@ -104,37 +104,53 @@ impl Session {
         }
         let forward_started = Instant::now();
         let sampled_on_device = scratch.tokens_from == TokensFrom::DeviceSampler
-            && scratch.device_sampling.host_rows.is_empty();
+            && scratch.device_sampling.host_rows.is_empty()
+            && scratch.device_sampling.masked_rows() == 0;
         let launch =
             *overlap && (scratch.tokens_from == TokensFrom::DeviceArgmax || sampled_on_device);
         canceller.begin_forward(scratch.plan.iter().map(|&(id, _)| id));
         // Structured-output rows need their grammar's mask after the
         // forward. Where the forward runs on a device (the host only waits
-        // for it), the masks are computed meanwhile on helper threads; on
-        // the CPU the forward has the cores, and the sampler computes each
-        // mask when it samples.
-        let grammar_ids: Vec<RequestId> = if ctx.samples_on_device() && !launch {
-            let mut ids: Vec<RequestId> = scratch
-                .plan
-                .iter()
-                .map(|&(id, _)| id)
-                .filter(|id| requests[id].sampler.has_grammar())
-                .collect();
-            ids.sort_unstable();
-            ids
-        } else {
+        // for it), the masks are computed meanwhile on helper threads, and
+        // those of the rows the device samples packed for it; on the CPU
+        // the forward has the cores, and the sampler computes each mask
+        // when it samples. Listed in plan order (each with whether its row
+        // is masked on the device), which is the masks' row order.
+        let mut grammar: Vec<(RequestId, bool)> = Vec::new();
+        if ctx.samples_on_device() && !launch {
+            let mut row = 0;
+            for &(id, n) in &scratch.plan {
+                let req = &requests[&id];
+                let sampled = req.computed + n == req.tokens.len();
+                let masked = sampled
+                    && scratch.tokens_from == TokensFrom::DeviceSampler
+                    && scratch.device_sampling.rows[row].masked;
+                row += usize::from(sampled);
+                if req.sampler.has_grammar() {
+                    grammar.push((id, masked));
+                }
+            }
+        }
+        let mut samplers: Vec<(usize, bool, &mut crate::sampling::Sampler)> = if grammar.is_empty()
+        {
             Vec::new()
-        };
-        let mut samplers: Vec<&mut crate::sampling::Sampler> = if grammar_ids.is_empty() {
-            Vec::new()
         } else {
-            requests
+            let mut by_id: Vec<(RequestId, usize)> =
+                grammar.iter().enumerate().map(|(k, g)| (g.0, k)).collect();
+            by_id.sort_unstable();
+            let mut v: Vec<_> = requests
                 .iter_mut()
-                .filter(|(id, _)| grammar_ids.binary_search(id).is_ok())
-                .map(|(_, r)| &mut r.sampler)
-                .collect()
+                .filter_map(|(id, r)| {
+                    let k = by_id[by_id.binary_search_by_key(id, |e| e.0).ok()?].1;
+                    Some((k, grammar[k].1, &mut r.sampler))
+                })
+                .collect();
+            v.sort_unstable_by_key(|e| e.0);
+            v
         };
-        let mut forward = || match scratch.tokens_from {
+        let sample_vocab = model.sample_vocab;
+        let mask_len = mask_words(model.config().vocab_size);
+        let mut forward = |masks: &mut MaskFill<'_>| match scratch.tokens_from {
             _ if launch => {
                 let sampling = sampled_on_device.then_some(&scratch.device_sampling);
                 ctx.launch(&batch, sampling, false)
@@ -144,6 +160,7 @@ impl Session {
             TokensFrom::DeviceSampler => ctx.forward_sample(
                 &batch,
                 &scratch.device_sampling,
+                masks,
                 &mut scratch.device_tokens,
                 logits,
             ),
@@ -151,18 +168,41 @@ impl Session {
         // (A scope allocates: entered only when there are masks to compute,
         // so that plain decode steps stay allocation-free.)
         let result = if samplers.is_empty() {
-            forward()
+            forward(&mut |masks| debug_assert!(masks.is_empty()))
         } else {
+            let masked = samplers.iter().filter(|s| s.1).count();
+            let mut packed = vec![0u32; masked * mask_len];
             std::thread::scope(|scope| {
                 let per_thread = samplers.len().div_ceil(MASK_THREADS);
+                let mut rest = packed.as_mut_slice();
+                let mut threads = Vec::with_capacity(MASK_THREADS);
                 for chunk in samplers.chunks_mut(per_thread) {
-                    scope.spawn(move || {
-                        for s in chunk.iter_mut() {
-                            s.prepare_grammar();
+                    let words = chunk.iter().filter(|s| s.1).count() * mask_len;
+                    let (out, tail) = std::mem::take(&mut rest).split_at_mut(words);
+                    rest = tail;
+                    threads.push(scope.spawn(move || {
+                        let mut rows = out.chunks_exact_mut(mask_len);
+                        for (_, masked, s) in chunk.iter_mut() {
+                            if *masked {
+                                let row = rows.next().expect("a mask per masked row");
+                                s.pack_grammar_mask(sample_vocab, row);
+                            } else {
+                                s.prepare_grammar();
+                            }
                         }
-                    });
+                        out
+                    }));
                 }
-                forward()
+                // The device asks for the masks once its forward is queued.
+                forward(&mut |masks| {
+                    let mut at = 0;
+                    for t in threads.drain(..) {
+                        let out = t.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+                        masks[at..at + out.len()].copy_from_slice(out);
+                        at += out.len();
+                    }
+                    debug_assert_eq!(at, masks.len());
+                })
             })
         };
         let interrupted_by_cancel = canceller.end_forward();
@@ -221,10 +261,11 @@ impl Session {
                 host_rows_done += 1;
                 self.sample(id, &mut logits[row * vocab..(row + 1) * vocab])
             } else {
-                device_token(
-                    self.scratch.device_tokens[logits_row],
-                    self.model.sample_vocab,
-                )
+                let sample_vocab = self.model.sample_vocab;
+                device_token(self.scratch.device_tokens[logits_row], sample_vocab).and_then(|t| {
+                    req.sampler.accept_device_token(sample_vocab, t.token)?;
+                    Ok(t)
+                })
             };
             logits_row += 1;
             match sampled {

@@ -79,9 +79,12 @@ impl Session {
                 let tokens = r.tokens.len() + 1;
                 let generated = tokens - r.prompt_len;
                 let s = &r.params.sampling;
+                // A grammar's next mask needs the launched step's token.
                 r.computed + n == r.tokens.len()
                     && (r.sampler.is_plain_greedy()
-                        || (device_samples && r.sampler.samples_on_device()))
+                        || (device_samples
+                            && r.sampler.samples_on_device()
+                            && !r.sampler.has_grammar()))
                     && generated >= s.min_tokens as usize
                     && generated < s.max_tokens as usize
                     && tokens < max_positions
