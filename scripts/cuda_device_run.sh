@@ -151,7 +151,7 @@ for step in "$@"; do
 print('state continuation (kv $kv, ${samp:-greedy}):', 'OK' if ok else 'MISMATCH', w, f, r)"
             done
         done
-        "$BIN/state_bench" --model "$WORK/l8b" --device cuda --lengths 1024,8000 --dir "$WORK" 2>&1 | tail -3 ;;
+        "$BIN/state_bench" --model "$WORK/l8b" --device cuda --lengths 1024,8000 --dir "$WORK" 2>&1 | tail -5 ;;
     http)
         # nanoinfer serve's cost on the 8B shape: 64 concurrent streaming
         # clients against nanoinfer bench's serving mode, same call, A B A B.
