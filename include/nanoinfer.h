@@ -536,7 +536,8 @@ typedef struct ni_request_params {
      * `NI_CONSTRAINT_REGEX` or `NI_CONSTRAINT_GRAMMAR` (llguidance's Lark
      * dialect), the NUL-terminated schema, regex or grammar (at most 1 MiB).
      * Every generated token keeps the text a prefix of a match; it ends
-     * (`NI_FINISH_EOS`) only on a full match. Copied during the call.
+     * (`NI_FINISH_EOS`) only on a full match, and `NI_FINISH_LENGTH_UNFINISHED`
+     * when `max_tokens` runs out before one. Copied during the call.
      */
     const char *constraint;
     /**
@@ -1081,6 +1082,15 @@ typedef bool (*ni_abort_callback)(void *user_data);
  * request; it ends without emitting a token for that step).
  */
 #define NI_FINISH_ERROR 6
+
+/**
+ * As `NI_FINISH_LENGTH`, for a structured-output request
+ * (`ni_request_params.constraint_kind`) whose output was not yet a full
+ * match when it ran out of tokens (a JSON object still open, a regex not
+ * yet matched). Only constrained requests end this way, so a caller that
+ * sets no constraint never sees it.
+ */
+#define NI_FINISH_LENGTH_UNFINISHED 7
 
 #ifdef __cplusplus
 extern "C" {

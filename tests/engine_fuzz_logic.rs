@@ -1,4 +1,4 @@
-//! The `session_ops` and `request_params` fuzz targets' logic
+//! The `session_ops`, `request_params` and `constraints` fuzz targets' logic
 //! (fuzz/fuzz_targets/engine_driver.rs) over seeded random inputs, so that
 //! it runs on stable in CI; `scripts/fuzz.sh` runs the same code under
 //! libFuzzer with coverage guidance.
@@ -62,25 +62,51 @@ fn request_params_over_random_inputs() {
     eprintln!("request_params: {accepted} of {n} random requests accepted");
 }
 
+#[test]
+fn constraints_over_random_inputs() {
+    let m = engine_driver::load_model_with_tokenizer(Path::new(env!("CARGO_MANIFEST_DIR")));
+    let n = 600;
+    let mut accepted = 0;
+    for (i, data) in inputs(3, n, 0, 80).iter().enumerate() {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            engine_driver::constraints(&m, data)
+        }));
+        accepted += *r
+            .as_ref()
+            .unwrap_or_else(|_| panic!("input {i} failed: {data:?}")) as usize;
+    }
+    // Both refusals and accepted constraints are exercised.
+    assert!(
+        accepted > n / 20 && accepted < n - n / 20,
+        "{accepted} of {n} accepted"
+    );
+    eprintln!("constraints: {accepted} of {n} random constraints accepted");
+}
+
 /// The committed fuzz seeds (and any regression inputs added there) pass.
 #[test]
 fn committed_seeds_pass() {
     let m = model();
+    let tokenized = engine_driver::load_model_with_tokenizer(Path::new(env!("CARGO_MANIFEST_DIR")));
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds");
-    for (target, run) in [
+    for (target, m, run) in [
         (
             "session_ops",
+            &m,
             (|m, d| engine_driver::session_ops(m, d)) as fn(&_, &[u8]),
         ),
-        ("request_params", |m, d| {
+        ("request_params", &m, |m, d| {
             engine_driver::request_params(m, d);
+        }),
+        ("constraints", &tokenized, |m, d| {
+            engine_driver::constraints(m, d);
         }),
     ] {
         let dir = root.join(target);
         let mut n = 0;
         for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
             let path = entry.unwrap().path();
-            run(&m, &std::fs::read(&path).unwrap());
+            run(m, &std::fs::read(&path).unwrap());
             n += 1;
         }
         assert!(n > 0, "no seeds in {}", dir.display());

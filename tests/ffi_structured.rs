@@ -97,14 +97,22 @@ fn json_schema_regex_grammar_and_choice_constrain_the_output() {
     .unwrap();
     assert!(out.text == "alpha" || out.text == "beta", "{}", out.text);
 
-    // Cut off inside the object: the C ABI reports length.
+    // Cut off inside the object: the C ABI says the structure is unfinished.
     let out = run("Give a person's name and age as JSON.", |r| {
         r.constraint_kind = NI_CONSTRAINT_JSON_SCHEMA;
         r.constraint = schema.as_ptr();
         r.max_tokens = 3;
     })
     .unwrap();
-    assert_eq!(out.finish, NI_FINISH_LENGTH);
+    assert_eq!(out.finish, NI_FINISH_LENGTH_UNFINISHED);
+    // A full match cut exactly at max_tokens is plain length.
+    let out = run("Pick a digit.", |r| {
+        r.constraint_kind = NI_CONSTRAINT_REGEX;
+        r.constraint = c"[0-9]".as_ptr();
+        r.max_tokens = 1;
+    })
+    .unwrap();
+    assert_eq!(out.finish, NI_FINISH_LENGTH, "{}", out.text);
 }
 
 #[test]

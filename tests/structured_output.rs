@@ -6,7 +6,9 @@
 mod common;
 
 use common::*;
-use nanoinfer::engine::{Constraint, FinishReason, Model, RequestParams, Session, SessionParams};
+use nanoinfer::engine::{
+    Constraint, FinishReason, Model, RequestParams, Session, SessionParams, TokenLogprob,
+};
 use nanoinfer::model::WeightDType;
 use nanoinfer::sampling::SamplingParams;
 use nanoinfer::tokenizer::ChatMessage;
@@ -53,28 +55,49 @@ fn session(model: &Arc<Model>) -> Session {
     .unwrap()
 }
 
-/// Runs the requests together; each one's text and finish reason.
-fn run(model: &Arc<Model>, reqs: Vec<RequestParams>) -> Vec<(String, FinishReason)> {
-    let mut s = session(model);
+/// Every event of a request, gathered: tokens, text, logprobs and finish
+/// reason.
+#[derive(Debug, Default, Clone)]
+struct Outcome {
+    tokens: Vec<u32>,
+    text: String,
+    logprobs: Vec<TokenLogprob>,
+    finish: Option<FinishReason>,
+}
+
+/// Runs the requests together in `s` until it is idle; each one's outcome.
+fn run_in(s: &mut Session, reqs: Vec<RequestParams>) -> Vec<Outcome> {
     let ids: Vec<u64> = reqs
         .into_iter()
         .map(|r| s.add_request(r).unwrap())
         .collect();
-    let mut out: HashMap<u64, (String, Option<FinishReason>)> = HashMap::new();
+    let mut out: HashMap<u64, Outcome> = HashMap::new();
     while s.has_work() {
         for ev in s.step().unwrap() {
-            let e = out.entry(ev.request_id).or_default();
-            assert!(e.1.is_none(), "event after the terminal event");
-            e.0.push_str(&ev.text);
-            e.1 = ev.finish.clone();
+            let o = out.entry(ev.request_id).or_default();
+            assert!(o.finish.is_none(), "event after the terminal event");
+            o.tokens.extend_from_slice(&ev.tokens);
+            o.text.push_str(&ev.text);
+            o.logprobs.extend(ev.logprobs);
+            o.finish = ev.finish;
         }
     }
     s.check_invariants().unwrap();
     ids.iter()
         .map(|id| {
-            let (text, finish) = out.remove(id).unwrap();
-            (text, finish.expect("a terminal event"))
+            let o = out.remove(id).unwrap();
+            assert!(o.finish.is_some(), "a terminal event");
+            o
         })
+        .collect()
+}
+
+/// Runs the requests together in a fresh session; each one's text and
+/// finish reason.
+fn run(model: &Arc<Model>, reqs: Vec<RequestParams>) -> Vec<(String, FinishReason)> {
+    run_in(&mut session(model), reqs)
+        .into_iter()
+        .map(|o| (o.text, o.finish.unwrap()))
         .collect()
 }
 
@@ -366,5 +389,223 @@ fn hostile_grammars_fail_their_request_not_the_session() {
     assert_eq!(
         serves(&mut s, prompt, Constraint::Choice(vec!["fine".into()])),
         "fine"
+    );
+}
+
+/// Whether `json` has whitespace outside its strings.
+fn has_whitespace_between_tokens(json: &str) -> bool {
+    let (mut in_string, mut escaped) = (false, false);
+    for c in json.chars() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if in_string => escaped = true,
+            '"' => in_string = !in_string,
+            c if c.is_whitespace() && !in_string => return true,
+            _ => {}
+        }
+    }
+    false
+}
+
+#[test]
+fn json_schema_output_is_compact_unless_the_schema_allows_whitespace() {
+    let m = model();
+    let (_, prompt, schema) = schemas().remove(1);
+    let ids = chat(&m, prompt);
+    let mut reqs: Vec<RequestParams> = (0..3)
+        .map(|seed| {
+            request(
+                ids.clone(),
+                Some(Constraint::JsonSchema(schema.to_string())),
+                if seed == 0 { 0.0 } else { 1.0 },
+                seed,
+            )
+        })
+        .collect();
+    // Other x-guidance options keep the default of no whitespace.
+    let mut lenient = schema.clone();
+    lenient["x-guidance"] = json!({"lenient": false});
+    reqs.push(request(
+        ids.clone(),
+        Some(Constraint::JsonSchema(lenient.to_string())),
+        0.0,
+        0,
+    ));
+    // A schema that asks for flexible whitespace gets it: SmolLM2 greedy
+    // pretty-prints this object.
+    let mut flexible = schema.clone();
+    flexible["x-guidance"] = json!({"whitespace_flexible": true});
+    let mut loose = request(
+        ids,
+        Some(Constraint::JsonSchema(flexible.to_string())),
+        0.0,
+        0,
+    );
+    loose.sampling.max_tokens = 60;
+    reqs.push(loose);
+    let outs = run(&m, reqs);
+    for (text, finish) in &outs[..4] {
+        assert_eq!(*finish, FinishReason::Eos, "{text}");
+        assert!(!has_whitespace_between_tokens(text), "{text:?}");
+        let v: Value = serde_json::from_str(text).unwrap();
+        assert!(jsonschema::is_valid(&schema, &v), "{text}");
+    }
+    let (text, _) = &outs[4];
+    assert!(has_whitespace_between_tokens(text), "{text:?}");
+}
+
+#[test]
+fn masks_are_counted_and_batches_match_solo_runs() {
+    let m = model();
+    let schemas = schemas();
+    let constrained = |i: usize| Some(Constraint::JsonSchema(schemas[i].2.to_string()));
+    let mut reqs = vec![
+        request(chat(&m, schemas[0].1), constrained(0), 0.0, 0),
+        request(chat(&m, "Tell me a joke."), None, 0.0, 0),
+        request(chat(&m, schemas[1].1), constrained(1), 1.0, 4),
+        request(chat(&m, "What is 2+2?"), None, 1.0, 5),
+        request(
+            chat(&m, "A date?"),
+            Some(Constraint::Regex("[0-9]{4}-[0-9]{2}-[0-9]{2}".into())),
+            0.0,
+            0,
+        ),
+        request(
+            chat(&m, "Yes or no?"),
+            Some(Constraint::Choice(vec!["yes".into(), "no".into()])),
+            0.7,
+            6,
+        ),
+    ];
+    for r in reqs.iter_mut().filter(|r| r.constraint.is_none()) {
+        r.sampling.max_tokens = 30;
+    }
+    let mut s = session(&m);
+    let together = run_in(&mut s, reqs.clone());
+    // One mask per token of a constrained request (its EOS included).
+    let constrained_tokens: usize = reqs
+        .iter()
+        .zip(&together)
+        .filter(|(r, _)| r.constraint.is_some())
+        .map(|(_, o)| o.tokens.len())
+        .sum();
+    let stats = s.stats();
+    assert_eq!(stats.constraint_masks as usize, constrained_tokens);
+    assert!(stats.constraint_mask_time_ns > 0);
+    assert_eq!(stats.constraint_masks_over_budget, 0);
+    for (i, r) in reqs.into_iter().enumerate() {
+        let solo = run_in(&mut session(&m), vec![r]).remove(0);
+        assert_eq!(solo.tokens, together[i].tokens, "request {i}");
+        assert_eq!(solo.finish, together[i].finish, "request {i}");
+    }
+}
+
+/// A Lark grammar of `n` alternatives, each its own two lexemes.
+fn wide_grammar(n: usize) -> String {
+    let alternatives: Vec<String> = (0..n).map(|i| format!("r{i}")).collect();
+    let mut g = format!("start: {}\n", alternatives.join(" | "));
+    for i in 0..n {
+        g.push_str(&format!("r{i}: \"a\" r{i} | \"b{i}\"\n"));
+    }
+    g
+}
+
+#[test]
+fn a_mask_over_the_time_budget_fails_its_request_not_the_session() {
+    // 3 000 alternative lexemes: llguidance's fuel does not count the
+    // lexeme-set work, which takes 100-200 ms for the first mask, over the
+    // wall-time budget. The request fails at that mask; a plain and a
+    // choice request in the same batch finish normally.
+    let m = model();
+    let mut s = session(&m);
+    let mut plain = request(chat(&m, "Say hi."), None, 0.0, 0);
+    plain.sampling.max_tokens = 8;
+    let started = Instant::now();
+    let outs = run_in(
+        &mut s,
+        vec![
+            request(
+                chat(&m, "Say b."),
+                Some(Constraint::Lark(wide_grammar(3000))),
+                0.0,
+                0,
+            ),
+            plain,
+            request(
+                chat(&m, "Pick."),
+                Some(Constraint::Choice(vec!["x".into(), "y".into()])),
+                0.0,
+                0,
+            ),
+        ],
+    );
+    match &outs[0].finish {
+        Some(FinishReason::Error(msg)) => {
+            assert!(msg.contains("over the budget of 50 ms"), "{msg}");
+            assert!(outs[0].tokens.is_empty(), "failed at its first mask");
+        }
+        other => panic!("the wide grammar finished {other:?}"),
+    }
+    assert_eq!(outs[1].tokens.len(), 8);
+    assert_eq!(outs[2].finish, Some(FinishReason::Eos));
+    assert!(
+        outs[2].text == "x" || outs[2].text == "y",
+        "{}",
+        outs[2].text
+    );
+    assert_eq!(s.stats().constraint_masks_over_budget, 1);
+    assert!(started.elapsed() < Duration::from_secs(60));
+}
+
+#[test]
+fn logprobs_are_of_the_masked_distribution() {
+    let m = model();
+    let mut r = request(
+        chat(&m, "Is water wet?"),
+        Some(Constraint::Choice(vec!["yes".into(), "no".into()])),
+        1.0,
+        7,
+    );
+    r.sampling.logprobs = 5;
+    let o = run_in(&mut session(&m), vec![r]).remove(0);
+    assert!(o.text == "yes" || o.text == "no", "{:?}", o.text);
+    let tok = m.tokenizer().unwrap();
+    let first = &o.logprobs[0];
+    assert!(first.logprob.is_finite());
+    let mut mass = 0.0f64;
+    for &(id, lp) in &first.top {
+        if lp.is_finite() {
+            let text = tok.decode(&[id], false).unwrap();
+            assert!(
+                "yes".starts_with(&text) || "no".starts_with(&text),
+                "alternative {text:?} is outside the grammar"
+            );
+            mass += (lp as f64).exp();
+        }
+    }
+    // Renormalised over the allowed tokens: the few allowed first tokens
+    // carry all the mass.
+    assert!(mass > 0.99 && mass < 1.0 + 1e-4, "mass {mass}");
+    // The last token is the end of sequence, the only one allowed there.
+    assert!(o.logprobs.last().unwrap().logprob.abs() < 1e-5);
+}
+
+#[test]
+fn stop_strings_still_end_a_constrained_request() {
+    let m = model();
+    let mut r = request(
+        chat(&m, "Write three words."),
+        Some(Constraint::Regex("[a-z]{3}-[a-z]{3}-[a-z]{3}".into())),
+        0.0,
+        0,
+    );
+    r.sampling.stop_strings = vec!["-".into()];
+    let o = run_in(&mut session(&m), vec![r]).remove(0);
+    assert_eq!(o.finish, Some(FinishReason::StopString(0)));
+    assert_eq!(o.text.len(), 3, "{:?}", o.text);
+    assert!(
+        o.text.bytes().all(|b| b.is_ascii_lowercase()),
+        "{:?}",
+        o.text
     );
 }

@@ -1,11 +1,12 @@
-//! The logic of the `session_ops` and `request_params` fuzz targets, shared
-//! with the normal test suite (tests/engine_fuzz_logic.rs includes this file
-//! and runs it over seeded random inputs, so CI runs it on stable).
+//! The logic of the `session_ops`, `request_params` and `constraints` fuzz
+//! targets, shared with the normal test suite (tests/engine_fuzz_logic.rs
+//! includes this file and runs it over seeded random inputs, so CI runs it
+//! on stable).
 //!
-//! Both read the fuzz input as a stream of bytes (zeros once it runs out)
-//! and drive a real `Session` on a tiny model.
+//! Each reads the fuzz input as a stream of bytes (zeros once it runs out)
+//! and drives a real `Session` on a tiny model.
 
-#![allow(dead_code)] // each target uses half of it
+#![allow(dead_code)] // each target uses part of it
 
 use nanoinfer::engine::{
     FaultPlan, FinishReason, Model, PreemptionMode, RequestId, RequestParams, SchedulePolicyKind,
@@ -508,4 +509,203 @@ pub fn request_params(model: &Arc<Model>, data: &[u8]) -> bool {
     }
     s.check_invariants().expect("invariants at idle");
     true
+}
+
+/// tests/data/tiny-llama3's weights with the byte-level test tokenizer
+/// (tests/data/tokenizer/bytelevel: 320 ids, of which the model samples the
+/// first 256): structured output needs a tokenizer, and a small vocabulary
+/// keeps each input fast. Assembled in a temporary directory of its own
+/// per call (tests of one process load it in parallel).
+pub fn load_model_with_tokenizer(repo_root: &std::path::Path) -> Arc<Model> {
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir =
+        std::env::temp_dir().join(format!("nanoinfer-fuzz-tok-{}-{call}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    for (from, name) in [
+        ("tests/data/tiny-llama3", "config.json"),
+        ("tests/data/tiny-llama3", "model.safetensors"),
+        ("tests/data/tokenizer/bytelevel", "tokenizer.json"),
+        ("tests/data/tokenizer/bytelevel", "tokenizer_config.json"),
+    ] {
+        std::fs::copy(repo_root.join(from).join(name), dir.join(name))
+            .unwrap_or_else(|e| panic!("copying {from}/{name}: {e}"));
+    }
+    let params = nanoinfer::engine::ModelParams {
+        dtype: nanoinfer::model::WeightDType::F32,
+        threads: 1,
+        ..Default::default()
+    };
+    let model = Model::load(&dir, &params, None)
+        .unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()));
+    let _ = std::fs::remove_dir_all(&dir);
+    Arc::new(model)
+}
+
+/// Pieces the constraint texts are built from, per kind: enough structure
+/// that many inputs compile, and enough breakage that many do not.
+#[rustfmt::skip]
+const SCHEMA_PIECES: &[&str] = &[
+    "{", "}", "[", "]", ",", ":", "\"type\":", "\"object\"", "\"string\"", "\"integer\"",
+    "\"number\"", "\"boolean\"", "\"array\"", "\"null\"", "\"properties\":{\"a\":", "\"items\":",
+    "\"enum\":[1,\"x\",null]", "\"const\":\"k\"", "\"minLength\":3", "\"maxLength\":2",
+    "\"pattern\":\"^a+$\"", "\"anyOf\":[", "\"oneOf\":[", "\"allOf\":[", "\"$ref\":\"#\"",
+    "\"$ref\":\"#/$defs/x\"", "\"$defs\":{\"x\":", "\"required\":[\"a\"]",
+    "\"additionalProperties\":false", "\"minimum\":5", "\"maximum\":1", "\"minItems\":2",
+    "\"maxItems\":0", "\"format\":\"email\"", "\"x-guidance\":{\"whitespace_flexible\":true}",
+    "\"x-guidance\":{\"bogus\":1}", "\"x-guidance\":3", "true", "false", "{}", "\"\\u0000\"",
+    "\"multipleOf\":0", "\"uniqueItems\":true", "\"if\":{},\"then\":{}", "\"not\":{}",
+];
+#[rustfmt::skip]
+const REGEX_PIECES: &[&str] = &[
+    "a", "b", "[0-9]", "[a-z]", "+", "*", "?", "{2,5}", "{3}", "{0,200}", "(", ")", "|", "\\d",
+    "\\w", "\\s", ".", "^", "$", "[^a]", "\\", "(?i)", "\\p{L}", "[", "]", "{", "}", "-", "é",
+    "\\n", "(?:", "\\b", "[[:alpha:]]", "\u{0}",
+];
+#[rustfmt::skip]
+const LARK_PIECES: &[&str] = &[
+    "start: ", "start: a\n", "a: ", "b: ", "a", "b", "\"x\"", "\"yz\"", "/[a-z]+/", "/[0-9]{1,3}/",
+    " | ", "\n", "*", "+", "?", "(", ")", "[", "]", "%ignore \" \"\n", "%import common.NUMBER\n",
+    "NUMBER", "%json {}\n", "%json {\"type\":\"integer\"}",
+    "%regex {\"substring_words\": \"a b\"}", "A: \"q\"\n", "A", "~ 3", "<[2]>", "%llguidance {}\n",
+    "start: start start | \"a\"\n", ":",
+];
+#[rustfmt::skip]
+const CHOICE_PIECES: &[&str] = &[
+    "yes", "no", "", "a", "ab", "é", "<|im_end|>", "\n", " ", "\u{0}",
+];
+
+/// Structured-output constraints (JSON Schema, regex, Lark grammar,
+/// choices) built from pieces of each syntax or from raw bytes. A bad one
+/// is refused by `add_request` with `InvalidArgument` and a message naming
+/// the constraint kind, never a panic or a hang; an accepted one runs to a
+/// terminal event (a full match, the length limit, or a structured-output
+/// error of that request only: a mask over its time budget, a grammar that
+/// allows no token of the model), a choice's text is one of the choices,
+/// and the session serves a plain request afterwards. Returns whether the
+/// request was accepted.
+pub fn constraints(model: &Arc<Model>, data: &[u8]) -> bool {
+    use nanoinfer::engine::Constraint;
+    let vocab = model.config().vocab_size;
+    let mut inp = Input::new(data);
+    let kind = inp.u8() % 4;
+    let max_tokens = inp.range(1, 16) as u32;
+    let sampled = inp.bool();
+    let seed = inp.u8() as u64;
+    let raw = inp.u8() < 64;
+    let mut texts: Vec<String> = Vec::new();
+    if raw {
+        // The rest of the input as text; choices split at '|'.
+        let rest: Vec<u8> = std::iter::from_fn(|| (!inp.done()).then(|| inp.u8())).collect();
+        let text = String::from_utf8_lossy(&rest).into_owned();
+        texts = if kind == 3 {
+            text.split('|').map(str::to_string).collect()
+        } else {
+            vec![text]
+        };
+    } else {
+        let pieces = [SCHEMA_PIECES, REGEX_PIECES, LARK_PIECES, CHOICE_PIECES][kind as usize];
+        let n = inp.range(0, 24);
+        for _ in 0..n {
+            let piece = inp.pick(pieces);
+            // Choices: a new one per piece, or the piece glued onto the
+            // last; the other kinds are one text.
+            match texts.last_mut() {
+                Some(last) if kind != 3 || inp.bool() => last.push_str(piece),
+                _ => texts.push(piece.to_string()),
+            }
+        }
+    }
+    let constraint = match kind {
+        0 => Constraint::JsonSchema(texts.concat()),
+        1 => Constraint::Regex(texts.concat()),
+        2 => Constraint::Lark(texts.concat()),
+        _ => Constraint::Choice(texts),
+    };
+    let mut s = Session::new(
+        model.clone(),
+        SessionParams {
+            kv_capacity_tokens: 256,
+            ..Default::default()
+        },
+    )
+    .expect("session");
+    // Ids the model has (the tokenizer's merges are past its 256).
+    let prompt = vec![40, 80, 120];
+    let req = RequestParams {
+        prompt: prompt.clone(),
+        sampling: SamplingParams {
+            max_tokens,
+            temperature: if sampled { 1.0 } else { 0.0 },
+            seed: Some(seed),
+            ..Default::default()
+        },
+        constraint: Some(constraint.clone()),
+        ..Default::default()
+    };
+    let what = format!("{constraint:?}");
+    let started = std::time::Instant::now();
+    let mut log = Log::default();
+    let accepted = match s.add_request(req) {
+        Ok(id) => {
+            log.expect(id);
+            drain(&mut s, &mut log);
+            let toks = &log.tokens[&id];
+            assert!(toks.iter().all(|&t| (t as usize) < vocab), "{what}");
+            match &log.finish[&id] {
+                FinishReason::Eos => {
+                    if let Constraint::Choice(choices) = &constraint {
+                        let text = model
+                            .tokenizer()
+                            .unwrap()
+                            .decode(&toks[..toks.len() - 1], false)
+                            .unwrap();
+                        assert!(choices.contains(&text), "{what}: {text:?}");
+                    }
+                }
+                FinishReason::Length | FinishReason::LengthUnfinished => {
+                    assert_eq!(toks.len(), max_tokens as usize, "{what}")
+                }
+                FinishReason::Error(msg) => {
+                    assert!(msg.starts_with("structured output: "), "{what}: {msg}")
+                }
+                other => panic!("{what}: ended with {other:?}"),
+            }
+            true
+        }
+        Err(e) => {
+            assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}: {what}");
+            assert!(
+                e.message.contains(constraint.kind()),
+                "the message does not name the {}: {e}: {what}",
+                constraint.kind()
+            );
+            assert!(!s.has_work(), "a refused request left work behind");
+            false
+        }
+    };
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "{what} took {:?}",
+        started.elapsed()
+    );
+    // The session serves a plain request afterwards.
+    let id = s
+        .add_request(RequestParams {
+            prompt,
+            sampling: SamplingParams {
+                max_tokens: 2,
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .expect("plain request");
+    log.expect(id);
+    drain(&mut s, &mut log);
+    assert!(
+        matches!(log.finish[&id], FinishReason::Length | FinishReason::Eos),
+        "{what}: plain request after it: {:?}",
+        log.finish[&id]
+    );
+    accepted
 }

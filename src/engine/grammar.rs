@@ -77,8 +77,11 @@ impl GrammarCompiler {
             trie,
             model: model.clone(),
         });
-        let factory = ParserFactory::new_simple(&env)
+        let mut factory = ParserFactory::new_simple(&env)
             .map_err(|e| Error::internal(format!("structured output: {e}")))?;
+        // Grammar warnings go nowhere: a library must not write to stderr
+        // (the problems that matter come back as errors).
+        factory.quiet();
         Ok(GrammarCompiler { factory })
     }
 
@@ -119,10 +122,26 @@ fn grammar_of(c: &Constraint) -> Result<TopLevelGrammar> {
     }
     Ok(match c {
         Constraint::JsonSchema(s) => {
-            let schema: serde_json::Value = serde_json::from_str(s)
+            let mut schema: serde_json::Value = serde_json::from_str(s)
                 .map_err(|e| Error::invalid_arg(format!("json_schema is not valid JSON: {e}")))?;
             if !(schema.is_object() || schema.is_boolean()) {
                 bail_arg!("json_schema must be a JSON object (or true/false)");
+            }
+            // No whitespace between JSON tokens unless the schema's own
+            // `x-guidance` options allow it (`whitespace_flexible` or a
+            // `whitespace_pattern`): with it free, a small model
+            // pretty-prints (SmolLM2 greedy ran out of 40 tokens inside
+            // newlines and indentation) and a sampled one can spend its
+            // whole budget on spaces.
+            if let Some(obj) = schema.as_object_mut() {
+                let options = obj
+                    .entry("x-guidance")
+                    .or_insert_with(|| serde_json::json!({}));
+                if let Some(options) = options.as_object_mut() {
+                    options
+                        .entry("whitespace_flexible")
+                        .or_insert(serde_json::Value::Bool(false));
+                }
             }
             TopLevelGrammar::from_json_schema(schema)
         }

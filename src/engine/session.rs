@@ -227,6 +227,13 @@ pub struct SessionStats {
     /// Forwards launched behind the previous one, their tokens fed by the
     /// device (`SessionParams::overlap_steps`).
     pub chained_steps: u64,
+    /// Structured-output masks computed (one per constrained request per
+    /// sampled token), the wall time spent on them (summed over the threads
+    /// that computed them), and those over `sampling::MASK_TIME_BUDGET`
+    /// (each failed its request).
+    pub constraint_masks: u64,
+    pub constraint_mask_time_ns: u64,
+    pub constraint_masks_over_budget: u64,
 }
 
 struct Request {

@@ -124,7 +124,8 @@ pub struct ni_request_params {
     /// `NI_CONSTRAINT_REGEX` or `NI_CONSTRAINT_GRAMMAR` (llguidance's Lark
     /// dialect), the NUL-terminated schema, regex or grammar (at most 1 MiB).
     /// Every generated token keeps the text a prefix of a match; it ends
-    /// (`NI_FINISH_EOS`) only on a full match. Copied during the call.
+    /// (`NI_FINISH_EOS`) only on a full match, and `NI_FINISH_LENGTH_UNFINISHED`
+    /// when `max_tokens` runs out before one. Copied during the call.
     pub constraint: *const c_char,
     /// With `NI_CONSTRAINT_CHOICE`: `n_choices` NUL-terminated strings, the
     /// output being exactly one of them.

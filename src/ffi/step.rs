@@ -26,6 +26,12 @@ pub const NI_FINISH_CANCELLED: ni_finish_reason = 5;
 /// ..." when the model's weights overflow to NaN or infinity for this
 /// request; it ends without emitting a token for that step).
 pub const NI_FINISH_ERROR: ni_finish_reason = 6;
+/// As `NI_FINISH_LENGTH`, for a structured-output request
+/// (`ni_request_params.constraint_kind`) whose output was not yet a full
+/// match when it ran out of tokens (a JSON object still open, a regex not
+/// yet matched). Only constrained requests end this way, so a caller that
+/// sets no constraint never sees it.
+pub const NI_FINISH_LENGTH_UNFINISHED: ni_finish_reason = 7;
 
 /// One of the top alternatives at a generated position.
 #[repr(C)]
@@ -204,9 +210,8 @@ impl ni_step_output {
                 Some(FinishReason::Eos) => (NI_FINISH_EOS, 0, -1),
                 Some(FinishReason::StopToken(t)) => (NI_FINISH_STOP_TOKEN, t, -1),
                 Some(FinishReason::StopString(i)) => (NI_FINISH_STOP_STRING, 0, i as i32),
-                Some(FinishReason::Length | FinishReason::LengthUnfinished) => {
-                    (NI_FINISH_LENGTH, 0, -1)
-                }
+                Some(FinishReason::Length) => (NI_FINISH_LENGTH, 0, -1),
+                Some(FinishReason::LengthUnfinished) => (NI_FINISH_LENGTH_UNFINISHED, 0, -1),
                 Some(FinishReason::Cancelled) => (NI_FINISH_CANCELLED, 0, -1),
                 Some(FinishReason::Error(_)) => (NI_FINISH_ERROR, 0, -1),
             };

@@ -7,21 +7,33 @@
 use crate::{Error, Result};
 use llguidance::toktrie::SimpleVob;
 use llguidance::Matcher;
+use std::time::{Duration, Instant};
 
+/// Wall time one mask may take. llguidance's per-token fuel (lexer fuel,
+/// Earley items) does not count every kind of work: a Lark grammar of a few
+/// thousand alternative lexemes spends 100-200 ms a token in lexeme-set
+/// operations without spending fuel. A slower mask fails its request (once
+/// computed: llguidance cannot interrupt one); typical JSON Schema masks
+/// take 50-150 µs on a 49k vocabulary.
+pub const MASK_TIME_BUDGET: Duration = Duration::from_millis(50);
+
+/// Masks computed since the counters were last taken (`take_stats`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MaskStats {
+    pub masks: u64,
+    pub time_ns: u64,
+    /// Masks that took longer than `MASK_TIME_BUDGET` (each failed its
+    /// request).
+    pub over_budget: u64,
+}
+
+#[derive(Clone)]
 pub struct GrammarMask {
     matcher: Matcher,
     /// The mask for the next token, computed ahead by `prepare` (while the
     /// forward runs); `apply` computes it when it is not there.
     prepared: Option<std::result::Result<SimpleVob, String>>,
-}
-
-impl Clone for GrammarMask {
-    fn clone(&self) -> Self {
-        GrammarMask {
-            matcher: self.matcher.clone(),
-            prepared: self.prepared.clone(),
-        }
-    }
+    stats: MaskStats,
 }
 
 impl std::fmt::Debug for GrammarMask {
@@ -79,6 +91,7 @@ impl GrammarMask {
         GrammarMask {
             matcher,
             prepared: None,
+            stats: MaskStats::default(),
         }
     }
 
@@ -87,17 +100,38 @@ impl GrammarMask {
     /// while the forward computes the logits.
     pub fn prepare(&mut self) {
         if self.prepared.is_none() {
-            self.prepared = Some(
-                self.matcher
-                    .compute_mask_or_eos()
-                    .map_err(|e| e.to_string()),
-            );
+            self.prepared = Some(self.compute());
         }
+    }
+
+    /// The next token's mask, timed against `MASK_TIME_BUDGET`.
+    fn compute(&mut self) -> std::result::Result<SimpleVob, String> {
+        let started = Instant::now();
+        let mask = self.matcher.compute_mask_or_eos();
+        let took = started.elapsed();
+        self.stats.masks += 1;
+        self.stats.time_ns += took.as_nanos() as u64;
+        if took > MASK_TIME_BUDGET {
+            self.stats.over_budget += 1;
+            return Err(format!(
+                "the mask took {:.0} ms, over the budget of {} ms per token; simplify the \
+                 constraint",
+                took.as_secs_f64() * 1e3,
+                MASK_TIME_BUDGET.as_millis()
+            ));
+        }
+        mask.map_err(|e| e.to_string())
+    }
+
+    /// The counters since the last call, reset.
+    pub fn take_stats(&mut self) -> MaskStats {
+        std::mem::take(&mut self.stats)
     }
 
     /// Forbids (sets to -inf) every token of `logits` the grammar does not
     /// allow next; only end-of-sequence once the grammar is complete. Fails
-    /// when the grammar's step budget runs out or it allows nothing here.
+    /// when the grammar's step budget runs out, the mask took longer than
+    /// `MASK_TIME_BUDGET`, or it allows nothing here.
     pub fn apply(&mut self, logits: &mut [f32]) -> Result<()> {
         let mask = self.take_mask()?;
         forbid(&mask, logits);
@@ -131,10 +165,7 @@ impl GrammarMask {
     fn take_mask(&mut self) -> Result<SimpleVob> {
         match self.prepared.take() {
             Some(m) => m,
-            None => self
-                .matcher
-                .compute_mask_or_eos()
-                .map_err(|e| e.to_string()),
+            None => self.compute(),
         }
         .map_err(|e| grammar_error("computing the token mask", e))
     }

@@ -17,7 +17,7 @@ pub mod stop;
 
 pub use crate::forward::{mask_words, DeviceSampling, MaskFill, RowSampling};
 pub use candidates::CandidateSet;
-pub use grammar::GrammarMask;
+pub use grammar::{GrammarMask, MaskStats, MASK_TIME_BUDGET};
 pub use history::TokenHistory;
 pub use math::{check_finite_logits, non_finite_logits};
 pub use params::{SamplingParams, SamplingPlan};

@@ -2,7 +2,7 @@
 //! row of logits and draws a token with the request's own RNG stream.
 
 use super::candidates::CandidateSet;
-use super::grammar::GrammarMask;
+use super::grammar::{GrammarMask, MaskStats};
 use super::history::TokenHistory;
 use super::params::{SamplingParams, SamplingPlan};
 use super::processors::{
@@ -87,6 +87,14 @@ impl Sampler {
     /// (see `GrammarMask::prepare`); false when there is no grammar.
     pub fn prepare_grammar(&mut self) -> bool {
         self.grammar.as_mut().map(GrammarMask::prepare).is_some()
+    }
+
+    /// The grammar's mask counters since the last call (zero without one).
+    pub fn take_mask_stats(&mut self) -> MaskStats {
+        self.grammar
+            .as_mut()
+            .map(GrammarMask::take_stats)
+            .unwrap_or_default()
     }
 
     /// True when a grammar constrains this request and the output so far

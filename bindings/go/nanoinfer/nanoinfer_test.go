@@ -718,6 +718,11 @@ func TestStructuredOutput(t *testing.T) {
 	if len(text) != 3 || strings.Trim(text, "0123456789") != "" {
 		t.Fatalf("regex output %q", text)
 	}
+	// Cut off inside the object: unfinished, not plain length.
+	_, last = generatedText(t, s, Request{Messages: msgs, MaxTokens: 3, JSONSchema: schema})
+	if last.Finish != FinishLengthUnfinished || last.Finish.String() != "length_unfinished" {
+		t.Fatalf("a cut object finished %v", last.Finish)
+	}
 	_, err := s.AddRequest(Request{Messages: msgs, Regex: "a", Choices: []string{"b"}})
 	if err == nil || !strings.Contains(err.Error(), "at most one of") {
 		t.Fatalf("two constraints: %v", err)

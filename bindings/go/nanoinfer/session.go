@@ -142,7 +142,7 @@ type Request struct {
 	// Structured output, at most one of them: the output is JSON matching
 	// JSONSchema, a full match of Regex, a sentence of Grammar
 	// (llguidance's Lark dialect), or exactly one of Choices. A cut-off
-	// output inside an unfinished structure ends FinishLength.
+	// output inside an unfinished structure ends FinishLengthUnfinished.
 	JSONSchema string
 	Regex      string
 	Grammar    string
@@ -178,6 +178,10 @@ const (
 	FinishLength     FinishReason = C.NI_FINISH_LENGTH
 	FinishCancelled  FinishReason = C.NI_FINISH_CANCELLED
 	FinishError      FinishReason = C.NI_FINISH_ERROR
+	// FinishLengthUnfinished: MaxTokens ran out while a constrained request
+	// (JSONSchema, Regex, Grammar, Choices) was inside an unfinished
+	// structure; its output does not match the constraint.
+	FinishLengthUnfinished FinishReason = C.NI_FINISH_LENGTH_UNFINISHED
 )
 
 func (f FinishReason) String() string {
@@ -196,6 +200,8 @@ func (f FinishReason) String() string {
 		return "cancelled"
 	case FinishError:
 		return "error"
+	case FinishLengthUnfinished:
+		return "length_unfinished"
 	}
 	return "unknown"
 }

@@ -292,7 +292,12 @@ impl Session {
         let (prompt, output) = req.tokens.split_at(req.history_start);
         // Rows past the tokenizer are left out: they have no text.
         let logits = &mut logits[..self.model.sample_vocab];
-        req.sampler.sample(logits, prompt, output, suppress)
+        let sampled = req.sampler.sample(logits, prompt, output, suppress);
+        let masks = req.sampler.take_mask_stats();
+        self.stats.constraint_masks += masks.masks;
+        self.stats.constraint_mask_time_ns += masks.time_ns;
+        self.stats.constraint_masks_over_budget += masks.over_budget;
+        sampled
     }
 
     /// Appends the sampled token and reports it (finishing the request when

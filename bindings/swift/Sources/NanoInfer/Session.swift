@@ -68,7 +68,8 @@ public struct Request {
     public var cacheSalt: UInt64 = 0
     /// Structured output, at most one of them: JSON matching `jsonSchema`,
     /// a full match of `regex`, a sentence of `grammar` (llguidance's Lark
-    /// dialect), or exactly one of `choices`.
+    /// dialect), or exactly one of `choices`. A request cut by `maxTokens`
+    /// inside an unfinished structure ends `.lengthUnfinished`.
     public var jsonSchema = ""
     public var regex = ""
     public var grammar = ""
@@ -98,6 +99,9 @@ public typealias RequestID = UInt64
 
 public enum FinishReason: UInt32 {
     case none = 0, eos, stopToken, stopString, length, cancelled, error
+    /// `maxTokens` ran out inside an unfinished structure of the request's
+    /// constraint: the output does not match it.
+    case lengthUnfinished
 }
 
 public struct TokenLogprob {
