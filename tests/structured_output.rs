@@ -609,3 +609,37 @@ fn stop_strings_still_end_a_constrained_request() {
         o.text
     );
 }
+
+#[test]
+fn special_token_text_in_a_constraint_is_ordinary_text() {
+    // "<|im_end|>" inside a choice is those ten characters, spelled with
+    // ordinary tokens; the end-of-turn token itself only ends the output.
+    let m = model();
+    let choice = "ok<|im_end|>done".to_string();
+    let outs = run_in(
+        &mut session(&m),
+        vec![
+            request(
+                chat(&m, "Say ok."),
+                Some(Constraint::Choice(vec![choice.clone()])),
+                0.0,
+                0,
+            ),
+            request(
+                chat(&m, "Say ok."),
+                Some(Constraint::Regex(r"(ok|no)<\|im_end\|>[a-z]{2}".into())),
+                1.0,
+                3,
+            ),
+        ],
+    );
+    assert_eq!(outs[0].finish, Some(FinishReason::Eos), "{:?}", outs[0]);
+    assert_eq!(outs[0].text, choice);
+    assert_eq!(outs[1].finish, Some(FinishReason::Eos), "{:?}", outs[1]);
+    let re = regex::Regex::new(r"^(ok|no)<\|im_end\|>[a-z]{2}$").unwrap();
+    assert!(re.is_match(&outs[1].text), "{:?}", outs[1].text);
+    let eos = m.eos_token_ids[0];
+    for o in &outs {
+        assert_eq!(o.tokens.iter().filter(|&&t| t == eos).count(), 1, "{o:?}");
+    }
+}

@@ -6,7 +6,7 @@
 use super::model::Model;
 use super::request::Constraint;
 use crate::sampling::GrammarMask;
-use crate::tokenizer::TokenBytes;
+use crate::tokenizer::{EncodeOptions, TokenBytes};
 use crate::{bail_arg, Error, Result};
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
@@ -34,11 +34,19 @@ impl TokenizerEnv for ModelTokEnv {
         &self.trie
     }
 
+    /// Text the grammar forces is ordinary text: special-token text in it
+    /// (a choice containing "<|im_end|>") must not become the special
+    /// token, whose bytes in the trie are not that text, so the grammar
+    /// would allow a token it then cannot advance by.
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        let plain = EncodeOptions {
+            add_special_tokens: false,
+            parse_special: false,
+        };
         self.trie.tokenize_with_greedy_fallback(s, |text| {
             self.model
                 .tokenizer()
-                .and_then(|t| t.encode(text, false))
+                .and_then(|t| t.encode_with(text, plain))
                 .unwrap_or_default()
         })
     }
