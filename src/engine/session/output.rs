@@ -268,6 +268,7 @@ impl Session {
                 })
             };
             logits_row += 1;
+            self.count_masks(id);
             match sampled {
                 Ok(sampled) => self.report(id, sampled, events),
                 Err(e) => {
@@ -292,12 +293,21 @@ impl Session {
         let (prompt, output) = req.tokens.split_at(req.history_start);
         // Rows past the tokenizer are left out: they have no text.
         let logits = &mut logits[..self.model.sample_vocab];
-        let sampled = req.sampler.sample(logits, prompt, output, suppress);
-        let masks = req.sampler.take_mask_stats();
+        req.sampler.sample(logits, prompt, output, suppress)
+    }
+
+    /// Adds the masks the request's grammar computed (while the forward ran
+    /// or when it was sampled, on the host or the device) to the stats.
+    fn count_masks(&mut self, id: RequestId) {
+        let masks = self
+            .requests
+            .get_mut(&id)
+            .expect("scheduled request exists")
+            .sampler
+            .take_mask_stats();
         self.stats.constraint_masks += masks.masks;
         self.stats.constraint_mask_time_ns += masks.time_ns;
         self.stats.constraint_masks_over_budget += masks.over_budget;
-        sampled
     }
 
     /// Appends the sampled token and reports it (finishing the request when
