@@ -8,19 +8,6 @@ mod common;
 use common::*;
 use serde_json::Value;
 use std::path::PathBuf;
-use std::process::Command;
-
-fn nanoinfer(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_nanoinfer"))
-        .args(args)
-        .output()
-        .expect("runs nanoinfer");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 /// `nanoinfer generate --model SmolLM2 --json ARGS...`: its one JSON line.
 fn generate(args: &[&str]) -> Value {

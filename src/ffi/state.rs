@@ -8,6 +8,7 @@ use super::request::{self, ni_request_params};
 use super::session::ni_session;
 use super::status::ni_status;
 use crate::bail_arg;
+use crate::engine::PrefixCacheReport;
 use std::ffi::c_char;
 use std::path::Path;
 
@@ -157,14 +158,16 @@ pub unsafe extern "C" fn ni_session_save_prefix_cache(
     dir: *const c_char,
     out_tokens: *mut usize,
 ) -> ni_status {
-    ffi_call("ni_session_save_prefix_cache", || {
-        // SAFETY: per this function's contract.
-        let s = unsafe { args::handle(session, "session")? };
-        // SAFETY: a NUL-terminated string (contract).
-        let dir = unsafe { args::cstr(dir, "dir")? };
-        let report = s.lock()?.session.save_prefix_cache(Path::new(dir))?;
-        write_optional(out_tokens, report.tokens)
-    })
+    // SAFETY: forwarded contract.
+    unsafe {
+        prefix_cache_call(
+            "ni_session_save_prefix_cache",
+            session,
+            dir,
+            out_tokens,
+            |s, d| s.save_prefix_cache(d),
+        )
+    }
 }
 
 /// Warm-starts the prefix cache from `dir` (written by
@@ -181,12 +184,36 @@ pub unsafe extern "C" fn ni_session_load_prefix_cache(
     dir: *const c_char,
     out_tokens: *mut usize,
 ) -> ni_status {
-    ffi_call("ni_session_load_prefix_cache", || {
-        // SAFETY: per this function's contract.
+    // SAFETY: forwarded contract.
+    unsafe {
+        prefix_cache_call(
+            "ni_session_load_prefix_cache",
+            session,
+            dir,
+            out_tokens,
+            |s, d| s.load_prefix_cache(d),
+        )
+    }
+}
+
+/// Saving or loading the prefix cache of `session` in `dir`, its token
+/// count written through `out_tokens` unless NULL.
+///
+/// # Safety
+/// `session` and `dir` honour the exported functions' contracts.
+unsafe fn prefix_cache_call(
+    name: &'static str,
+    session: *mut ni_session,
+    dir: *const c_char,
+    out_tokens: *mut usize,
+    op: impl FnOnce(&mut crate::engine::Session, &Path) -> crate::Result<PrefixCacheReport>,
+) -> ni_status {
+    ffi_call(name, || {
+        // SAFETY: per the exported function's contract.
         let s = unsafe { args::handle(session, "session")? };
         // SAFETY: a NUL-terminated string (contract).
         let dir = unsafe { args::cstr(dir, "dir")? };
-        let report = s.lock()?.session.load_prefix_cache(Path::new(dir))?;
+        let report = op(&mut s.lock()?.session, Path::new(dir))?;
         write_optional(out_tokens, report.tokens)
     })
 }

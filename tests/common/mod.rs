@@ -76,3 +76,16 @@ pub fn ids(v: &Value) -> Vec<u32> {
 pub fn close(a: f32, b: f32, rel: f32) -> bool {
     (a - b).abs() <= rel * b.abs().max(1.0)
 }
+
+/// Runs the `nanoinfer` binary of this build with `args`: (exit code, stdout, stderr).
+pub fn nanoinfer(args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_nanoinfer"))
+        .args(args)
+        .output()
+        .expect("runs nanoinfer");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
