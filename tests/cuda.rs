@@ -670,18 +670,15 @@ fn random_logits(rng: &mut SplitMix64, rows: usize, vocab: usize) -> Vec<f32> {
     out
 }
 
-#[test]
-fn gpu_sampler_picks_the_cpu_samplers_tokens() {
-    if fixtures().is_none() {
-        return;
-    }
-    let dev = CudaDevice::open(0, ActDType::BF16).expect("CUDA device");
+/// One sampling configuration per stage of the chain, and all of them
+/// together: what the GPU sampler tests run over random logits.
+fn stage_cases() -> Vec<(&'static str, SamplingParams)> {
     let with = |f: &dyn Fn(&mut SamplingParams)| {
         let mut p = SamplingParams::default();
         f(&mut p);
         p
     };
-    let cases: Vec<(&str, SamplingParams)> = vec![
+    vec![
         (
             "greedy + penalties + bias",
             with(&|p| {
@@ -741,7 +738,16 @@ fn gpu_sampler_picks_the_cpu_samplers_tokens() {
                 p.logit_bias = vec![(3, 1.0)];
             }),
         ),
-    ];
+    ]
+}
+
+#[test]
+fn gpu_sampler_picks_the_cpu_samplers_tokens() {
+    if fixtures().is_none() {
+        return;
+    }
+    let dev = CudaDevice::open(0, ActDType::BF16).expect("CUDA device");
+    let cases = stage_cases();
     let mut rng = SplitMix64::new(7);
     let mut report = String::new();
     for vocab in [32_000usize, 151_936] {
@@ -845,49 +851,8 @@ fn gpu_sampler_applies_grammar_masks_before_every_stage_like_the_cpu() {
         return;
     }
     let dev = CudaDevice::open(0, ActDType::BF16).expect("CUDA device");
-    let with = |f: &dyn Fn(&mut SamplingParams)| {
-        let mut p = SamplingParams::default();
-        f(&mut p);
-        p
-    };
-    let cases: Vec<(&str, SamplingParams)> = vec![
-        ("greedy", SamplingParams::default()),
-        (
-            "greedy + penalties + bias",
-            with(&|p| {
-                p.repetition_penalty = 1.3;
-                p.presence_penalty = 0.5;
-                p.logit_bias = vec![(5, 3.0), (17, -100.0)];
-            }),
-        ),
-        ("temperature", with(&|p| p.temperature = 0.9)),
-        (
-            "top-k 40",
-            with(&|p| {
-                p.temperature = 1.0;
-                p.top_k = 40;
-            }),
-        ),
-        (
-            "top-k 6000",
-            with(&|p| {
-                p.temperature = 1.0;
-                p.top_k = 6000;
-            }),
-        ),
-        (
-            "all stages",
-            with(&|p| {
-                p.temperature = 0.7;
-                p.top_k = 200;
-                p.top_p = 0.95;
-                p.min_p = 0.02;
-                p.repetition_penalty = 1.2;
-                p.frequency_penalty = 0.2;
-                p.logit_bias = vec![(3, 1.0)];
-            }),
-        ),
-    ];
+    let mut cases = vec![("greedy", SamplingParams::default())];
+    cases.extend(stage_cases());
     let mut rng = SplitMix64::new(11);
     let mut report = String::new();
     for vocab in [32_000usize, 151_936] {
