@@ -41,46 +41,39 @@ fn session_ops_over_random_inputs() {
     }
 }
 
+/// Runs `target` over `n` random inputs (stream `stream`, up to `max_len`
+/// bytes); fails on a panic and unless both validation outcomes occur
+/// (more than 5 % accepted and more than 5 % refused).
+fn both_sides(what: &str, stream: u64, n: usize, max_len: usize, target: impl Fn(&[u8]) -> bool) {
+    let mut accepted = 0;
+    for (i, data) in inputs(stream, n, 0, max_len).iter().enumerate() {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| target(data)));
+        accepted += *r
+            .as_ref()
+            .unwrap_or_else(|_| panic!("{what}: input {i} failed: {data:?}"))
+            as usize;
+    }
+    assert!(
+        accepted > n / 20 && accepted < n - n / 20,
+        "{what}: {accepted} of {n} accepted"
+    );
+    eprintln!("{what}: {accepted} of {n} random inputs accepted");
+}
+
 #[test]
 fn request_params_over_random_inputs() {
     let m = model();
-    let n = 3000;
-    let mut accepted = 0;
-    for (i, data) in inputs(2, n, 0, 300).iter().enumerate() {
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            engine_driver::request_params(&m, data)
-        }));
-        accepted += *r
-            .as_ref()
-            .unwrap_or_else(|_| panic!("input {i} failed: {data:?}")) as usize;
-    }
-    // Both sides of validation are exercised.
-    assert!(
-        accepted > n / 20 && accepted < n - n / 20,
-        "{accepted} of {n} accepted"
-    );
-    eprintln!("request_params: {accepted} of {n} random requests accepted");
+    both_sides("request_params", 2, 3000, 300, |data| {
+        engine_driver::request_params(&m, data)
+    });
 }
 
 #[test]
 fn constraints_over_random_inputs() {
     let m = engine_driver::load_model_with_tokenizer(Path::new(env!("CARGO_MANIFEST_DIR")));
-    let n = 600;
-    let mut accepted = 0;
-    for (i, data) in inputs(3, n, 0, 80).iter().enumerate() {
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            engine_driver::constraints(&m, data)
-        }));
-        accepted += *r
-            .as_ref()
-            .unwrap_or_else(|_| panic!("input {i} failed: {data:?}")) as usize;
-    }
-    // Both refusals and accepted constraints are exercised.
-    assert!(
-        accepted > n / 20 && accepted < n - n / 20,
-        "{accepted} of {n} accepted"
-    );
-    eprintln!("constraints: {accepted} of {n} random constraints accepted");
+    both_sides("constraints", 3, 600, 80, |data| {
+        engine_driver::constraints(&m, data)
+    });
 }
 
 /// The committed fuzz seeds (and any regression inputs added there) pass.
