@@ -28,8 +28,8 @@ use crate::kv::{
     create_kv_backend, physical_slots, KvBackendKind, KvCacheBackend, KvCacheDType, KvStats,
 };
 use crate::memory::{
-    check_fits, utilization_kv_bytes, zeroed_f32, BudgetSource, DeviceMemory, MemoryBudget,
-    MemoryPoolKind,
+    check_fits, try_with_capacity, utilization_kv_bytes, zeroed_f32, BudgetSource, DeviceMemory,
+    MemoryBudget, MemoryPoolKind,
 };
 use crate::model::{ContextShape, ForwardContext, WorkspaceStats};
 use crate::sampling::{DeviceSampling, GrammarMask, Rng, Sampler, StopMatcher};
@@ -587,13 +587,7 @@ impl Session {
             sampler.set_grammar(g);
         }
         // Room for every token the request may generate: no growth while decoding.
-        let mut tokens = Vec::new();
-        tokens.try_reserve_exact(need).map_err(|_| {
-            Error::new(
-                ErrorKind::OutOfMemory,
-                format!("no host memory for the {need} tokens of a request"),
-            )
-        })?;
+        let mut tokens = try_with_capacity(need, "the tokens of a request")?;
         let mut history_start = prompt_len;
         let mut swapped = None;
         if let Some(r) = restored {

@@ -21,8 +21,9 @@
 //! finite, token ids must be in the vocabulary, and the checksum must
 //! match before any of it is used.
 
+use crate::memory::try_with_capacity;
 use crate::model::fingerprint::fingerprint_hex;
-use crate::{Error, ErrorKind, Result};
+use crate::{Error, Result};
 use std::io::{Read, Write};
 use xxhash_rust::xxh3::Xxh3;
 
@@ -204,13 +205,7 @@ impl<'a> HashReader<'a> {
     /// `n` 4-byte words, decoded by `decode` into a fallibly allocated vector.
     fn words<T>(&mut self, n: usize, what: &str, decode: impl Fn([u8; 4]) -> T) -> Result<Vec<T>> {
         self.ensure((n as u64).saturating_mul(4), what)?;
-        let mut out = Vec::new();
-        out.try_reserve_exact(n).map_err(|_| {
-            Error::new(
-                ErrorKind::OutOfMemory,
-                format!("no host memory for the {n} values of {what}"),
-            )
-        })?;
+        let mut out = try_with_capacity(n, what)?;
         let mut buf = vec![0u8; n.min(CHUNK_VALUES) * 4];
         let mut left = n;
         while left > 0 {
@@ -484,6 +479,7 @@ pub fn read_prefixes(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ErrorKind;
 
     fn identity() -> StateIdentity {
         StateIdentity {

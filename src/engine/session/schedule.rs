@@ -3,8 +3,9 @@
 use super::{PreemptionMode, Session};
 use crate::engine::request::{Event, FinishReason, RequestId};
 use crate::kv::KvCacheBackend;
+use crate::memory::try_with_capacity;
 use crate::model::ForwardContext;
-use crate::{Error, ErrorKind, Result};
+use crate::Result;
 
 /// Fewest tokens a deferred admission must expect to gain from a prefix
 /// that another request is computing; below that, starting now is cheaper
@@ -274,15 +275,7 @@ pub(super) fn kv_to_host(
     let mapping = kv.mapping(id);
     let slots: Vec<u32> = (0..n).map(|p| mapping.slot(p) as u32).collect();
     let values = n.saturating_mul(ctx.kv_values_per_slot());
-    let mut saved = Vec::new();
-    saved.try_reserve_exact(values).map_err(|_| {
-        Error::new(
-            ErrorKind::OutOfMemory,
-            format!(
-                "copying the KV of {n} tokens: cannot allocate {values} f32 values of host memory"
-            ),
-        )
-    })?;
+    let mut saved = try_with_capacity(values, "the host copy of a request's KV")?;
     ctx.save_kv(&slots, &mut saved)?;
     Ok(saved)
 }

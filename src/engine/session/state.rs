@@ -16,8 +16,9 @@ use crate::engine::state_file::{
     read_prefixes, write_prefixes, SavedRun, SavedSequence, StateIdentity,
 };
 use crate::kv::{KvCacheBackend, SeqId};
+use crate::memory::try_with_capacity;
 use crate::model::ForwardContext;
-use crate::{bail_arg, Error, ErrorKind, Result};
+use crate::{bail_arg, Error, Result};
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Seek, Write};
 use std::path::{Path, PathBuf};
@@ -268,22 +269,13 @@ fn snapshot(
         let n = req.computed;
         (n, kv_to_host(kv, ctx, id, n)?)
     } else if let Some((n, data)) = &req.swapped {
-        let mut copy = Vec::new();
-        copy.try_reserve_exact(data.len()).map_err(|_| {
-            Error::new(
-                ErrorKind::OutOfMemory,
-                format!("no host memory to copy the KV of {n} tokens"),
-            )
-        })?;
+        let mut copy = try_with_capacity(data.len(), "a copy of a request's swapped-out KV")?;
         copy.extend_from_slice(data);
         (*n, copy)
     } else {
         (0, Vec::new())
     };
-    let mut tokens = Vec::new();
-    tokens
-        .try_reserve_exact(req.tokens.len())
-        .map_err(|_| Error::new(ErrorKind::OutOfMemory, "no host memory to copy the tokens"))?;
+    let mut tokens = try_with_capacity(req.tokens.len(), "a copy of a request's tokens")?;
     tokens.extend_from_slice(&req.tokens);
     Ok(SavedSequence {
         tokens,
