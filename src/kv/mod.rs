@@ -94,6 +94,12 @@ pub trait KvCacheBackend: Send {
     /// prefix cache.
     fn commit(&mut self, seq: SeqId, tokens: &[u32]);
 
+    /// Shrinks `seq` to positions `0..total_tokens`: the slots past them go
+    /// back to the free list (speculative decoding's rejected positions).
+    /// `total_tokens` is at least the committed length (slots the prefix
+    /// cache took are kept whatever it is); growing is `allocate`'s job.
+    fn truncate(&mut self, seq: SeqId, total_tokens: usize);
+
     /// Drops the sequence. Its slots return to the free list, or stay cached
     /// (evictable) when they are part of the prefix cache.
     fn release(&mut self, seq: SeqId);

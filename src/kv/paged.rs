@@ -167,6 +167,19 @@ impl KvCacheBackend for PagedKv {
         }
     }
 
+    fn truncate(&mut self, seq: SeqId, total_tokens: usize) {
+        let keep = self.blocks_for(total_tokens);
+        let Some(state) = self.seqs.get_mut(&seq) else {
+            return;
+        };
+        // Committed blocks may be shared through the prefix cache.
+        let keep = keep.max(state.keys.len());
+        while state.table.len() > keep {
+            let block = state.table.pop().expect("longer than keep");
+            self.pool.free(block);
+        }
+    }
+
     fn release(&mut self, seq: SeqId) {
         let Some(state) = self.seqs.remove(&seq) else {
             return;

@@ -312,6 +312,32 @@ fn partial_commits(b: Backend) {
     check(kv.as_ref());
 }
 
+fn truncate_frees_rejected_positions(b: Backend) {
+    let g = b.g();
+    let (mut kv, _) = b.make(256, true);
+    let free = kv.stats().free_slots;
+    let t = distinct_tokens(1, 40);
+    kv.begin(1, &t, 0);
+    assert!(kv.allocate(1, 21));
+    kv.commit(1, &t[..21]);
+    // Five speculative positions, two accepted.
+    assert!(kv.allocate(1, 27));
+    kv.commit(1, &t[..24]);
+    kv.truncate(1, 24);
+    check(kv.as_ref());
+    assert_eq!(kv.stats().used_slots, b.rounded(24));
+    assert_eq!(kv.stats().free_slots, free - b.rounded(24));
+    // Unknown sequences are ignored.
+    kv.truncate(7, 0);
+    check(kv.as_ref());
+    kv.release(1);
+    assert_idle(kv.as_ref());
+    // Only committed positions are ever reused.
+    let u = cat(&t[..24], &distinct_tokens(2, 8));
+    assert_eq!(kv.begin(2, &u, 0), 24 / g * g);
+    kv.release(2);
+}
+
 fn salts_isolate(b: Backend) {
     let g = b.g();
     let (mut kv, _) = b.make(512, true);
@@ -602,6 +628,55 @@ impl Sim {
         true
     }
 
+    /// A speculative decode step: the pending token and `k` drafted ones
+    /// are written, a random number of drafts is accepted and the rest are
+    /// truncated away. False when the KV did not have room.
+    fn speculate(&mut self, id: SeqId) -> bool {
+        let l = self.live.get_mut(&id).unwrap();
+        if l.computed == l.tokens.len() {
+            let t = self.rng.below(50_000) as u32;
+            l.push(t);
+        }
+        if l.tokens.len() != l.computed + 1 {
+            return true; // still prefilling
+        }
+        let k = self.rng.range(1, 6);
+        let mut drafted = Live::new(l.tokens.clone(), l.salt);
+        for _ in 0..k {
+            drafted.push(self.rng.below(50_000) as u32);
+        }
+        let (computed, target) = (l.computed, l.computed + 1 + k);
+        if !self.kv.allocate(id, target) {
+            self.failed_allocs += 1;
+            return false;
+        }
+        let s = slots(self.kv.as_ref(), id, target);
+        for p in computed..target {
+            self.shadow[s[p]] = drafted.ids[p];
+        }
+        let accepted = self.rng.below(k + 1);
+        let l = self.live.get_mut(&id).unwrap();
+        for p in 0..accepted {
+            l.push(drafted.tokens[computed + 1 + p]);
+        }
+        // The target's own token after the accepted drafts: never the
+        // rejected draft, whose KV must not be read as this one's.
+        let rejected = drafted.tokens.get(computed + 1 + accepted).copied();
+        let t = (self.rng.below(50_000) as u32..).find(|&t| Some(t) != rejected);
+        l.push(t.expect("some token differs"));
+        l.computed = computed + 1 + accepted;
+        let tokens = l.tokens[..l.computed].to_vec();
+        self.kv.commit(id, &tokens);
+        self.kv.truncate(id, tokens.len());
+        let held = self.kv.mapping(id).capacity();
+        assert!(
+            held >= tokens.len() && held < tokens.len() + self.g,
+            "truncated to {} positions, still maps {held}",
+            tokens.len()
+        );
+        true
+    }
+
     fn pick(&mut self) -> Option<SeqId> {
         let ids: Vec<SeqId> = self.live.keys().copied().collect();
         (!ids.is_empty()).then(|| ids[self.rng.below(ids.len())])
@@ -646,7 +721,12 @@ fn soak(b: Backend) {
                     }
                     0..=79 => {
                         if let Some(id) = sim.pick() {
-                            if !sim.step(id) {
+                            let done = if r % 4 == 0 {
+                                sim.speculate(id)
+                            } else {
+                                sim.step(id)
+                            };
+                            if !done {
                                 // Out of room: preempt someone, as a scheduler would.
                                 let victim = sim.pick().unwrap();
                                 sim.release(victim);
@@ -799,6 +879,9 @@ macro_rules! suite {
             #[test] fn prefix_reuse() { super::prefix_reuse(B) }
             #[test] fn partial_commits() { super::partial_commits(B) }
             #[test] fn salts_isolate() { super::salts_isolate(B) }
+            #[test] fn truncate_frees_rejected_positions() {
+                super::truncate_frees_rejected_positions(B)
+            }
             #[test] fn lru_eviction() { super::lru_eviction(B) }
             #[test] fn hits_refresh_lru() { super::hits_refresh_lru(B) }
             #[test] fn prefix_caching_off() { super::prefix_caching_off(B) }

@@ -165,6 +165,18 @@ impl KvCacheBackend for TokenKv {
         }
     }
 
+    fn truncate(&mut self, seq: SeqId, total_tokens: usize) {
+        let Some(state) = self.seqs.get_mut(&seq) else {
+            return;
+        };
+        // Slots below `tree_len` belong to the prefix cache.
+        let keep = total_tokens.max(state.tree_len);
+        if state.slots.len() > keep {
+            self.private -= state.slots.len() - keep;
+            self.free.extend(state.slots.drain(keep..).rev());
+        }
+    }
+
     fn release(&mut self, seq: SeqId) {
         let Some(state) = self.seqs.remove(&seq) else {
             return;
