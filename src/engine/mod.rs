@@ -8,6 +8,7 @@ pub mod model;
 pub mod policy;
 pub mod request;
 pub mod session;
+pub mod speculative;
 pub mod state_file;
 
 pub use cancel::Canceller;
@@ -19,4 +20,5 @@ pub use session::{
     AbortCheck, PreemptionMode, PrefixCacheReport, Session, SessionParams, SessionStats, StepShape,
     PREFIX_CACHE_FILE,
 };
+pub use speculative::{SpeculativeMethod, SpeculativeParams};
 pub use state_file::StateIdentity;

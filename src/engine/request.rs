@@ -23,6 +23,9 @@ pub struct RequestParams {
     /// it ends, so `Session::save_state` can still save it; freed by
     /// `Session::release_state`. A running request can be saved without it.
     pub retain_state: bool,
+    /// Never draft tokens for this request, even when the session
+    /// speculates (`SessionParams::speculative`).
+    pub disable_speculation: bool,
 }
 
 /// What a structured-output request's text must match.

@@ -11,6 +11,7 @@
 mod output;
 mod overlap;
 mod schedule;
+mod speculate;
 mod state;
 
 pub use state::{PrefixCacheReport, PREFIX_CACHE_FILE};
@@ -21,6 +22,7 @@ use super::grammar::GrammarCompiler;
 use super::model::Model;
 use super::policy::{create_policy, RankInput, SchedulePolicy, SchedulePolicyKind};
 use super::request::{Constraint, Event, FinishReason, RequestId, RequestParams, Usage};
+use super::speculative::{SpecState, SpeculativeParams};
 use super::state_file::SavedSequence;
 use crate::backend::Device;
 use crate::forward::AttnSeq;
@@ -111,6 +113,9 @@ pub struct SessionParams {
     /// device gains from it (a GPU; `NANOINFER_CUDA_OVERLAP=0` turns it
     /// off there). Events are the same either way.
     pub overlap_steps: Option<bool>,
+    /// Speculative decoding: requests in decode draft tokens that the next
+    /// step verifies (see `engine::speculative`). `None` = off.
+    pub speculative: Option<SpeculativeParams>,
 }
 
 impl Default for SessionParams {
@@ -134,6 +139,7 @@ impl Default for SessionParams {
             device_sampling: true,
             kv_cache_dtype: KvCacheDType::Auto,
             overlap_steps: None,
+            speculative: None,
         }
     }
 }
@@ -234,6 +240,24 @@ pub struct SessionStats {
     pub constraint_masks: u64,
     pub constraint_mask_time_ns: u64,
     pub constraint_masks_over_budget: u64,
+    /// Speculative decoding: tokens drafted and verified, the drafted tokens
+    /// the target kept, and the (request, step) verifications; each
+    /// verification also yields one token of the target's own, so a
+    /// verifying step gives `1 + accepted / verifications` tokens on average.
+    pub spec_draft_tokens: u64,
+    pub spec_accepted_tokens: u64,
+    pub spec_verifications: u64,
+}
+
+impl SessionStats {
+    /// Tokens a speculating request got per verifying step (drafted tokens
+    /// kept, plus the target's own); 0 before the first verification.
+    pub fn spec_mean_accepted_length(&self) -> f64 {
+        if self.spec_verifications == 0 {
+            return 0.0;
+        }
+        1.0 + self.spec_accepted_tokens as f64 / self.spec_verifications as f64
+    }
 }
 
 struct Request {
@@ -266,6 +290,11 @@ struct Request {
     first_token_ns: Option<u64>,
     /// The prefix-cache hit of its first admission; `None` before it.
     cached_prompt_tokens: Option<usize>,
+    /// Drafted tokens this step verifies after its last known token
+    /// (rows past the plan's count); empty between steps.
+    draft: Vec<u32>,
+    /// How many tokens it drafts next.
+    spec: SpecState,
 }
 
 pub struct Session {
@@ -305,6 +334,8 @@ pub struct Session {
     /// States of ended requests that asked for `retain_state`, until
     /// `release_state` (the error when keeping one failed).
     retained: HashMap<RequestId, Result<SavedSequence>>,
+    /// Speculative decoding, when on.
+    spec: Option<speculate::Speculation>,
 }
 
 /// An app's check that aborts a running step when it returns true (see
@@ -384,7 +415,22 @@ impl Session {
             params.prefill_chunk_size,
         )?;
         crate::limits::check_kv_capacity_tokens(params.kv_capacity_tokens)?;
-        let per_token = model.decoder.kv_bytes_per_slot(params.kv_cache_dtype)?;
+        let target_per_token = model.decoder.kv_bytes_per_slot(params.kv_cache_dtype)?;
+        // A draft model keeps KV for the same tokens: its bytes per token
+        // come out of the same budget.
+        let draft_model = params.speculative.as_ref().and_then(|s| s.draft_model());
+        let per_token = match draft_model {
+            Some(d) => target_per_token + d.decoder.kv_bytes_per_slot(params.kv_cache_dtype)?,
+            None => target_per_token,
+        };
+        let spec_rows = match &params.speculative {
+            Some(s) => {
+                s.validate()?;
+                s.max_batch_on(gpu).min(params.max_seqs) * s.num_speculative_tokens
+            }
+            None => 0,
+        };
+        let max_logits_rows = params.max_seqs + spec_rows;
         if !(params.gpu_memory_utilization > 0.0 && params.gpu_memory_utilization <= 1.0) {
             bail_arg!(
                 "gpu_memory_utilization must be in (0, 1], got {}",
@@ -399,7 +445,7 @@ impl Session {
             .memory_pool
             .unwrap_or(MemoryPoolKind::default_for(gpu));
         pool.check_device(gpu, &device.to_string())?;
-        let mut shape = ContextShape::new(0, params.max_batched_tokens, params.max_seqs);
+        let mut shape = ContextShape::new(0, params.max_batched_tokens, max_logits_rows);
         shape.memory_pool = pool;
         shape.kv_dtype = params.kv_cache_dtype;
         shape.memory_utilization = params.gpu_memory_utilization;
@@ -455,9 +501,15 @@ impl Session {
         );
         shape.kv_slots = slots;
         let ctx = model.decoder.clone().new_context(&shape)?;
+        let spec = match &params.speculative {
+            Some(s) => Some(speculate::Speculation::new(
+                s, &model, &shape, capacity_tokens, gpu,
+            )?),
+            None => None,
+        };
         let logits = zeroed_f32(
-            params.max_seqs * c.vocab_size,
-            "the logits rows of max_seqs",
+            max_logits_rows * c.vocab_size,
+            "the logits rows of max_seqs and drafted tokens",
         )?;
         let budget = budget_report(
             &mem,
@@ -503,6 +555,7 @@ impl Session {
             canceller: Canceller::default(),
             grammar: None,
             retained: HashMap::new(),
+            spec,
             abort: None,
             model,
             params,
@@ -633,6 +686,8 @@ impl Session {
             added: arrived,
             first_token_ns: None,
             cached_prompt_tokens: None,
+            draft: Vec::new(),
+            spec: SpecState::default(),
         };
         self.next_arrival += 1;
         self.requests.insert(id, req);
@@ -717,6 +772,7 @@ impl Session {
         if req.in_kv {
             self.kv.release(id);
         }
+        self.release_draft(id);
         let mut event = self.new_event(id);
         event.finish = Some(FinishReason::Cancelled);
         event.usage = Some(self.usage(id, &req));

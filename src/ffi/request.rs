@@ -330,6 +330,7 @@ pub(crate) unsafe fn to_engine(p: &ni_request_params, model: &Model) -> Result<R
         // SAFETY: forwarded contract.
         constraint: unsafe { constraint(p)? },
         retain_state: p.retain_state,
+        disable_speculation: false,
     })
 }
 

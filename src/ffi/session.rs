@@ -249,6 +249,7 @@ fn to_engine(p: &ni_session_params) -> Result<SessionParams> {
         device_sampling: true,
         kv_cache_dtype,
         overlap_steps: None,
+        speculative: None,
     })
 }
 

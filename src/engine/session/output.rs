@@ -39,14 +39,21 @@ impl Session {
         let mut seqs = relabel(std::mem::take(&mut scratch.seqs));
         let mut greedy = true;
         let mut any_device_row = false;
+        let mut speculating = false;
         for &(id, n) in &scratch.plan {
             let req = &requests[&id];
             let start = scratch.tokens.len();
             scratch
                 .tokens
                 .extend_from_slice(&req.tokens[req.computed..req.computed + n]);
-            if req.computed + n == req.tokens.len() {
-                scratch.logits_rows.push(start + n - 1);
+            // Drafted tokens follow the last known one, each wanting logits.
+            scratch.tokens.extend_from_slice(&req.draft);
+            let n = n + req.draft.len();
+            speculating |= !req.draft.is_empty();
+            if req.computed + n - req.draft.len() == req.tokens.len() {
+                scratch
+                    .logits_rows
+                    .extend(start + n - 1 - req.draft.len()..start + n);
                 let generated = req.tokens.len() - req.prompt_len;
                 let suppressing = generated < req.params.sampling.min_tokens as usize;
                 greedy &= req.sampler.is_plain_greedy() && !suppressing;
@@ -72,10 +79,12 @@ impl Session {
         let sampled_rows = scratch.logits_rows.len();
         let device_samples =
             any_device_row && scratch.allow_device_sampling && ctx.samples_on_device();
+        // The device samples one row per request: drafted rows that are not
+        // plain greedy are sampled here, one after another.
         scratch.tokens_from = match () {
             _ if sampled_rows == 0 => TokensFrom::HostSampler,
             _ if greedy => TokensFrom::DeviceArgmax,
-            _ if device_samples => TokensFrom::DeviceSampler,
+            _ if device_samples && !speculating => TokensFrom::DeviceSampler,
             _ => TokensFrom::HostSampler,
         };
         scratch.device_tokens.resize(sampled_rows, 0);
@@ -106,8 +115,9 @@ impl Session {
         let sampled_on_device = scratch.tokens_from == TokensFrom::DeviceSampler
             && scratch.device_sampling.host_rows.is_empty()
             && scratch.device_sampling.masked_rows() == 0;
-        let launch =
-            *overlap && (scratch.tokens_from == TokensFrom::DeviceArgmax || sampled_on_device);
+        let launch = *overlap
+            && !speculating
+            && (scratch.tokens_from == TokensFrom::DeviceArgmax || sampled_on_device);
         canceller.begin_forward(scratch.plan.iter().map(|&(id, _)| id));
         // Structured-output rows need their grammar's mask after the
         // forward. Where the forward runs on a device (the host only waits
@@ -248,6 +258,12 @@ impl Session {
             if req.computed < req.tokens.len() {
                 continue; // a non-final prefill chunk: no logits, no event
             }
+            if !req.draft.is_empty() {
+                let rows = 1 + req.draft.len();
+                self.verify_drafts(id, logits_row, &mut logits, events);
+                logits_row += rows;
+                continue;
+            }
             let from = self.scratch.tokens_from;
             let sampled = if from == TokensFrom::HostSampler {
                 self.sample(
@@ -261,11 +277,7 @@ impl Session {
                 host_rows_done += 1;
                 self.sample(id, &mut logits[row * vocab..(row + 1) * vocab])
             } else {
-                let sample_vocab = self.model.sample_vocab;
-                device_token(self.scratch.device_tokens[logits_row], sample_vocab).and_then(|t| {
-                    req.sampler.accept_device_token(sample_vocab, t.token)?;
-                    Ok(t)
-                })
+                self.device_sampled(id, logits_row)
             };
             logits_row += 1;
             self.count_masks(id);
@@ -281,8 +293,24 @@ impl Session {
         self.scratch.plan = plan;
     }
 
+    /// The token the device chose for logits row `row` of request `id`.
+    pub(super) fn device_sampled(
+        &mut self,
+        id: RequestId,
+        row: usize,
+    ) -> crate::Result<SampledToken> {
+        let req = self
+            .requests
+            .get_mut(&id)
+            .expect("scheduled request exists");
+        let sample_vocab = self.model.sample_vocab;
+        let t = device_token(self.scratch.device_tokens[row], sample_vocab)?;
+        req.sampler.accept_device_token(sample_vocab, t.token)?;
+        Ok(t)
+    }
+
     /// Runs the request's sampler over its logits row.
-    fn sample(&mut self, id: RequestId, logits: &mut [f32]) -> crate::Result<SampledToken> {
+    pub(super) fn sample(&mut self, id: RequestId, logits: &mut [f32]) -> crate::Result<SampledToken> {
         let req = self
             .requests
             .get_mut(&id)
@@ -298,7 +326,7 @@ impl Session {
 
     /// Adds the masks the request's grammar computed (while the forward ran
     /// or when it was sampled, on the host or the device) to the stats.
-    fn count_masks(&mut self, id: RequestId) {
+    pub(super) fn count_masks(&mut self, id: RequestId) {
         let masks = self
             .requests
             .get_mut(&id)
@@ -314,6 +342,20 @@ impl Session {
     /// it stops).
     fn report(&mut self, id: RequestId, sampled: SampledToken, events: &mut Vec<Event>) {
         let mut event = self.new_event(id);
+        match self.push_token(id, sampled, &mut event) {
+            Some(r) => self.finish(event, r, events),
+            None => events.push(event),
+        }
+    }
+
+    /// Appends the sampled token to the request and to its `event`; returns
+    /// why the request ends when this token ends it.
+    pub(super) fn push_token(
+        &mut self,
+        id: RequestId,
+        sampled: SampledToken,
+        event: &mut Event,
+    ) -> Option<FinishReason> {
         let req = self
             .requests
             .get_mut(&id)
@@ -336,9 +378,10 @@ impl Session {
         }
         let generated = req.tokens.len() - req.prompt_len;
         let s = &req.params.sampling;
-        let reason = if let Some(i) = stop_hit {
-            Some(FinishReason::StopString(i))
-        } else if !s.ignore_eos && self.model.eos_token_ids.contains(&sampled.token) {
+        if let Some(i) = stop_hit {
+            return Some(FinishReason::StopString(i));
+        }
+        if !s.ignore_eos && self.model.eos_token_ids.contains(&sampled.token) {
             Some(FinishReason::Eos)
         } else if s.stop_token_ids.contains(&sampled.token) {
             Some(FinishReason::StopToken(sampled.token))
@@ -352,10 +395,6 @@ impl Session {
             })
         } else {
             None
-        };
-        match reason {
-            Some(r) => self.finish(event, r, events),
-            None => events.push(event),
         }
     }
 
@@ -383,6 +422,7 @@ impl Session {
         if req.in_kv {
             self.kv.release(id);
         }
+        self.release_draft(id);
         event.usage = Some(self.usage(id, &req));
         if !matches!(reason, FinishReason::StopString(_)) {
             if let (Some(detok), Some(_)) = (req.detok.as_mut(), self.model.tokenizer.as_ref()) {

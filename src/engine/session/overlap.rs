@@ -70,6 +70,7 @@ impl Session {
         let device_samples = self.scratch.allow_device_sampling && self.ctx.samples_on_device();
         self.overlap
             && self.waiting.is_empty()
+            && !self.speculation_due()
             && plan.len() == self.running.len()
             && plan.iter().all(|&(id, n)| {
                 let Some(r) = self.requests.get(&id) else {

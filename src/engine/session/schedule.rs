@@ -40,6 +40,7 @@ impl Session {
         let mut budget = self.params.max_batched_tokens;
         let chunk = self.params.prefill_chunk_size;
         let preemptions_before = self.stats.preemptions;
+        self.propose_drafts();
 
         // Ranks are unique (they end with the arrival number), so an
         // unstable sort orders like a stable one, without a merge buffer.
@@ -53,6 +54,12 @@ impl Session {
             }
             let req = &self.requests[&id];
             let n = (req.tokens.len() - req.computed).min(chunk).min(budget);
+            if self.place_draft(id, n, budget) {
+                let drafted = self.requests[&id].draft.len();
+                plan.push((id, n));
+                budget -= n + drafted;
+                continue;
+            }
             loop {
                 let total = self.requests[&id].computed + n;
                 if self.kv_allocate(id, total) {
@@ -110,6 +117,23 @@ impl Session {
             }
         }
         self.scratch.plan = plan;
+    }
+
+    /// Gives request `id`'s drafted tokens rows and KV after its `n` rows,
+    /// within `budget`; true when they got them. Drafts never preempt: a
+    /// draft that does not fit is dropped, and the request decodes plainly.
+    fn place_draft(&mut self, id: RequestId, n: usize, budget: usize) -> bool {
+        let req = self.requests.get_mut(&id).expect("running request exists");
+        req.draft.truncate(budget.saturating_sub(n));
+        if req.draft.is_empty() {
+            return false;
+        }
+        let total = req.computed + n + req.draft.len();
+        if self.kv_allocate(id, total) {
+            return true;
+        }
+        self.requests.get_mut(&id).expect("exists").draft.clear();
+        false
     }
 
     /// Tries to start waiting request `id`: attaches its cached prefix,
@@ -204,9 +228,11 @@ impl Session {
             }
         }
         self.kv.release(id);
+        self.release_draft(id);
         let req = self.requests.get_mut(&id).expect("running request exists");
         req.in_kv = false;
         req.computed = 0;
+        req.draft.clear();
         self.waiting.push(id);
     }
 
