@@ -14,14 +14,33 @@ mod ffi_common;
 
 use engine_common::*;
 use nanoinfer::engine::{
-    FinishReason, PreemptionMode, RequestId, RequestParams, SchedulePolicyKind, Session,
-    SessionParams,
+    FinishReason, Model, PreemptionMode, RequestId, RequestParams, SchedulePolicyKind, Session,
+    SessionParams, SpeculativeMethod, SpeculativeParams,
 };
+use std::sync::Arc;
 use nanoinfer::kv::KvBackendKind;
 use nanoinfer::sampling::SamplingParams;
 
-fn random_params(rng: &mut TestRng, capacity: usize) -> SessionParams {
+fn random_params(rng: &mut TestRng, capacity: usize, model: &Arc<Model>) -> SessionParams {
+    let k = rng.range(1, 6);
+    let speculative = match rng.range(0, 3) {
+        0 => None,
+        1 => Some(SpeculativeParams {
+            method: SpeculativeMethod::Ngram {
+                min_n: rng.range(1, 3),
+                max_n: rng.range(3, 5),
+            },
+            num_speculative_tokens: k,
+            max_batch: rng.range(1, 12),
+        }),
+        // The model drafting for itself: its drafts are mostly kept.
+        _ => Some(SpeculativeParams {
+            max_batch: rng.range(1, 12),
+            ..SpeculativeParams::draft(model.clone(), k)
+        }),
+    };
     SessionParams {
+        speculative,
         kv_backend: if rng.chance(0.5) {
             KvBackendKind::Paged
         } else {
@@ -83,6 +102,7 @@ fn random_request(rng: &mut TestRng, prefixes: &[Vec<u32>], capacity: usize) -> 
         cache_salt: rng.range(0, 2) as u64,
         constraint: None,
         retain_state: false,
+        disable_speculation: rng.chance(0.3),
     }
 }
 
@@ -90,7 +110,7 @@ fn soak(seed: u64, ops: usize) {
     let m = default_tiny();
     let mut rng = TestRng::new(seed);
     let capacity = rng.range(100, 260);
-    let params = random_params(&mut rng, capacity);
+    let params = random_params(&mut rng, capacity, &m);
     let cfg = format!("seed {seed}: {params:?}");
     let prefixes: Vec<Vec<u32>> = (0..3)
         .map(|_| {

@@ -10,7 +10,7 @@
 
 use nanoinfer::engine::{
     FaultPlan, FinishReason, Model, PreemptionMode, RequestId, RequestParams, SchedulePolicyKind,
-    Session, SessionParams,
+    Session, SessionParams, SpeculativeMethod, SpeculativeParams,
 };
 use nanoinfer::kv::KvBackendKind;
 use nanoinfer::memory::MemoryPoolKind;
@@ -179,6 +179,14 @@ pub fn session_ops(model: &Arc<Model>, data: &[u8]) {
         ]),
         seed: inp.u8() as u64,
         overlap_steps: Some(inp.bool()),
+        speculative: inp.bool().then(|| SpeculativeParams {
+            method: SpeculativeMethod::Ngram {
+                min_n: inp.range(1, 3),
+                max_n: 3,
+            },
+            num_speculative_tokens: inp.range(1, 5),
+            max_batch: inp.range(1, 9),
+        }),
         ..Default::default()
     };
     let faulty = inp.u8() < 64;
@@ -247,6 +255,7 @@ pub fn session_ops(model: &Arc<Model>, data: &[u8]) {
                     },
                     priority: inp.range(0, 5) as i32 - 2,
                     cache_salt: inp.u8() as u64 % 2,
+                    disable_speculation: inp.u8() < 64,
                     constraint: None,
                     retain_state: inp.u8() < 64,
                 };
@@ -438,6 +447,7 @@ pub fn request_params(model: &Arc<Model>, data: &[u8]) -> bool {
         cache_salt: inp.u8() as u64,
         constraint: None,
         retain_state: false,
+        disable_speculation: false,
     };
     let mut s = Session::new(
         model.clone(),
