@@ -2,7 +2,8 @@
 
 use crate::args::Args;
 use crate::session_opts::{
-    load_model, sampling_params, session_params, MODEL_OPTS, SAMPLING_OPTS, SESSION_OPTS,
+    load_model, sampling_params, session_params, speculation_summary, MODEL_OPTS, SAMPLING_OPTS,
+    SESSION_OPTS,
 };
 use nanoinfer::engine::{
     Constraint, Event, FinishReason, RequestParams, Session, TokenLogprob, Usage,
@@ -162,6 +163,9 @@ pub fn run(a: &Args) -> Result<(), String> {
             mib(nanoinfer::sysinfo::peak_rss_bytes()),
             mib(nanoinfer::sysinfo::rss_bytes())
         );
+        if session.params().speculative.is_some() {
+            eprintln!("[{}]", speculation_summary(&session.stats()));
+        }
     }
     Ok(())
 }

@@ -1,7 +1,9 @@
 //! Options shared by commands: model loading, session shape and sampling.
 
 use crate::args::Args;
-use nanoinfer::engine::{Model, ModelParams, SessionParams};
+use nanoinfer::engine::{
+    Model, ModelParams, SessionParams, SessionStats, SpeculativeMethod, SpeculativeParams,
+};
 use nanoinfer::kv::{KvBackendKind, KvCacheDType};
 use nanoinfer::memory::MemoryPoolKind;
 use nanoinfer::model::QuantMode;
@@ -34,6 +36,13 @@ pub const SESSION_OPTS: &[&str] = &[
     "preemption",
     "no-prefix-cache",
     "host-sampling",
+    "speculative",
+    "draft-model",
+    "draft-quant",
+    "num-speculative",
+    "speculative-max-batch",
+    "ngram-min",
+    "ngram-max",
 ];
 pub const SAMPLING_OPTS: &[&str] = &[
     "max-tokens",
@@ -62,6 +71,71 @@ pub fn load_model(a: &Args) -> Result<Arc<Model>, String> {
     Model::load(&dir, &params, None)
         .map(Arc::new)
         .map_err(|e| e.to_string())
+}
+
+/// `--speculative ngram|draft [--num-speculative N] [--speculative-max-batch N]`,
+/// with `--ngram-min N --ngram-max N` for prompt lookup and
+/// `--draft-model DIR [--draft-quant none|q8_0|awq|gptq]` for a draft model
+/// (loaded on the target's device and threads).
+fn speculative_params(a: &Args) -> Result<Option<SpeculativeParams>, String> {
+    let method = a.get("speculative");
+    let draft_dir = a.get("draft-model");
+    let k = a.parse_or("num-speculative", 4usize)?;
+    let method = match method {
+        None => {
+            let stray = ["draft-model", "draft-quant", "num-speculative", "ngram-min"];
+            if let Some(o) = stray.iter().find(|o| a.get(o).is_some()) {
+                return Err(format!("--{o} needs --speculative ngram|draft"));
+            }
+            return Ok(None);
+        }
+        Some("ngram") => {
+            if draft_dir.is_some() {
+                return Err("--draft-model needs --speculative draft".into());
+            }
+            SpeculativeMethod::Ngram {
+                min_n: a.parse_or("ngram-min", 2)?,
+                max_n: a.parse_or("ngram-max", 4)?,
+            }
+        }
+        Some("draft") => {
+            let dir = draft_dir.ok_or("--speculative draft needs --draft-model DIR")?;
+            let params = ModelParams {
+                dtype: a.parse_or("dtype", nanoinfer::model::WeightDType::Auto)?,
+                threads: a.parse_or("threads", 0)?,
+                quant: a.parse_or("draft-quant", QuantMode::None)?,
+                device: a.parse_or("device", nanoinfer::backend::Device::Cpu)?,
+            };
+            let draft = Model::load(std::path::Path::new(dir), &params, None)
+                .map_err(|e| format!("--draft-model {dir}: {e}"))?;
+            SpeculativeMethod::Draft(Arc::new(draft))
+        }
+        Some(other) => {
+            return Err(format!(
+                "--speculative must be ngram or draft, got `{other}`"
+            ))
+        }
+    };
+    Ok(Some(SpeculativeParams {
+        method,
+        num_speculative_tokens: k,
+        max_batch: a.parse_or("speculative-max-batch", 0)?,
+    }))
+}
+
+/// One line on what speculation did, for the CLI's summaries.
+pub fn speculation_summary(s: &SessionStats) -> String {
+    let kept = if s.spec_draft_tokens > 0 {
+        100.0 * s.spec_accepted_tokens as f64 / s.spec_draft_tokens as f64
+    } else {
+        0.0
+    };
+    format!(
+        "speculative: {} drafted, {} kept ({kept:.0} %), {:.2} tokens per verifying step",
+        s.spec_draft_tokens,
+        s.spec_accepted_tokens,
+        s.spec_mean_accepted_length()
+    )
 }
 
 /// `--quant none|q8_0|awq|gptq [--quant-group-size 32|64|128] [--quant-lm-head q8_0|int4|dense]`
@@ -162,6 +236,7 @@ pub fn session_params(a: &Args) -> Result<SessionParams, String> {
         seed: a.parse_or("seed", d.seed)?,
         device_sampling: !a.flag("host-sampling"),
         kv_cache_dtype: kv_cache_dtype(a)?,
+        speculative: speculative_params(a)?,
         ..d
     })
 }
