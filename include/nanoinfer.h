@@ -270,6 +270,11 @@ typedef uint32_t ni_preemption_mode;
 typedef uint32_t ni_kv_cache_dtype;
 
 /**
+ * Speculative decoding method (`ni_session_params.speculative_method`).
+ */
+typedef uint32_t ni_speculative_method;
+
+/**
  * Shape of a session. Fill with `ni_session_params_init`, then change fields.
  *
  * KV capacity is taken from the first non-zero of `kv_capacity_tokens`,
@@ -366,6 +371,37 @@ typedef struct ni_session_params {
      * value that is not an `NI_KV_CACHE_DTYPE_*` is refused.
      */
     ni_kv_cache_dtype kv_cache_dtype;
+    /**
+     * Speculative decoding: `NI_SPECULATIVE_*`; default none. Greedy
+     * output is identical to decoding without it and sampled output has
+     * the same distribution (a seeded request draws the same tokens); a
+     * request may opt out (`ni_request_params.disable_speculation`).
+     * (Appended in a later version, with the fields below: see `struct_size`.)
+     */
+    ni_speculative_method speculative_method;
+    /**
+     * Most tokens a request drafts per step, 1-16. Default 4.
+     */
+    uint32_t num_speculative_tokens;
+    /**
+     * With `NI_SPECULATIVE_DRAFT`: the draft model, on the target's device
+     * and with its tokenizer (checked at `ni_session_create`; a draft with
+     * another vocabulary fails with `NI_ERR_INVALID_ARGUMENT`). The session
+     * holds its own reference: the handle may be freed after creation.
+     */
+    const struct ni_model *draft_model;
+    /**
+     * No request drafts in a step with more running requests than this
+     * (a large batch gains nothing from it); 0 (default) = the device's
+     * crossover (CPU 4, GPU 16).
+     */
+    uint32_t speculative_max_batch;
+    /**
+     * With `NI_SPECULATIVE_NGRAM`: the n-gram lengths tried, longest first.
+     * Defaults 2 and 4; 1 <= ngram_min <= ngram_max <= 64.
+     */
+    uint32_t ngram_min;
+    uint32_t ngram_max;
 } ni_session_params;
 
 /**
@@ -565,6 +601,16 @@ typedef struct ni_request_params {
      * running request can be saved without it).
      */
     bool retain_state;
+    /**
+     * Unused, 0: fills the padding that ended the struct before
+     * `disable_speculation` (see `reserved0`).
+     */
+    uint8_t reserved1[7];
+    /**
+     * Never draft tokens for this request, even when the session
+     * speculates (`ni_session_params.speculative_method`). Default false.
+     */
+    bool disable_speculation;
 } ni_request_params;
 
 /**
@@ -692,6 +738,14 @@ typedef struct ni_session_stats {
      * with the planned `memory_workspace_bytes`.
      */
     uint64_t memory_profiled_peak_bytes;
+    /**
+     * Tokens drafted and verified, the drafted tokens kept, and the
+     * (request, step) verifications: a verifying step gives a request
+     * `1 + spec_accepted_tokens / spec_verifications` tokens on average.
+     */
+    uint64_t spec_draft_tokens;
+    uint64_t spec_accepted_tokens;
+    uint64_t spec_verifications;
 } ni_session_stats;
 
 /**
@@ -1015,6 +1069,23 @@ typedef bool (*ni_abort_callback)(void *user_data);
  * refuses it with `NI_ERR_UNSUPPORTED`.
  */
 #define NI_KV_CACHE_DTYPE_FP8 1
+
+/**
+ * No speculation (default).
+ */
+#define NI_SPECULATIVE_NONE 0
+
+/**
+ * Prompt lookup: drafts the tokens that followed the latest earlier
+ * occurrence of the request's last n tokens (`ngram_min..=ngram_max`).
+ */
+#define NI_SPECULATIVE_NGRAM 1
+
+/**
+ * A draft model (`draft_model`) with the target's vocabulary decodes
+ * greedily a few tokens ahead; its KV shares the session's budget.
+ */
+#define NI_SPECULATIVE_DRAFT 2
 
 /**
  * The device's automatic budget.

@@ -144,6 +144,12 @@ pub struct ni_request_params {
     /// `ni_session_release_state` or with the session. Default false (a
     /// running request can be saved without it).
     pub retain_state: bool,
+    /// Unused, 0: fills the padding that ended the struct before
+    /// `disable_speculation` (see `reserved0`).
+    pub reserved1: [u8; 7],
+    /// Never draft tokens for this request, even when the session
+    /// speculates (`ni_session_params.speculative_method`). Default false.
+    pub disable_speculation: bool,
 }
 
 /// What a structured-output request's text must match.
@@ -168,6 +174,15 @@ pub(crate) const NI_REQUEST_PARAMS_SIZE_V2: usize =
 pub(crate) const NI_REQUEST_PARAMS_SIZE_V3: usize =
     std::mem::offset_of!(ni_request_params, retain_state);
 
+/// `sizeof(ni_request_params)` before `disable_speculation`.
+pub(crate) const NI_REQUEST_PARAMS_SIZE_V4: usize =
+    std::mem::offset_of!(ni_request_params, disable_speculation);
+
+const _: () = assert!(
+    NI_REQUEST_PARAMS_SIZE_V4 == std::mem::offset_of!(ni_request_params, retain_state) + 8,
+    "disable_speculation must start where the struct ended before it"
+);
+
 const _: () = assert!(
     NI_REQUEST_PARAMS_SIZE_V3 == std::mem::offset_of!(ni_request_params, constraint_kind) + 8,
     "retain_state must start where the struct ended before it"
@@ -178,6 +193,7 @@ impl args::Appendable for ni_request_params {
         NI_REQUEST_PARAMS_SIZE_V1,
         NI_REQUEST_PARAMS_SIZE_V2,
         NI_REQUEST_PARAMS_SIZE_V3,
+        NI_REQUEST_PARAMS_SIZE_V4,
     ];
 }
 
@@ -222,6 +238,8 @@ impl Default for ni_request_params {
             constraint_kind: NI_CONSTRAINT_NONE,
             reserved0: 0,
             retain_state: false,
+            reserved1: [0; 7],
+            disable_speculation: false,
         }
     }
 }
@@ -330,7 +348,7 @@ pub(crate) unsafe fn to_engine(p: &ni_request_params, model: &Model) -> Result<R
         // SAFETY: forwarded contract.
         constraint: unsafe { constraint(p)? },
         retain_state: p.retain_state,
-        disable_speculation: false,
+        disable_speculation: p.disable_speculation,
     })
 }
 

@@ -6,7 +6,10 @@ use super::log::{emit, NI_LOG_INFO, NI_LOG_WARN};
 use super::model::ni_model;
 use super::request::{self, ni_request_params};
 use super::status::ni_status;
-use crate::engine::{Canceller, Model, PreemptionMode, SchedulePolicyKind, Session, SessionParams};
+use crate::engine::{
+    Canceller, Model, PreemptionMode, SchedulePolicyKind, Session, SessionParams,
+    SpeculativeMethod, SpeculativeParams,
+};
 use crate::kv::{KvBackendKind, KvCacheDType};
 use crate::memory::{BudgetSource, MemoryPoolKind};
 use crate::{bail_arg, Error, Result};
@@ -67,6 +70,17 @@ pub const NI_KV_CACHE_DTYPE_AUTO: ni_kv_cache_dtype = 0;
 /// 16-bit cache, so twice the tokens per byte. CUDA only; a CPU model
 /// refuses it with `NI_ERR_UNSUPPORTED`.
 pub const NI_KV_CACHE_DTYPE_FP8: ni_kv_cache_dtype = 1;
+
+/// Speculative decoding method (`ni_session_params.speculative_method`).
+pub type ni_speculative_method = u32;
+/// No speculation (default).
+pub const NI_SPECULATIVE_NONE: ni_speculative_method = 0;
+/// Prompt lookup: drafts the tokens that followed the latest earlier
+/// occurrence of the request's last n tokens (`ngram_min..=ngram_max`).
+pub const NI_SPECULATIVE_NGRAM: ni_speculative_method = 1;
+/// A draft model (`draft_model`) with the target's vocabulary decodes
+/// greedily a few tokens ahead; its KV shares the session's budget.
+pub const NI_SPECULATIVE_DRAFT: ni_speculative_method = 2;
 
 /// Shape of a session. Fill with `ni_session_params_init`, then change fields.
 ///
@@ -131,11 +145,40 @@ pub struct ni_session_params {
     /// with `ni_session_params_init` (or zeroed it) gets the default, and a
     /// value that is not an `NI_KV_CACHE_DTYPE_*` is refused.
     pub kv_cache_dtype: ni_kv_cache_dtype,
+    /// Speculative decoding: `NI_SPECULATIVE_*`; default none. Greedy
+    /// output is identical to decoding without it and sampled output has
+    /// the same distribution (a seeded request draws the same tokens); a
+    /// request may opt out (`ni_request_params.disable_speculation`).
+    /// (Appended in a later version, with the fields below: see `struct_size`.)
+    pub speculative_method: ni_speculative_method,
+    /// Most tokens a request drafts per step, 1-16. Default 4.
+    pub num_speculative_tokens: u32,
+    /// With `NI_SPECULATIVE_DRAFT`: the draft model, on the target's device
+    /// and with its tokenizer (checked at `ni_session_create`; a draft with
+    /// another vocabulary fails with `NI_ERR_INVALID_ARGUMENT`). The session
+    /// holds its own reference: the handle may be freed after creation.
+    pub draft_model: *const ni_model,
+    /// No request drafts in a step with more running requests than this
+    /// (a large batch gains nothing from it); 0 (default) = the device's
+    /// crossover (CPU 4, GPU 16).
+    pub speculative_max_batch: u32,
+    /// With `NI_SPECULATIVE_NGRAM`: the n-gram lengths tried, longest first.
+    /// Defaults 2 and 4; 1 <= ngram_min <= ngram_max <= 64.
+    pub ngram_min: u32,
+    pub ngram_max: u32,
 }
 
 /// `struct_size` of `ni_session_params` before `memory_utilization`.
 pub(crate) const NI_SESSION_PARAMS_SIZE_V1: usize =
     std::mem::offset_of!(ni_session_params, memory_utilization);
+/// `struct_size` of `ni_session_params` before the speculative fields.
+pub(crate) const NI_SESSION_PARAMS_SIZE_V2: usize =
+    std::mem::offset_of!(ni_session_params, speculative_method);
+
+const _: () = assert!(
+    NI_SESSION_PARAMS_SIZE_V2 == std::mem::offset_of!(ni_session_params, kv_cache_dtype) + 4,
+    "the speculative fields must start where the struct ended before them"
+);
 
 impl Default for ni_session_params {
     fn default() -> Self {
@@ -170,6 +213,12 @@ impl Default for ni_session_params {
                 KvCacheDType::Auto => NI_KV_CACHE_DTYPE_AUTO,
                 KvCacheDType::Fp8E4m3 => NI_KV_CACHE_DTYPE_FP8,
             },
+            speculative_method: NI_SPECULATIVE_NONE,
+            num_speculative_tokens: 4,
+            draft_model: std::ptr::null(),
+            speculative_max_batch: 0,
+            ngram_min: 2,
+            ngram_max: 4,
         }
     }
 }
@@ -180,7 +229,43 @@ fn to_usize(v: u64, what: &str) -> Result<usize> {
     })
 }
 
-fn to_engine(p: &ni_session_params) -> Result<SessionParams> {
+/// The speculative decoding `p` asks for.
+///
+/// # Safety
+/// `p.draft_model` is NULL or a live model handle.
+unsafe fn speculative(p: &ni_session_params) -> Result<Option<SpeculativeParams>> {
+    let method = match p.speculative_method {
+        NI_SPECULATIVE_NONE => return Ok(None),
+        NI_SPECULATIVE_NGRAM => SpeculativeMethod::Ngram {
+            min_n: p.ngram_min as usize,
+            max_n: p.ngram_max as usize,
+        },
+        NI_SPECULATIVE_DRAFT => {
+            if p.draft_model.is_null() {
+                bail_arg!("session params: NI_SPECULATIVE_DRAFT needs draft_model");
+            }
+            // SAFETY: non-NULL; a live handle per the contract.
+            let m = unsafe { args::handle(p.draft_model, "params.draft_model")? };
+            SpeculativeMethod::Draft(m.model.clone())
+        }
+        v => bail_arg!(
+            "session params: speculative_method {v} is not an NI_SPECULATIVE_* value"
+        ),
+    };
+    let params = SpeculativeParams {
+        method,
+        num_speculative_tokens: p.num_speculative_tokens as usize,
+        max_batch: p.speculative_max_batch as usize,
+    };
+    params
+        .validate()
+        .map_err(|e| Error::invalid_arg(format!("session params: {}", e.message)))?;
+    Ok(Some(params))
+}
+
+/// # Safety
+/// `p.draft_model` is NULL or a live model handle.
+unsafe fn to_engine(p: &ni_session_params) -> Result<SessionParams> {
     let kv_backend = match p.kv_backend {
         NI_KV_BACKEND_PAGED => KvBackendKind::Paged,
         NI_KV_BACKEND_TOKEN => KvBackendKind::Token,
@@ -249,7 +334,8 @@ fn to_engine(p: &ni_session_params) -> Result<SessionParams> {
         device_sampling: true,
         kv_cache_dtype,
         overlap_steps: None,
-        speculative: None,
+        // SAFETY: forwarded contract.
+        speculative: unsafe { speculative(p)? },
     })
 }
 
@@ -344,12 +430,13 @@ pub unsafe extern "C" fn ni_session_create(
             args::params_versioned(
                 params,
                 ni_session_params::default,
-                &[NI_SESSION_PARAMS_SIZE_V1],
+                &[NI_SESSION_PARAMS_SIZE_V1, NI_SESSION_PARAMS_SIZE_V2],
                 "params",
             )?
         };
         let out = args::out_ptr(out_session, "out_session")?;
-        let engine_params = to_engine(&p)?;
+        // SAFETY: per this function's contract (`draft_model`).
+        let engine_params = unsafe { to_engine(&p)? };
         let session = Session::new(m.model.clone(), engine_params)?;
         let st = session.stats();
         emit(
@@ -544,6 +631,13 @@ pub struct ni_session_stats {
     /// automatic KV budget (0 when the budget was not profiled); compare
     /// with the planned `memory_workspace_bytes`.
     pub memory_profiled_peak_bytes: u64,
+    // --- speculative decoding (appended; see `struct_size`) ---
+    /// Tokens drafted and verified, the drafted tokens kept, and the
+    /// (request, step) verifications: a verifying step gives a request
+    /// `1 + spec_accepted_tokens / spec_verifications` tokens on average.
+    pub spec_draft_tokens: u64,
+    pub spec_accepted_tokens: u64,
+    pub spec_verifications: u64,
 }
 
 /// `struct_size` of `ni_session_stats` before the memory budget fields.
@@ -552,6 +646,9 @@ pub(crate) const NI_SESSION_STATS_SIZE_V1: usize =
 /// `struct_size` of `ni_session_stats` before `memory_profiled_peak_bytes`.
 pub(crate) const NI_SESSION_STATS_SIZE_V2: usize =
     std::mem::offset_of!(ni_session_stats, memory_profiled_peak_bytes);
+/// `struct_size` of `ni_session_stats` before the speculative counters.
+pub(crate) const NI_SESSION_STATS_SIZE_V3: usize =
+    std::mem::offset_of!(ni_session_stats, spec_draft_tokens);
 
 /// How a session's KV capacity was chosen.
 pub type ni_budget_source = u32;
@@ -582,11 +679,15 @@ pub unsafe extern "C" fn ni_session_get_stats(
         // SAFETY: non-NULL and aligned (checked); output structs start with a u32 the caller sets.
         let size = unsafe { out.cast::<u32>().read() } as usize;
         let full = size_of::<ni_session_stats>();
-        if ![full, NI_SESSION_STATS_SIZE_V1, NI_SESSION_STATS_SIZE_V2].contains(&size) {
+        let older = [
+            NI_SESSION_STATS_SIZE_V1,
+            NI_SESSION_STATS_SIZE_V2,
+            NI_SESSION_STATS_SIZE_V3,
+        ];
+        if size != full && !older.contains(&size) {
             bail_arg!(
                 "out_stats->struct_size is {size}; set it to sizeof(ni_session_stats) ({full}, or \
-                 {NI_SESSION_STATS_SIZE_V1} or {NI_SESSION_STATS_SIZE_V2} for an older header) \
-                 before the call"
+                 one of {older:?} for an older header) before the call"
             );
         }
         let st = s.lock()?.session.stats();
@@ -659,6 +760,9 @@ fn c_stats(st: &crate::engine::SessionStats) -> ni_session_stats {
         workspace_system_allocations: pool_stats.system_allocations,
         workspace_resizes: ws.map_or(0, |w| w.resizes),
         memory_profiled_peak_bytes: m.profiled_peak_bytes as u64,
+        spec_draft_tokens: st.spec_draft_tokens,
+        spec_accepted_tokens: st.spec_accepted_tokens,
+        spec_verifications: st.spec_verifications,
     }
 }
 
