@@ -801,3 +801,69 @@ func TestPrefixCacheWarmStart(t *testing.T) {
 		t.Fatalf("warm start: %v (cached %d), want %v", got, last.Usage.CachedPromptTokens, want)
 	}
 }
+
+// generateTokens runs req to its end on s and returns its tokens.
+func generateTokens(t *testing.T, s *Session, req Request) []uint32 {
+	t.Helper()
+	var tokens []uint32
+	for ev, err := range s.Generate(context.Background(), req) {
+		if err != nil {
+			t.Fatal(err)
+		}
+		tokens = append(tokens, ev.Tokens...)
+	}
+	return tokens
+}
+
+func TestSpeculativeDecoding(t *testing.T) {
+	req := Request{
+		Text:      "Copy this line: the quick brown fox jumps over the lazy dog. Copy this line: the quick brown fox",
+		MaxTokens: 24,
+		IgnoreEOS: true,
+	}
+	plain := generateTokens(t, session(t), req)
+	draft, err := LoadModel(modelDir(t), &ModelOptions{Threads: 2, Quant: QuantAWQ})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer draft.Close()
+	for _, opts := range []SessionOptions{
+		{KVCapacityTokens: 4096, Speculative: SpeculateNgram, NumSpeculativeTokens: 5},
+		{KVCapacityTokens: 4096, Speculative: SpeculateDraft, DraftModel: draft},
+	} {
+		s, err := NewSession(model(t), &opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		if got := generateTokens(t, s, req); !slices.Equal(got, plain) {
+			t.Fatalf("method %v: %v, plain %v", opts.Speculative, got, plain)
+		}
+		st, err := s.Stats()
+		if err != nil || st.SpecVerifications == 0 || st.SpecAcceptedTokens == 0 || st.SpecDraftTokens < st.SpecAcceptedTokens {
+			t.Fatalf("method %v: stats %+v %v", opts.Speculative, st, err)
+		}
+		opted := req
+		opted.DisableSpeculation = true
+		if got := generateTokens(t, s, opted); !slices.Equal(got, plain) {
+			t.Fatalf("method %v, opted out: %v, plain %v", opts.Speculative, got, plain)
+		}
+		if after, _ := s.Stats(); after.SpecVerifications != st.SpecVerifications {
+			t.Fatalf("an opted-out request drafted: %+v", after)
+		}
+	}
+	// The model's own tokenizer is required of a draft: a tiny model's is another.
+	tiny, err := LoadModel(filepath.Join("..", "..", "..", "tests", "data", "tiny-llama3"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tiny.Close()
+	_, err = NewSession(model(t), &SessionOptions{KVCapacityTokens: 4096, Speculative: SpeculateDraft, DraftModel: tiny})
+	if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), "vocabulary") {
+		t.Fatalf("a draft with another vocabulary: %v", err)
+	}
+	_, err = NewSession(model(t), &SessionOptions{Speculative: SpeculateNgram, NumSpeculativeTokens: 17})
+	if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), "num_speculative_tokens") {
+		t.Fatalf("17 speculative tokens: %v", err)
+	}
+}

@@ -40,6 +40,19 @@ const (
 	PreemptSwap      Preemption = C.NI_PREEMPTION_SWAP
 )
 
+// SpeculativeMethod selects speculative decoding: requests draft a few
+// tokens that the next step verifies, keeping those the target's own
+// sampling agrees with. Greedy output is identical to decoding without it;
+// sampled output has the same distribution (a seeded request draws the
+// same tokens).
+type SpeculativeMethod int
+
+const (
+	SpeculateNone  SpeculativeMethod = C.NI_SPECULATIVE_NONE  // default
+	SpeculateNgram SpeculativeMethod = C.NI_SPECULATIVE_NGRAM // prompt lookup: no extra model
+	SpeculateDraft SpeculativeMethod = C.NI_SPECULATIVE_DRAFT // a draft model (SessionOptions.DraftModel)
+)
+
 // KVCacheDType selects what the KV cache stores.
 type KVCacheDType int
 
@@ -97,6 +110,18 @@ type SessionOptions struct {
 	Preemption           Preemption
 	Seed                 uint64 // seeds requests without their own Seed
 	KVCacheDType         KVCacheDType
+
+	// Speculative decoding. DraftModel (for SpeculateDraft) must share the
+	// model's tokenizer and device; the session keeps its own reference.
+	// NumSpeculativeTokens is the most tokens a request drafts per step
+	// (1-16, 0 = 4); SpeculativeMaxBatch stops drafting in steps with more
+	// running requests (0 = the device's crossover); NgramMin/NgramMax are
+	// the n-gram lengths prompt lookup tries (0 = 2 and 4).
+	Speculative          SpeculativeMethod
+	DraftModel           *Model
+	NumSpeculativeTokens int
+	SpeculativeMaxBatch  int
+	NgramMin, NgramMax   int
 }
 
 // Request is one generation request. Set one of Prompt (token ids), Text,
@@ -150,6 +175,9 @@ type Request struct {
 	// NoGenerationPrompt leaves the assistant turn's opening off a
 	// Messages prompt (it is added by default, so that the model answers).
 	NoGenerationPrompt bool
+	// DisableSpeculation keeps this request from drafting tokens in a
+	// speculative session.
+	DisableSpeculation bool
 	// RetainState keeps the request's state when it ends, so SaveState can
 	// still save it (until ReleaseState). A running request can be saved
 	// without it.
@@ -261,7 +289,13 @@ type Stats struct {
 	PrefixCacheTokensReused uint64
 	Preemptions             uint64
 	SwappedOutTokens        uint64
-	Memory                  MemoryStats
+	// Speculative decoding: tokens drafted and verified, drafted tokens
+	// kept, and (request, step) verifications; a verifying step gives
+	// 1 + SpecAcceptedTokens/SpecVerifications tokens on average.
+	SpecDraftTokens    uint64
+	SpecAcceptedTokens uint64
+	SpecVerifications  uint64
+	Memory             MemoryStats
 }
 
 // MemoryStats is how a session's memory was budgeted and is used (bytes).
@@ -332,13 +366,29 @@ func NewSession(m *Model, opts *SessionOptions) (*Session, error) {
 	p.preemption = C.ni_preemption_mode(check.uint32("Preemption", int(opts.Preemption)))
 	p.seed = C.uint64_t(opts.Seed)
 	p.kv_cache_dtype = C.ni_kv_cache_dtype(check.uint32("KVCacheDType", int(opts.KVCacheDType)))
+	p.speculative_method = C.ni_speculative_method(check.uint32("Speculative", int(opts.Speculative)))
+	setIf(&p.num_speculative_tokens, check.uint32("NumSpeculativeTokens", opts.NumSpeculativeTokens))
+	p.speculative_max_batch = C.uint32_t(check.uint32("SpeculativeMaxBatch", opts.SpeculativeMaxBatch))
+	setIf(&p.ngram_min, check.uint32("NgramMin", opts.NgramMin))
+	setIf(&p.ngram_max, check.uint32("NgramMax", opts.NgramMax))
 	if check.err != nil {
 		return nil, check.err
 	}
 
 	s := &Session{}
-	err := m.with(func(mp *C.ni_model) error {
+	create := func(mp *C.ni_model) error {
 		return call("ni_session_create", func() C.ni_status { return C.ni_session_create(mp, &p, &s.ptr) })
+	}
+	err := m.with(func(mp *C.ni_model) error {
+		if opts.DraftModel == nil {
+			return create(mp)
+		}
+		// The draft's handle stays valid (its read lock held) until the
+		// session holds its own reference.
+		return opts.DraftModel.with(func(dp *C.ni_model) error {
+			p.draft_model = dp
+			return create(mp)
+		})
 	})
 	if err != nil {
 		return nil, err
@@ -466,6 +516,7 @@ func (s *Session) addLocked(req *Request) (RequestID, error) {
 	}
 
 	p.retain_state = C.bool(req.RetainState)
+	p.disable_speculation = C.bool(req.DisableSpeculation)
 
 	var id C.uint64_t
 	if req.State != nil {
@@ -711,6 +762,9 @@ func (s *Session) Stats() (Stats, error) {
 		PrefixCacheTokensReused: uint64(cs.prefix_cache_tokens_reused),
 		Preemptions:             uint64(cs.preemptions),
 		SwappedOutTokens:        uint64(cs.swapped_out_tokens),
+		SpecDraftTokens:         uint64(cs.spec_draft_tokens),
+		SpecAcceptedTokens:      uint64(cs.spec_accepted_tokens),
+		SpecVerifications:       uint64(cs.spec_verifications),
 		Memory: MemoryStats{
 			BudgetSource:          BudgetSource(cs.memory_budget_source),
 			Pool:                  MemoryPool(cs.memory_pool),

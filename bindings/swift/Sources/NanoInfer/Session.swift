@@ -6,6 +6,9 @@ public enum SchedulePolicy: UInt32 { case fcfs = 0, priority }
 public enum Preemption: UInt32 { case recompute = 0, swap }
 /// What the KV cache stores: the activation dtype, or FP8 e4m3 (CUDA only).
 public enum KVCacheDType: UInt32 { case auto = 0, fp8 }
+/// Speculative decoding: requests draft tokens the next step verifies.
+/// Greedy output is unchanged; sampled output keeps its distribution.
+public enum SpeculativeMethod: UInt32 { case none = 0, ngram, draft }
 /// Where a session's temporaries (and, on a GPU, its KV cache) come from.
 public enum MemoryPool: UInt32 { case deviceDefault = 0, system, cpuArena, cpuSlab, cudaStream, cudaBuddy }
 
@@ -29,6 +32,18 @@ public struct SessionOptions {
     /// In (0, 1]: the KV cache gets this fraction of the device's memory minus
     /// the weights and the step workspace (vLLM's gpu_memory_utilization).
     public var memoryUtilization: Float = 0
+    /// Speculative decoding. `draftModel` (for `.draft`) must share the
+    /// model's tokenizer and device; `numSpeculativeTokens` is the most
+    /// tokens a request drafts per step (1-16, 0 = 4); drafting stops in
+    /// steps with more than `speculativeMaxBatch` running requests (0 = the
+    /// device's crossover); `ngramMin`/`ngramMax` are the n-gram lengths
+    /// prompt lookup tries (0 = 2 and 4).
+    public var speculative: SpeculativeMethod = .none
+    public var draftModel: Model? = nil
+    public var numSpeculativeTokens: Int = 0
+    public var speculativeMaxBatch: Int = 0
+    public var ngramMin: Int = 0
+    public var ngramMax: Int = 0
 
     public init(kvCapacityTokens: Int = 0) { self.kvCapacityTokens = kvCapacityTokens }
 }
@@ -77,6 +92,8 @@ public struct Request {
     /// Keep the request's state when it ends, so `saveState` can still
     /// save it (until `releaseState`). A running request saves without it.
     public var retainState = false
+    /// Never draft tokens for this request in a speculative session.
+    public var disableSpeculation = false
     /// A conversation saved by `saveState` (this process or another, same
     /// model) that this request continues: its tokens, then the prompt
     /// (which may be empty). Its KV is restored, not recomputed; with a
@@ -145,6 +162,8 @@ public struct SessionStats {
     public let steps: UInt64, prefillTokens: UInt64, decodeTokens: UInt64
     public let prefixCacheHits: UInt64, prefixCacheTokensReused: UInt64
     public let preemptions: UInt64, swappedOutTokens: UInt64
+    /// Tokens drafted, drafted tokens kept, and (request, step) verifications.
+    public let specDraftTokens: UInt64, specAcceptedTokens: UInt64, specVerifications: UInt64
 }
 
 /// A serving session (continuous batching over one model). Calls are
@@ -182,8 +201,19 @@ public final class Session: @unchecked Sendable {
         p.preemption = ni_preemption_mode(options.preemption.rawValue)
         p.seed = options.seed
         p.kv_cache_dtype = ni_kv_cache_dtype(options.kvCacheDType.rawValue)
+        p.speculative_method = ni_speculative_method(options.speculative.rawValue)
+        if options.numSpeculativeTokens != 0 {
+            p.num_speculative_tokens = try cUInt32(options.numSpeculativeTokens, "numSpeculativeTokens", op)
+        }
+        p.speculative_max_batch = try cUInt32(options.speculativeMaxBatch, "speculativeMaxBatch", op)
+        if options.ngramMin != 0 { p.ngram_min = try cUInt32(options.ngramMin, "ngramMin", op) }
+        if options.ngramMax != 0 { p.ngram_max = try cUInt32(options.ngramMax, "ngramMax", op) }
         var s: OpaquePointer?
-        try check("ni_session_create", ni_session_create(model.handle, &p, &s))
+        // The session takes its own reference to the draft model.
+        try withExtendedLifetime(options.draftModel) {
+            p.draft_model = options.draftModel?.handle
+            try check("ni_session_create", ni_session_create(model.handle, &p, &s))
+        }
         var out: OpaquePointer?
         let st = ni_step_output_create(&out)
         if st != ni_status(NI_OK) {
@@ -268,6 +298,7 @@ public final class Session: @unchecked Sendable {
             p.n_choices = ptrs.count
         }
         p.retain_state = r.retainState
+        p.disable_speculation = r.disableSpeculation
         var id: UInt64 = 0
         try withExtendedLifetime(arena) {
             if let state = r.state {
@@ -390,7 +421,9 @@ public final class Session: @unchecked Sendable {
             kvCachedTokens: Int(s.kv_cached_tokens),
             steps: s.steps, prefillTokens: s.prefill_tokens, decodeTokens: s.decode_tokens,
             prefixCacheHits: s.prefix_cache_hits, prefixCacheTokensReused: s.prefix_cache_tokens_reused,
-            preemptions: s.preemptions, swappedOutTokens: s.swapped_out_tokens)
+            preemptions: s.preemptions, swappedOutTokens: s.swapped_out_tokens,
+            specDraftTokens: s.spec_draft_tokens, specAcceptedTokens: s.spec_accepted_tokens,
+            specVerifications: s.spec_verifications)
     }
 
     /// Steps until events for `id` appear; other requests' events are kept for `step`.

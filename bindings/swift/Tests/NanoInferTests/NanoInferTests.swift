@@ -43,6 +43,36 @@ final class NanoInferTests: XCTestCase {
         XCTAssertEqual(try session.stats().kvUsedTokens, 0)
     }
 
+    /// Speculative sessions give the plain session's tokens and count their drafts.
+    func testSpeculativeDecodingGivesThePlainTokens() throws {
+        let model = try Model(path: Self.modelPath, options: ModelOptions(threads: 2))
+        var request = Request(
+            text: "Copy this line: the quick brown fox jumps over the lazy dog. Copy this line: the quick brown fox",
+            maxTokens: 24)
+        request.ignoreEOS = true
+        func tokens(_ session: Session, _ r: Request) throws -> [UInt32] {
+            var out: [UInt32] = []
+            try session.generate(r) { event in
+                out += event.tokens
+                return true
+            }
+            return out
+        }
+        let plain = try tokens(try Session(model: model, options: SessionOptions(kvCapacityTokens: 4096)), request)
+        var options = SessionOptions(kvCapacityTokens: 4096)
+        options.speculative = .draft
+        options.draftModel = model
+        let session = try Session(model: model, options: options)
+        XCTAssertEqual(try tokens(session, request), plain)
+        let stats = try session.stats()
+        XCTAssertGreaterThan(stats.specAcceptedTokens, 0)
+        XCTAssertGreaterThanOrEqual(stats.specDraftTokens, stats.specAcceptedTokens)
+        var optedOut = request
+        optedOut.disableSpeculation = true
+        XCTAssertEqual(try tokens(session, optedOut), plain)
+        XCTAssertEqual(try session.stats().specVerifications, stats.specVerifications)
+    }
+
     /// Text a user types must not become control tokens.
     func testUserTextStaysText() throws {
         let model = try Model(path: Self.modelPath, options: ModelOptions(threads: 2))
