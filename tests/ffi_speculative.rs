@@ -87,18 +87,11 @@ fn speculative_sessions_give_the_plain_tokens() {
 
 #[test]
 fn bad_speculative_settings_are_refused_by_name() {
-    let cases: [(&dyn Fn(&mut ni_session_params), &str); 5] = [
+    let cases: [(&dyn Fn(&mut ni_session_params), &str); 4] = [
         (&|p| p.speculative_method = 9, "speculative_method"),
         (
             &|p| p.speculative_method = NI_SPECULATIVE_DRAFT,
             "draft_model",
-        ),
-        (
-            &|p| {
-                p.speculative_method = NI_SPECULATIVE_NGRAM;
-                p.num_speculative_tokens = 0;
-            },
-            "num_speculative_tokens",
         ),
         (
             &|p| {

@@ -426,7 +426,7 @@ impl Session {
         let spec_rows = match &params.speculative {
             Some(s) => {
                 s.validate()?;
-                s.max_batch_on(gpu).min(params.max_seqs) * s.num_speculative_tokens
+                s.max_batch_on(gpu).min(params.max_seqs) * s.max_k()
             }
             None => 0,
         };

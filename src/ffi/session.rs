@@ -151,7 +151,8 @@ pub struct ni_session_params {
     /// request may opt out (`ni_request_params.disable_speculation`).
     /// (Appended in a later version, with the fields below: see `struct_size`.)
     pub speculative_method: ni_speculative_method,
-    /// Most tokens a request drafts per step, 1-16. Default 4.
+    /// Most tokens a request drafts per step, 1-16; 0 (default) = the
+    /// method's default (8 for n-gram lookup, 4 for a draft model).
     pub num_speculative_tokens: u32,
     /// With `NI_SPECULATIVE_DRAFT`: the draft model, on the target's device
     /// and with its tokenizer (checked at `ni_session_create`; a draft with
@@ -214,7 +215,7 @@ impl Default for ni_session_params {
                 KvCacheDType::Fp8E4m3 => NI_KV_CACHE_DTYPE_FP8,
             },
             speculative_method: NI_SPECULATIVE_NONE,
-            num_speculative_tokens: 4,
+            num_speculative_tokens: 0,
             draft_model: std::ptr::null(),
             speculative_max_batch: 0,
             ngram_min: 2,

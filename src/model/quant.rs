@@ -55,6 +55,30 @@ impl QuantMode {
         lm_head: true,
     };
 
+    /// This mode with the LM head quantized too (int4 for AWQ/GPTQ, int8
+    /// for Q8_0): the choice for a draft model, whose head is a large part
+    /// of its weight reads.
+    pub fn with_lm_head(self) -> QuantMode {
+        match self {
+            QuantMode::None => QuantMode::None,
+            QuantMode::Q8_0 { group_size, .. } => QuantMode::Q8_0 {
+                group_size,
+                lm_head: true,
+            },
+            QuantMode::Awq { group_size, .. } => QuantMode::Awq {
+                group_size,
+                lm_head: true,
+            },
+            QuantMode::Gptq {
+                group_size, sym, ..
+            } => QuantMode::Gptq {
+                group_size,
+                sym,
+                lm_head: true,
+            },
+        }
+    }
+
     /// The method this mode quantizes with, `None` for [`QuantMode::None`].
     pub fn method(self) -> Result<Option<Box<dyn QuantMethod>>> {
         Ok(match self {

@@ -76,11 +76,12 @@ pub fn load_model(a: &Args) -> Result<Arc<Model>, String> {
 /// `--speculative ngram|draft [--num-speculative N] [--speculative-max-batch N]`,
 /// with `--ngram-min N --ngram-max N` for prompt lookup and
 /// `--draft-model DIR [--draft-quant none|q8_0|awq|gptq]` for a draft model
-/// (loaded on the target's device and threads).
+/// (loaded on the target's device and threads; quantized at load with its
+/// LM head, which is a large part of a small model's weight reads).
 fn speculative_params(a: &Args) -> Result<Option<SpeculativeParams>, String> {
     let method = a.get("speculative");
     let draft_dir = a.get("draft-model");
-    let k = a.parse_or("num-speculative", 4usize)?;
+    let k = a.parse_or("num-speculative", 0usize)?;
     let method = match method {
         None => {
             let stray = ["draft-model", "draft-quant", "num-speculative", "ngram-min"];
@@ -103,7 +104,7 @@ fn speculative_params(a: &Args) -> Result<Option<SpeculativeParams>, String> {
             let params = ModelParams {
                 dtype: a.parse_or("dtype", nanoinfer::model::WeightDType::Auto)?,
                 threads: a.parse_or("threads", 0)?,
-                quant: a.parse_or("draft-quant", QuantMode::None)?,
+                quant: a.parse_or("draft-quant", QuantMode::None)?.with_lm_head(),
                 device: a.parse_or("device", nanoinfer::backend::Device::Cpu)?,
             };
             let draft = Model::load(std::path::Path::new(dir), &params, None)

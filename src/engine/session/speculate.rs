@@ -46,7 +46,7 @@ impl Speculation {
         let max_batch = params.max_batch_on(gpu);
         Ok(Speculation {
             proposer,
-            max_k: params.num_speculative_tokens,
+            max_k: params.max_k(),
             max_batch,
             asks: Vec::with_capacity(max_batch),
             drafts: vec![Vec::new(); max_batch],

@@ -52,7 +52,8 @@ impl std::fmt::Debug for SpeculativeMethod {
 #[derive(Debug, Clone)]
 pub struct SpeculativeParams {
     pub method: SpeculativeMethod,
-    /// Most tokens a request drafts per step (1..=`MAX_SPECULATIVE_TOKENS`).
+    /// Most tokens a request drafts per step (1..=`MAX_SPECULATIVE_TOKENS`);
+    /// 0 = the method's default ([`SpeculativeParams::max_k`]).
     pub num_speculative_tokens: usize,
     /// No request speculates in a step with more running requests than
     /// this: a large batch already reads each weight once for many rows,
@@ -93,6 +94,18 @@ impl SpeculativeParams {
         }
     }
 
+    /// Most tokens a request drafts per step: `num_speculative_tokens`, or
+    /// by default 8 for n-gram lookup (a draft costs nothing to make, and
+    /// copied text runs long) and 4 for a draft model (each drafted token
+    /// costs a draft forward; BENCHMARKS.md "Speculative decoding").
+    pub fn max_k(&self) -> usize {
+        match (self.num_speculative_tokens, &self.method) {
+            (0, SpeculativeMethod::Ngram { .. }) => 8,
+            (0, SpeculativeMethod::Draft(_)) => 4,
+            (k, _) => k,
+        }
+    }
+
     /// `max_batch`, or the device's crossover when it is 0.
     pub fn max_batch_on(&self, gpu: bool) -> usize {
         match self.max_batch {
@@ -111,8 +124,10 @@ impl SpeculativeParams {
 
     pub fn validate(&self) -> Result<()> {
         let k = self.num_speculative_tokens;
-        if !(1..=MAX_SPECULATIVE_TOKENS).contains(&k) {
-            bail_arg!("num_speculative_tokens must be in 1..={MAX_SPECULATIVE_TOKENS}, got {k}");
+        if k > MAX_SPECULATIVE_TOKENS {
+            bail_arg!(
+                "num_speculative_tokens must be in 1..={MAX_SPECULATIVE_TOKENS} (0 = the method's default), got {k}"
+            );
         }
         if let SpeculativeMethod::Ngram { min_n, max_n } = self.method {
             if min_n == 0 || min_n > max_n || max_n > 64 {
