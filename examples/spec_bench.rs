@@ -21,7 +21,8 @@
 use nanoinfer::engine::{
     Model, ModelParams, RequestParams, Session, SessionParams, SpeculativeParams,
 };
-use nanoinfer::model::QuantMode;
+use nanoinfer::forward::{AttnSeq, ForwardBatch, KvMapping};
+use nanoinfer::model::{ContextShape, QuantMode};
 use nanoinfer::sampling::SamplingParams;
 use nanoinfer::tokenizer::ChatMessage;
 use std::path::PathBuf;
@@ -107,6 +108,7 @@ struct Run {
     wall_s: f64,
     drafted: u64,
     kept: u64,
+    verifications: u64,
 }
 
 fn run(
@@ -161,8 +163,82 @@ fn run(
         wall_s: start.elapsed().as_secs_f64(),
         drafted: st.spec_draft_tokens,
         kept: st.spec_accepted_tokens,
+        verifications: st.spec_verifications,
     };
     (r, out)
+}
+
+/// Times forwards of one sequence after `context` cached positions, each
+/// row wanting its argmax (as a verify does).
+struct StepTimer {
+    ctx: Box<dyn nanoinfer::model::ForwardContext>,
+    context: usize,
+    slots: Vec<u32>,
+    tokens: Vec<u32>,
+}
+
+impl StepTimer {
+    fn new(model: &Arc<Model>, context: usize, max_rows: usize) -> Self {
+        let positions = context + max_rows;
+        let ctx = model
+            .decoder
+            .clone()
+            .new_context(&ContextShape::new(positions + 1, positions.max(64), 64))
+            .expect("context");
+        let mut t = StepTimer {
+            ctx,
+            context,
+            slots: (1..=positions as u32).collect(),
+            tokens: (0..positions as u32).map(|i| (i * 7919) % 1000 + 10).collect(),
+        };
+        for from in (0..context).step_by(64) {
+            let n = 64.min(context - from);
+            t.forward(from, n, &[n - 1]);
+        }
+        t
+    }
+
+    fn forward(&mut self, from: usize, n: usize, logits: &[usize]) {
+        let seqs = [AttnSeq {
+            start: 0,
+            len: n,
+            context_len: from,
+            kv: KvMapping::Slots(&self.slots),
+        }];
+        let batch = ForwardBatch {
+            tokens: &self.tokens[from..from + n],
+            seqs: &seqs,
+            logits_rows: logits,
+            stop: None,
+        };
+        let mut ids = vec![0u32; logits.len()];
+        self.ctx.forward_argmax(&batch, &mut ids).expect("forward");
+    }
+
+    /// Seconds of one forward of `rows` rows.
+    fn time(&mut self, rows: usize) -> f64 {
+        let all: Vec<usize> = (0..rows).collect();
+        let t = Instant::now();
+        self.forward(self.context, rows, &all);
+        t.elapsed().as_secs_f64()
+    }
+}
+
+/// Median step times of a target decode, a target verify of `k + 1` rows
+/// and a draft decode, measured in turns so that noise hits all three.
+fn step_times(model: &Arc<Model>, draft: &Arc<Model>, context: usize, k: usize) -> [f64; 3] {
+    let mut target = StepTimer::new(model, context, k + 1);
+    let mut drafter = StepTimer::new(draft, context, 1);
+    let mut times = [Vec::new(), Vec::new(), Vec::new()];
+    for _ in 0..31 {
+        times[0].push(target.time(1));
+        times[1].push(target.time(k + 1));
+        times[2].push(drafter.time(1));
+    }
+    times.map(|mut v| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    })
 }
 
 fn main() {
@@ -209,6 +285,7 @@ fn main() {
     // rates[config][round], per-prompt tokens/s of the last round.
     let mut rates = vec![Vec::new(); configs.len()];
     let mut kept = vec![(0u64, 0u64); configs.len()];
+    let mut verified = vec![0u64; configs.len()];
     let mut per_prompt = vec![vec![0.0; configs.len()]; prompts.len()];
     let mut lengths = vec![0; prompts.len()];
     for _ in 0..a.rounds {
@@ -227,6 +304,7 @@ fn main() {
                 t.decode_s += r.decode_s;
                 kept[ci].0 += r.drafted;
                 kept[ci].1 += r.kept;
+                verified[ci] += r.verifications;
             }
         }
         for (ci, t) in totals.iter().enumerate() {
@@ -263,6 +341,32 @@ fn main() {
         println!(
             "| {name} | {rate:.1} | {lo:.1}-{hi:.1} | {:.2} | {kept} |",
             rate / base
+        );
+    }
+    // What a verifying step costs, and the speedup those step times allow
+    // at the acceptance measured above: each verification yields
+    // `1 + kept / verifications` tokens for one verify forward plus one
+    // draft forward per drafted token.
+    let context = prompts.iter().map(Vec::len).max().unwrap_or(64) + 32;
+    let k = configs[2].1.as_ref().map_or(4, |s| s.max_k());
+    let [t_decode, t_verify, t_draft] = step_times(&model, &draft, context, k);
+    println!(
+        "\nstep times at {context} positions: decode {:.2} ms, verify of {} rows {:.2} ms ({:.2}x), draft decode {:.2} ms",
+        t_decode * 1e3,
+        k + 1,
+        t_verify * 1e3,
+        t_verify / t_decode,
+        t_draft * 1e3
+    );
+    let (drafted, k_kept) = kept[2];
+    if verified[2] > 0 {
+        let per_step = 1.0 + k_kept as f64 / verified[2] as f64;
+        let drafts_per_step = drafted as f64 / verified[2] as f64;
+        let ideal = per_step * t_decode / (drafts_per_step * t_draft + t_verify);
+        let realized = median(&mut rates[2]) / base;
+        println!(
+            "draft: {per_step:.2} tokens per verify, {drafts_per_step:.2} drafted: ideal {ideal:.2}x, realized {realized:.2}x = {:.0} % of ideal",
+            100.0 * realized / ideal
         );
     }
     if !a.batches.is_empty() {

@@ -929,6 +929,7 @@ impl Session {
     fn schedule_and_run(&mut self, events: &mut Vec<Event>) -> Result<()> {
         self.schedule(events);
         if !self.scratch.plan.is_empty() {
+            self.warm_drafts();
             let injected = self.faults.as_mut().and_then(|f| {
                 let step = self.stats.steps;
                 let error = f.take_forward_error(step);

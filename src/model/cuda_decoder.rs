@@ -1178,6 +1178,10 @@ enum Output<'a> {
     },
 }
 
+/// Most rows of one sequence in a step replayed from a CUDA graph: a
+/// decode row and the drafted tokens of a speculative verify (at most 16).
+const GRAPH_SEQ_ROWS: usize = 17;
+
 /// Offsets of the sections of the step-input buffer.
 struct Inputs {
     /// Rows computed (padded for a graph replay).
@@ -1227,7 +1231,8 @@ impl CudaForward {
     /// slot 0, which no sequence ever maps.
     fn upload_inputs(&mut self, batch: &ForwardBatch<'_>, pad_to: Option<usize>) -> Result<Inputs> {
         let tile_rows = self.model.prefill.tile_rows();
-        let tiled = tile_rows > 0 && batch.seqs.iter().any(|s| s.len > 1);
+        // A graph's rows all attend through the decode kernel (see `graph_bucket`).
+        let tiled = pad_to.is_none() && tile_rows > 0 && batch.seqs.iter().any(|s| s.len > 1);
         let rows = batch.tokens.len();
         let padded = pad_to.unwrap_or(rows);
         let pad = padded - rows;
@@ -1344,11 +1349,14 @@ impl CudaForward {
         splits
     }
 
-    /// The CUDA-graph bucket of a pure decode step (one row per sequence,
-    /// every row sampled), if graphs are on and it fits one.
+    /// The CUDA-graph bucket of a decode step, if graphs are on and it fits
+    /// one: every row sampled, each sequence one row or the few rows of a
+    /// speculative verify. Every row attends through the decode kernel over
+    /// its own positions (the rows' keys and values are written before
+    /// attention), so one graph serves both shapes.
     fn graph_bucket(&self, batch: &ForwardBatch<'_>) -> Option<usize> {
         let rows = batch.tokens.len();
-        let decode = batch.seqs.iter().all(|s| s.len == 1)
+        let decode = batch.seqs.iter().all(|s| s.len <= GRAPH_SEQ_ROWS)
             && batch.logits_rows.len() == rows
             && batch.logits_rows.iter().enumerate().all(|(i, &r)| i == r);
         let bucket = rows.next_power_of_two();

@@ -17,6 +17,8 @@ pub(super) struct Speculation {
     proposer: Box<dyn Proposer>,
     max_k: usize,
     max_batch: usize,
+    /// The proposer keeps a model's KV of the prompts (`warm_drafts`).
+    needs_prompts: bool,
     /// Scratch: (request, k) of this step's asks and their drafts.
     asks: Vec<(RequestId, usize)>,
     drafts: Vec<Vec<u32>>,
@@ -48,6 +50,7 @@ impl Speculation {
             proposer,
             max_k: params.max_k(),
             max_batch,
+            needs_prompts: params.draft_model().is_some(),
             asks: Vec::with_capacity(max_batch),
             drafts: vec![Vec::new(); max_batch],
         })
@@ -120,6 +123,35 @@ impl Session {
             let req = self.requests.get_mut(&id).expect("running request exists");
             draft.truncate(k);
             std::mem::swap(&mut req.draft, draft);
+        }
+        self.spec = Some(spec);
+    }
+
+    /// Lets a draft model compute the prompt chunks this step's plan
+    /// computes for the target, for requests that will speculate, so that
+    /// their first drafts wait for nothing (the cost goes with the prompt,
+    /// as the target's does). Only in steps small enough to speculate.
+    pub(super) fn warm_drafts(&mut self) {
+        let Some(mut spec) = self.spec.take() else {
+            return;
+        };
+        if spec.needs_prompts && self.running.len() <= spec.max_batch {
+            let mut asks = Vec::new();
+            for &(id, n) in &self.scratch.plan {
+                let req = &self.requests[&id];
+                if req.params.disable_speculation || req.computed + n > req.prompt_len {
+                    continue;
+                }
+                asks.push(Ask {
+                    id,
+                    tokens: &req.tokens[..req.computed + n],
+                    k: 0,
+                });
+            }
+            if !asks.is_empty() {
+                let mut none = vec![Vec::new(); asks.len()];
+                spec.proposer.propose(&asks, &mut none);
+            }
         }
         self.spec = Some(spec);
     }

@@ -103,7 +103,9 @@ impl DraftProposer {
 
     /// Brings request `ask`'s draft state up to its tokens: drafts the
     /// target accepted become computed, the rest of the draft's KV is
-    /// dropped. Returns the tokens still to feed (at least the last one).
+    /// dropped. Returns the tokens still to feed: at least the last one
+    /// when the ask wants a draft (its logits give the first drafted
+    /// token); with `k` 0 (catching up on a prompt) everything not yet fed.
     fn sync(&mut self, ask: &Ask<'_>) -> usize {
         let kv = &mut self.draft.kv;
         let seq = self.seqs.entry(ask.id).or_insert_with(|| {
@@ -113,7 +115,8 @@ impl DraftProposer {
         let len = ask.tokens.len();
         let ahead = &ask.tokens[seq.computed.min(len)..];
         let kept = seq.fed.iter().zip(ahead).take_while(|(a, b)| a == b);
-        seq.computed = (seq.computed + kept.count()).min(len - 1);
+        let last = if ask.k > 0 { len - 1 } else { len };
+        seq.computed = (seq.computed + kept.count()).min(last);
         seq.fed.clear();
         kv.truncate(ask.id, seq.computed);
         len - seq.computed
@@ -171,7 +174,7 @@ impl Proposer for DraftProposer {
                 continue;
             }
             self.tokens.extend_from_slice(new);
-            if n == pending && self.logits_rows.len() < self.draft.max_logits_rows {
+            if ask.k > 0 && n == pending && self.logits_rows.len() < self.draft.max_logits_rows {
                 self.logits_rows.push(self.tokens.len() - 1);
             }
             self.rows.push((i, n));
@@ -185,7 +188,7 @@ impl Proposer for DraftProposer {
         for &(i, n) in &self.rows {
             let seq = self.seqs.get_mut(&asks[i].id).expect("synced");
             seq.computed += n;
-            if seq.computed == asks[i].tokens.len() {
+            if asks[i].k > 0 && seq.computed == asks[i].tokens.len() {
                 let id = self.ids[row];
                 row += 1;
                 if self.draftable(id) {

@@ -143,7 +143,9 @@ pub struct Ask<'a> {
     pub id: RequestId,
     /// The request's tokens: prompt and output, the last not yet computed.
     pub tokens: &'a [u32],
-    /// Most tokens to draft.
+    /// Most tokens to draft; 0 asks a proposer with a model of its own to
+    /// catch up on `tokens` (a prompt the target is computing), so that
+    /// its first draft does not wait for it.
     pub k: usize,
 }
 
