@@ -2,7 +2,7 @@
 # Runs the CUDA checks on a GPU machine that has no Rust: the release binaries
 # built elsewhere are in $BIN (nanoinfer, cuda test binary), torch +
 # transformers are installed. Prints a short table last.
-#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|int4test|make8b|tests8b|bench|bench4|ab4|profile|trace|sampling|serve|http|grammar|state|engine|offline|kvfp8]...
+#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|int4test|make8b|tests8b|bench|bench4|ab4|profile|trace|sampling|serve|http|grammar|spec|state|engine|offline|kvfp8]...
 # Binaries: `bash scripts/cuda_carry.sh` (here, with Rust) fills gpu-carry/.
 # KV_CACHE_DTYPE=fp8 runs the offline steps with an FP8 KV cache (default auto).
 set -uo pipefail
@@ -134,6 +134,19 @@ for step in "$@"; do
         # Constrained rows sampled on the GPU against host sampling (tests/cuda.rs).
         NANOINFER_CUDA_GRAMMAR_MODEL="$WORK/l8bt" "$BIN/cuda" --test-threads 1 --nocapture constrained_rows 2>&1 \
             | grep -E "^test |test result|panicked|constrained rows" ;;
+    spec)
+        # Speculative decoding on the GPU: the fixtures' greedy tokens with
+        # n-gram and draft-model speculation (tests/cuda.rs), then on the 8B
+        # shape with SmolLM2's tokenizer (l8bt): the cost of a verify step
+        # against a decode step, and the int4 copy as a draft against the
+        # ideal its acceptance and step times allow (examples/spec_bench.rs;
+        # random weights: acceptance is not a quality figure).
+        NANOINFER_CUDA_FIXTURES="$WORK/fx" "$BIN/cuda" --test-threads 1 --nocapture speculative 2>&1 \
+            | grep -E "^test |test result|panicked|speculative"
+        [ -f "$WORK/l8bt/config.json" ] || python3 scripts/cuda_bench_hf.py --make-8b "$WORK/l8bt" --vocab 49152
+        cp "$BIN"/tok/* "$WORK/l8bt/"
+        "$BIN/spec_bench" --model "$WORK/l8bt" --device cuda --draft-quant awq --max-tokens 128 --rounds 3 \
+            --batches 1,4,16,64 2>&1 | tail -28 ;;
     state)
         # Saved conversations on the GPU (bf16 and FP8 KV): a conversation
         # saved after 12 tokens and continued in another process gives the
