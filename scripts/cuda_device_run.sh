@@ -145,8 +145,17 @@ for step in "$@"; do
             | grep -E "^test |test result|panicked|speculative"
         [ -f "$WORK/l8bt/config.json" ] || python3 scripts/cuda_bench_hf.py --make-8b "$WORK/l8bt" --vocab 49152
         cp "$BIN"/tok/* "$WORK/l8bt/"
-        "$BIN/spec_bench" --model "$WORK/l8bt" --device cuda --draft-quant awq --max-tokens 128 --rounds 3 \
-            --batches 1,4,16,64 2>&1 | tail -28 ;;
+        echo "== forward time by shape (CUDA graphs on, then off)"
+        "$BIN/spec_bench" --model "$WORK/l8bt" --device cuda --shapes-only 1 2>&1 | tail -10
+        NANOINFER_CUDA_GRAPHS=0 "$BIN/spec_bench" --model "$WORK/l8bt" --device cuda --shapes-only 1 2>&1 | tail -10
+        # The int4 copy's argmax rarely agrees with random bf16 weights' near-flat
+        # logits; the model drafting for itself (kept unless a near-tie flips)
+        # measures the engine's efficiency against the ideal.
+        for q in awq none; do
+            echo "== draft: the target's copy, --draft-quant $q"
+            "$BIN/spec_bench" --model "$WORK/l8bt" --device cuda --draft-quant $q --max-tokens 128 --rounds 3 \
+                $([ $q = none ] && echo --batches 1,4,16,64) 2>&1 | tail -22
+        done ;;
     state)
         # Saved conversations on the GPU (bf16 and FP8 KV): a conversation
         # saved after 12 tokens and continued in another process gives the

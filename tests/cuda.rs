@@ -610,7 +610,14 @@ fn speculative_greedy_matches_transformers() {
         let gold = golden(&dir);
         let model = load(&dir);
         let n = ids(&gold["tokens"][0]).len() as u32;
-        let with_logprobs = requests(&gold, n);
+        let mut with_logprobs = requests(&gold, n);
+        // A periodic prompt, so that prompt lookup drafts (random weights
+        // rarely continue the pattern: its drafts are verified and mostly
+        // rejected). Not in the reference: checked for drafts only.
+        let mut periodic = with_logprobs[0].clone();
+        periodic.prompt = periodic.prompt[..periodic.prompt.len().min(6)].repeat(5);
+        with_logprobs.push(periodic);
+        let refs = with_logprobs.len() - 1;
         let greedy: Vec<RequestParams> = with_logprobs
             .iter()
             .cloned()
@@ -624,9 +631,10 @@ fn speculative_greedy_matches_transformers() {
             })
             .collect();
         for kv in [KvBackendKind::Paged, KvBackendKind::Token] {
-            for spec in [
-                SpeculativeParams::ngram(4),
-                SpeculativeParams::draft(model.clone(), 4),
+            // (method, whether its drafts are the model's own argmax)
+            for (spec, drafts_itself) in [
+                (SpeculativeParams::ngram(4), false),
+                (SpeculativeParams::draft(model.clone(), 4), true),
             ] {
                 let what = format!("{name} {kv:?} {:?}", spec.method);
                 let params = SessionParams {
@@ -638,11 +646,11 @@ fn speculative_greedy_matches_transformers() {
                     ..Default::default()
                 };
                 let (outs, st) = run_with_stats(&model, params.clone(), &with_logprobs);
-                for (i, o) in outs.iter().enumerate() {
+                for (i, o) in outs.iter().enumerate().take(refs) {
                     check_near(&format!("{what} prompt {i}"), o, &reference(&gold, i));
                 }
                 let (outs, st2) = run_with_stats(&model, params, &greedy);
-                let matched: Vec<usize> = (0..outs.len())
+                let matched: Vec<usize> = (0..refs)
                     .map(|i| {
                         let want = reference(&gold, i).tokens;
                         outs[i].tokens.iter().zip(&want).take_while(|(a, b)| a == b).count()
@@ -653,7 +661,10 @@ fn speculative_greedy_matches_transformers() {
                     st.spec_accepted_tokens + st2.spec_accepted_tokens,
                     st.spec_draft_tokens + st2.spec_draft_tokens
                 );
-                assert!(st.spec_accepted_tokens > 0 && st2.spec_accepted_tokens > 0, "{what}");
+                assert!(st.spec_draft_tokens > 0 && st2.spec_draft_tokens > 0, "{what}");
+                if drafts_itself {
+                    assert!(st.spec_accepted_tokens > 0 && st2.spec_accepted_tokens > 0, "{what}");
+                }
                 let total: usize = matched.iter().sum();
                 assert!(
                     3 * total >= matched.len() * n as usize,
