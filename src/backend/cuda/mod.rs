@@ -136,6 +136,8 @@ pub struct CudaDevice {
     pub sm_count: usize,
     /// Small-batch projections through our GEMV kernels (NANOINFER_CUDA_GEMV=0: cuBLAS only).
     use_gemv: bool,
+    /// Most rows a GEMV kernel takes (`NANOINFER_CUDA_GEMV_ROWS`).
+    gemv_rows: usize,
     /// Large int4 batches through the tensor-core GEMM (sm_90).
     w4_gemm: w4_gemm::W4Gemm,
     /// The GEMM's counters of tiles split by stream-K and flags of their
@@ -235,6 +237,10 @@ impl CudaDevice {
             arch,
             sm_count,
             use_gemv: switch_on("NANOINFER_CUDA_GEMV"),
+            gemv_rows: crate::tuning::var("NANOINFER_CUDA_GEMV_ROWS")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(GEMV_MAX_ROWS)
+                .clamp(1, GEMV_MAX_ROWS),
             w4_gemm,
             split_counters,
             pdl,
@@ -598,7 +604,7 @@ impl CudaDevice {
     /// Whether a projection of `rows` activation rows over `k` inputs runs
     /// through the GEMV kernels (decode-sized batches) rather than cuBLAS.
     pub fn gemv_fits(&self, rows: usize, k: usize) -> bool {
-        rows <= GEMV_MAX_ROWS && k.is_multiple_of(8) && self.use_gemv
+        rows <= self.gemv_rows && k.is_multiple_of(8) && self.use_gemv
     }
 
     /// Launches a GEMV-family kernel over `warps` warp work units (one or
