@@ -145,10 +145,10 @@ for step in "$@"; do
             | grep -E "^test |test result|panicked|speculative"
         [ -f "$WORK/l8bt/config.json" ] || python3 scripts/cuda_bench_hf.py --make-8b "$WORK/l8bt" --vocab 49152
         cp "$BIN"/tok/* "$WORK/l8bt/"
-        echo "== forward time by shape (the GEMV kernels, then cuBLAS for the projections)"
+        echo "== forward time by shape: default, cuBLAS only, GEMV kernels up to 8 rows"
         "$BIN/spec_bench" --model "$WORK/l8bt" --device cuda --shapes-only 1 2>&1 | tail -10
         NANOINFER_CUDA_GEMV=0 "$BIN/spec_bench" --model "$WORK/l8bt" --device cuda --shapes-only 1 2>&1 | tail -10
-        NANOINFER_CUDA_GEMV_ROWS=1 "$BIN/spec_bench" --model "$WORK/l8bt" --device cuda --shapes-only 1 2>&1 | tail -10
+        NANOINFER_CUDA_GEMV_ROWS=8 "$BIN/spec_bench" --model "$WORK/l8bt" --device cuda --shapes-only 1 2>&1 | tail -10
         # The int4 copy's argmax rarely agrees with random bf16 weights' near-flat
         # logits; the model drafting for itself (kept unless a near-tie flips)
         # measures the engine's efficiency against the ideal.

@@ -70,7 +70,7 @@ pub const SWITCHES: &[Switch] = &[
     switch("NANOINFER_CUDA_DEFINES", Tuning, "none", "`-DNAME=VALUE ...`: override any `#ifndef` constant of the CUDA kernels"),
     switch("NANOINFER_CUDA_FLASH", Comparison, "on", "`0`: CUDA-core prefill attention tiles instead of the tensor-core ones"),
     switch("NANOINFER_CUDA_GEMV", Comparison, "on", "`0`: cuBLAS instead of the GEMV kernels for batches of up to 8 rows"),
-    switch("NANOINFER_CUDA_GEMV_ROWS", Tuning, "8", "most rows (1-8) a projection takes through the GEMV kernels; more go to cuBLAS"),
+    switch("NANOINFER_CUDA_GEMV_ROWS", Comparison, "1", "most rows (1-8) a projection takes through the GEMV kernels; more go to cuBLAS"),
     switch("NANOINFER_CUDA_GEMV_PREFETCH", Tuning, "the kernels' constant", "bytes of each weight row a GEMV warp prefetches into L2 before it starts"),
     switch("NANOINFER_CUDA_GRAPHS", Comparison, "on", "`0`: launch decode steps kernel by kernel instead of replaying CUDA graphs"),
     switch("NANOINFER_CUDA_OVERLAP", Comparison, "on", "`0`: each GPU decode step waits for the previous step's ids on the host"),

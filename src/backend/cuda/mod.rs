@@ -136,7 +136,11 @@ pub struct CudaDevice {
     pub sm_count: usize,
     /// Small-batch projections through our GEMV kernels (NANOINFER_CUDA_GEMV=0: cuBLAS only).
     use_gemv: bool,
-    /// Most rows a GEMV kernel takes (`NANOINFER_CUDA_GEMV_ROWS`).
+    /// Most rows a GEMV kernel takes (`NANOINFER_CUDA_GEMV_ROWS`, default
+    /// 1): on an H200 (CUDA 13) an 8B bf16 step of 2 to 8 rows takes
+    /// 4.5-4.6 ms through cuBLAS against 8-29 ms through the multi-row
+    /// GEMV kernels, whose time grows with the rows (BENCHMARKS.md
+    /// "Speculative decoding").
     gemv_rows: usize,
     /// Large int4 batches through the tensor-core GEMM (sm_90).
     w4_gemm: w4_gemm::W4Gemm,
@@ -239,7 +243,7 @@ impl CudaDevice {
             use_gemv: switch_on("NANOINFER_CUDA_GEMV"),
             gemv_rows: crate::tuning::var("NANOINFER_CUDA_GEMV_ROWS")
                 .and_then(|v| v.parse().ok())
-                .unwrap_or(GEMV_MAX_ROWS)
+                .unwrap_or(1)
                 .clamp(1, GEMV_MAX_ROWS),
             w4_gemm,
             split_counters,
