@@ -90,13 +90,21 @@ fn parse_args() -> Args {
             "--dtype" => a.dtype = v.parse().expect("--dtype"),
             "--draft-model" => a.draft_model = Some(v.into()),
             "--draft-quant" => {
-                a.draft_quant = v.parse::<QuantMode>().expect("--draft-quant").with_lm_head()
-            },
+                a.draft_quant = v
+                    .parse::<QuantMode>()
+                    .expect("--draft-quant")
+                    .with_lm_head()
+            }
             "--k" => a.k = v.parse().expect("--k"),
             "--max-tokens" => a.max_tokens = v.parse().expect("--max-tokens"),
             "--rounds" => a.rounds = v.parse().expect("--rounds"),
             "--shapes-only" => a.shapes_only = v == "1",
-            "--batches" => a.batches = v.split(',').map(|b| b.parse().expect("--batches")).collect(),
+            "--batches" => {
+                a.batches = v
+                    .split(',')
+                    .map(|b| b.parse().expect("--batches"))
+                    .collect()
+            }
             other => panic!("unknown argument {other}"),
         }
     }
@@ -165,7 +173,9 @@ fn run(
     let st = s.stats();
     let r = Run {
         tokens: out.iter().map(|o| o.len().saturating_sub(1)).sum(),
-        decode_s: (0..ids.len()).map(|i| last[i] - first[i].unwrap_or(last[i])).sum(),
+        decode_s: (0..ids.len())
+            .map(|i| last[i] - first[i].unwrap_or(last[i]))
+            .sum(),
         wall_s: start.elapsed().as_secs_f64(),
         drafted: st.spec_draft_tokens,
         kept: st.spec_accepted_tokens,
@@ -353,14 +363,24 @@ fn main() {
         let mut totals = vec![Run::default(); configs.len()];
         for (pi, p) in prompts.iter().enumerate() {
             for (ci, (name, spec)) in configs.iter().enumerate() {
-                let (r, out) = run(&model, std::slice::from_ref(p), 1, spec.clone(), a.max_tokens);
+                let (r, out) = run(
+                    &model,
+                    std::slice::from_ref(p),
+                    1,
+                    spec.clone(),
+                    a.max_tokens,
+                );
                 if plain_out.len() == pi {
                     plain_out.push(out[0].clone());
                     lengths[pi] = r.tokens;
                 }
                 // The tests check identity; a GPU's bf16 rounds differently
                 // per batch shape, which flips near-ties of random weights.
-                let same = out[0].iter().zip(&plain_out[pi]).take_while(|(x, y)| x == y).count();
+                let same = out[0]
+                    .iter()
+                    .zip(&plain_out[pi])
+                    .take_while(|(x, y)| x == y)
+                    .count();
                 if same < out[0].len().min(plain_out[pi].len()) {
                     diverged.push(format!("{name} prompt {pi} at token {same}"));
                 }
@@ -377,7 +397,9 @@ fn main() {
             rates[ci].push(t.tokens as f64 / t.decode_s);
         }
     }
-    println!("\n| batch 1, per prompt (last round) | tokens | plain tok/s | ngram tok/s | draft tok/s |");
+    println!(
+        "\n| batch 1, per prompt (last round) | tokens | plain tok/s | ngram tok/s | draft tok/s |"
+    );
     println!("|---|---:|---:|---:|---:|");
     for (pi, r) in per_prompt.iter().enumerate() {
         println!(

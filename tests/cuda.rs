@@ -649,7 +649,12 @@ fn speculative_greedy_matches_transformers() {
                 let matched: Vec<usize> = (0..refs)
                     .map(|i| {
                         let want = reference(&gold, i).tokens;
-                        outs[i].tokens.iter().zip(&want).take_while(|(a, b)| a == b).count()
+                        outs[i]
+                            .tokens
+                            .iter()
+                            .zip(&want)
+                            .take_while(|(a, b)| a == b)
+                            .count()
                     })
                     .collect();
                 eprintln!(
@@ -658,7 +663,10 @@ fn speculative_greedy_matches_transformers() {
                     st.spec_draft_tokens + st2.spec_draft_tokens
                 );
                 if drafts_itself {
-                    assert!(st.spec_accepted_tokens > 0 && st2.spec_accepted_tokens > 0, "{what}");
+                    assert!(
+                        st.spec_accepted_tokens > 0 && st2.spec_accepted_tokens > 0,
+                        "{what}"
+                    );
                 }
                 let total: usize = matched.iter().sum();
                 assert!(

@@ -17,9 +17,9 @@ use nanoinfer::engine::{
     FinishReason, Model, PreemptionMode, RequestId, RequestParams, SchedulePolicyKind, Session,
     SessionParams, SpeculativeMethod, SpeculativeParams,
 };
-use std::sync::Arc;
 use nanoinfer::kv::KvBackendKind;
 use nanoinfer::sampling::SamplingParams;
+use std::sync::Arc;
 
 fn random_params(rng: &mut TestRng, capacity: usize, model: &Arc<Model>) -> SessionParams {
     let k = rng.range(1, 6);

@@ -64,7 +64,7 @@ fn speculative_sessions_give_the_plain_tokens() {
         // The model drafting for itself: every draft is kept.
         p.draft_model = shared_model();
     };
-    for (what, edit) in [("ngram", &ngram as &dyn Fn(&mut _)), ("draft", &draft)] {
+    for (what, edit) in [("ngram", &ngram as &Edit), ("draft", &draft)] {
         let s = session_with(edit).unwrap();
         assert_eq!(generate(s, false), plain, "{what}");
         let st = stats(s);
@@ -85,9 +85,12 @@ fn speculative_sessions_give_the_plain_tokens() {
     }
 }
 
+/// A change to the session params.
+type Edit = dyn Fn(&mut ni_session_params);
+
 #[test]
 fn bad_speculative_settings_are_refused_by_name() {
-    let cases: [(&dyn Fn(&mut ni_session_params), &str); 4] = [
+    let cases: [(&Edit, &str); 4] = [
         (&|p| p.speculative_method = 9, "speculative_method"),
         (
             &|p| p.speculative_method = NI_SPECULATIVE_DRAFT,
@@ -110,7 +113,7 @@ fn bad_speculative_settings_are_refused_by_name() {
         ),
     ];
     for (edit, needle) in cases {
-        let status = session_with(edit).err().expect("refused");
+        let status = session_with(edit).expect_err("refused");
         assert_err(status, NI_ERR_INVALID_ARGUMENT, &[needle]);
     }
 }
@@ -150,7 +153,10 @@ fn older_struct_sizes_do_not_read_the_speculative_fields() {
     old.spec_draft_tokens = 7;
     // SAFETY: valid handle; `old` has room for the size it names.
     ok(unsafe { ni_session_get_stats(s, &mut old) });
-    assert_eq!(old.spec_draft_tokens, 7, "a field past the older size was written");
+    assert_eq!(
+        old.spec_draft_tokens, 7,
+        "a field past the older size was written"
+    );
     // SAFETY: created above, freed once.
     unsafe { ni_session_free(s) };
 }

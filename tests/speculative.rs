@@ -7,7 +7,7 @@ mod common;
 #[path = "engine_common/mod.rs"]
 mod engine_common;
 
-use common::{load_model, load_quantized};
+use common::{ids, load_model, load_quantized};
 use engine_common::{
     drain, run_all, smollm2_dir, tiny_model, EventLog, Outcome, TestRng, TinySpec,
 };
@@ -25,14 +25,6 @@ use std::sync::Arc;
 
 const BACKENDS: [KvBackendKind; 2] = [KvBackendKind::Paged, KvBackendKind::Token];
 
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
 fn spec_session(
     model: &Arc<Model>,
     kv: KvBackendKind,
@@ -43,10 +35,7 @@ fn spec_session(
         kv_backend: kv,
         block_size: 4,
         kv_capacity_tokens: capacity,
-        speculative: spec.map(|s| SpeculativeParams {
-            max_batch: 64,
-            ..s
-        }),
+        speculative: spec.map(|s| SpeculativeParams { max_batch: 64, ..s }),
         ..Default::default()
     };
     Session::new(model.clone(), params).unwrap()
@@ -355,7 +344,8 @@ fn load_with_cancels_and_preemption_keeps_the_contracts() {
                         }
                     }
                     log.record(s.step().unwrap());
-                    s.check_invariants().unwrap_or_else(|e| panic!("{what}: {e}"));
+                    s.check_invariants()
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
                     steps += 1;
                     assert!(steps < 100_000, "{what}: no progress");
                 }

@@ -503,7 +503,11 @@ impl Session {
         let ctx = model.decoder.clone().new_context(&shape)?;
         let spec = match &params.speculative {
             Some(s) => Some(speculate::Speculation::new(
-                s, &model, &shape, capacity_tokens, gpu,
+                s,
+                &model,
+                &shape,
+                capacity_tokens,
+                gpu,
             )?),
             None => None,
         };

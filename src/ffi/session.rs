@@ -169,6 +169,11 @@ pub struct ni_session_params {
     pub ngram_max: u32,
 }
 
+// SAFETY: the only pointer, `draft_model`, is a model handle, and models
+// are shared between threads by design (`ni_model` is `Send + Sync`); the
+// struct itself is plain data the library copies.
+unsafe impl Send for ni_session_params {}
+
 /// `struct_size` of `ni_session_params` before `memory_utilization`.
 pub(crate) const NI_SESSION_PARAMS_SIZE_V1: usize =
     std::mem::offset_of!(ni_session_params, memory_utilization);
@@ -249,9 +254,7 @@ unsafe fn speculative(p: &ni_session_params) -> Result<Option<SpeculativeParams>
             let m = unsafe { args::handle(p.draft_model, "params.draft_model")? };
             SpeculativeMethod::Draft(m.model.clone())
         }
-        v => bail_arg!(
-            "session params: speculative_method {v} is not an NI_SPECULATIVE_* value"
-        ),
+        v => bail_arg!("session params: speculative_method {v} is not an NI_SPECULATIVE_* value"),
     };
     let params = SpeculativeParams {
         method,

@@ -651,8 +651,8 @@ impl Sim {
             return false;
         }
         let s = slots(self.kv.as_ref(), id, target);
-        for p in computed..target {
-            self.shadow[s[p]] = drafted.ids[p];
+        for (&slot, &id) in s[computed..target].iter().zip(&drafted.ids[computed..]) {
+            self.shadow[slot] = id;
         }
         let accepted = self.rng.below(k + 1);
         let l = self.live.get_mut(&id).unwrap();
@@ -721,7 +721,7 @@ fn soak(b: Backend) {
                     }
                     0..=79 => {
                         if let Some(id) = sim.pick() {
-                            let done = if r % 4 == 0 {
+                            let done = if r.is_multiple_of(4) {
                                 sim.speculate(id)
                             } else {
                                 sim.step(id)

@@ -310,7 +310,11 @@ impl Session {
     }
 
     /// Runs the request's sampler over its logits row.
-    pub(super) fn sample(&mut self, id: RequestId, logits: &mut [f32]) -> crate::Result<SampledToken> {
+    pub(super) fn sample(
+        &mut self,
+        id: RequestId,
+        logits: &mut [f32],
+    ) -> crate::Result<SampledToken> {
         let req = self
             .requests
             .get_mut(&id)

@@ -182,7 +182,10 @@ impl Session {
         events: &mut Vec<Event>,
     ) {
         let vocab = self.model.config().vocab_size;
-        let req = self.requests.get_mut(&id).expect("scheduled request exists");
+        let req = self
+            .requests
+            .get_mut(&id)
+            .expect("scheduled request exists");
         let draft = std::mem::take(&mut req.draft);
         let mut event = self.new_event(id);
         let mut accepted = 0;
@@ -212,7 +215,10 @@ impl Session {
         self.stats.spec_draft_tokens += draft.len() as u64;
         self.stats.spec_accepted_tokens += accepted as u64;
         self.stats.spec_verifications += 1;
-        let req = self.requests.get_mut(&id).expect("scheduled request exists");
+        let req = self
+            .requests
+            .get_mut(&id)
+            .expect("scheduled request exists");
         req.spec.record(draft.len(), accepted);
         req.computed += accepted;
         let mut draft = draft;

@@ -212,7 +212,8 @@ impl Proposer for DraftProposer {
                     continue;
                 }
                 self.logits_rows.push(self.tokens.len());
-                self.tokens.push(*drafts[i].last().expect("live drafts are not empty"));
+                self.tokens
+                    .push(*drafts[i].last().expect("live drafts are not empty"));
                 self.rows.push((i, 1));
             }
             if self.rows.is_empty() || self.forward(asks).is_err() {
