@@ -24,6 +24,8 @@ pub struct Metrics {
     in_flight: Gauge,
     kv_usage: RatioGauge,
     kv_used_tokens: Gauge,
+    spec_draft_tokens: Gauge,
+    spec_accepted_tokens: Gauge,
     prefix_hit_ratio: RatioGauge,
     prompt_tokens: Counter,
     cached_prompt_tokens: Counter,
@@ -81,6 +83,16 @@ impl Metrics {
             kv_used_tokens: reg!(
                 "kv_cache_used_tokens",
                 "KV cache slots held by live requests",
+                Gauge::default()
+            ),
+            spec_draft_tokens: reg!(
+                "spec_draft_tokens",
+                "Speculative decoding: tokens drafted and verified since the server started",
+                Gauge::default()
+            ),
+            spec_accepted_tokens: reg!(
+                "spec_accepted_tokens",
+                "Speculative decoding: drafted tokens the model kept since the server started",
                 Gauge::default()
             ),
             prefix_hit_ratio: reg!(
@@ -175,6 +187,9 @@ impl Metrics {
         self.waiting.set(stats.waiting as i64);
         self.running.set(stats.running as i64);
         self.kv_used_tokens.set(stats.kv.used_slots as i64);
+        self.spec_draft_tokens.set(stats.spec_draft_tokens as i64);
+        self.spec_accepted_tokens
+            .set(stats.spec_accepted_tokens as i64);
         self.kv_usage
             .set(stats.kv.used_slots as f64 / stats.kv.total_slots.max(1) as f64);
     }

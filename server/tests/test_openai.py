@@ -175,6 +175,10 @@ class ServerTest(unittest.TestCase):
         r = self.chat(temperature=0.8, max_tokens=12, seed=3, presence_penalty=1.5, frequency_penalty=1.0,
                       extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2})
         self.assertGreater(r.usage.completion_tokens, 0)
+        # Opting out of speculation is accepted (this server does not
+        # speculate: the reply is the plain greedy one).
+        r = self.chat(temperature=0, max_tokens=12, extra_body={"speculative": False})
+        self.assertEqual(r.choices[0].message.content, base)
 
     def test_structured_output(self):
         schema = {"type": "object", "properties": {

@@ -113,6 +113,7 @@ impl<T> Parsed<T> {
                 ..sampling.clone()
             },
             priority: self.common.priority.unwrap_or(0),
+            disable_speculation: self.common.speculative == Some(false),
             constraint: self.constraint.as_ref().map(|(c, _)| c.clone()),
             ..Default::default()
         })

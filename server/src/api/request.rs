@@ -81,6 +81,9 @@ pub struct CommonFields {
     pub ignore_eos: Option<bool>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub priority: Option<i32>,
+    /// `false` keeps this request from drafting tokens when the server
+    /// speculates (`--speculative`).
+    pub speculative: Option<bool>,
     // vLLM's structured-output extras.
     pub guided_json: Option<serde_json::Value>,
     pub guided_regex: Option<String>,
