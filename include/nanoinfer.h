@@ -380,7 +380,8 @@ typedef struct ni_session_params {
      */
     ni_speculative_method speculative_method;
     /**
-     * Most tokens a request drafts per step, 1-16. Default 4.
+     * Most tokens a request drafts per step, 1-16; 0 (default) = the
+     * method's default (8 for n-gram lookup, 4 for a draft model).
      */
     uint32_t num_speculative_tokens;
     /**
@@ -392,8 +393,8 @@ typedef struct ni_session_params {
     const struct ni_model *draft_model;
     /**
      * No request drafts in a step with more running requests than this
-     * (a large batch gains nothing from it); 0 (default) = the device's
-     * crossover (CPU 4, GPU 16).
+     * (a large batch gains nothing from it); 0 (default) = 4, the
+     * measured crossover.
      */
     uint32_t speculative_max_batch;
     /**

@@ -426,7 +426,7 @@ impl Session {
         let spec_rows = match &params.speculative {
             Some(s) => {
                 s.validate()?;
-                s.max_batch_on(gpu).min(params.max_seqs) * s.max_k()
+                s.effective_max_batch().min(params.max_seqs) * s.max_k()
             }
             None => 0,
         };
@@ -507,7 +507,6 @@ impl Session {
                 &model,
                 &shape,
                 capacity_tokens,
-                gpu,
             )?),
             None => None,
         };

@@ -160,8 +160,8 @@ pub struct ni_session_params {
     /// holds its own reference: the handle may be freed after creation.
     pub draft_model: *const ni_model,
     /// No request drafts in a step with more running requests than this
-    /// (a large batch gains nothing from it); 0 (default) = the device's
-    /// crossover (CPU 4, GPU 16).
+    /// (a large batch gains nothing from it); 0 (default) = 4, the
+    /// measured crossover.
     pub speculative_max_batch: u32,
     /// With `NI_SPECULATIVE_NGRAM`: the n-gram lengths tried, longest first.
     /// Defaults 2 and 4; 1 <= ngram_min <= ngram_max <= 64.

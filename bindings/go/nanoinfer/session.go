@@ -115,7 +115,7 @@ type SessionOptions struct {
 	// model's tokenizer and device; the session keeps its own reference.
 	// NumSpeculativeTokens is the most tokens a request drafts per step
 	// (1-16, 0 = 4); SpeculativeMaxBatch stops drafting in steps with more
-	// running requests (0 = the device's crossover); NgramMin/NgramMax are
+	// running requests (0 = 4, the measured crossover); NgramMin/NgramMax are
 	// the n-gram lengths prompt lookup tries (0 = 2 and 4).
 	Speculative          SpeculativeMethod
 	DraftModel           *Model

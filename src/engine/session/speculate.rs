@@ -32,7 +32,6 @@ impl Speculation {
         target: &Model,
         target_shape: &ContextShape,
         capacity_tokens: usize,
-        gpu: bool,
     ) -> Result<Self> {
         let proposer = create_proposer(params, target, |draft: &Arc<Model>| {
             let (kv, slots) = create_kv_backend(KvBackendKind::Token, capacity_tokens, 1, false);
@@ -45,7 +44,7 @@ impl Speculation {
                 max_logits_rows: shape.max_logits_rows,
             })
         })?;
-        let max_batch = params.max_batch_on(gpu);
+        let max_batch = params.effective_max_batch();
         Ok(Speculation {
             proposer,
             max_k: params.max_k(),

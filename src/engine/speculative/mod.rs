@@ -57,10 +57,18 @@ pub struct SpeculativeParams {
     pub num_speculative_tokens: usize,
     /// No request speculates in a step with more running requests than
     /// this: a large batch already reads each weight once for many rows,
-    /// and the drafted rows then cost more than they save. 0 = the
-    /// device's crossover ([`SpeculativeParams::auto_max_batch`]).
+    /// and the drafted rows then cost more than they save. 0 =
+    /// [`AUTO_MAX_BATCH`].
     pub max_batch: usize,
 }
+
+/// Where speculation stops paying when `max_batch` is 0 (BENCHMARKS.md
+/// "Speculative decoding"): on the CPU (SmolLM2, 2 threads) n-gram drafting
+/// gave 1.19x at 4 concurrent requests, 1.00x at 8 and 0.75x at 16; on an
+/// H200 (8B) a step of up to 16 rows costs what one row does, which 4
+/// requests with drafts of 3 stay within. Larger batches may still gain on
+/// a GPU when drafts are kept often: set `max_batch` and measure.
+pub const AUTO_MAX_BATCH: usize = 4;
 
 /// The longest draft a request may make in one step.
 pub const MAX_SPECULATIVE_TOKENS: usize = 16;
@@ -82,18 +90,6 @@ impl SpeculativeParams {
         }
     }
 
-    /// Where speculation stops paying on a device when `max_batch` is 0
-    /// (BENCHMARKS.md "Speculative decoding"): on the CPU a step's time grows
-    /// with its rows from a few rows on; a GPU's decode step is bound by
-    /// weight reads up to a few dozen rows.
-    pub fn auto_max_batch(gpu: bool) -> usize {
-        if gpu {
-            16
-        } else {
-            4
-        }
-    }
-
     /// Most tokens a request drafts per step: `num_speculative_tokens`, or
     /// by default 8 for n-gram lookup (a draft costs nothing to make, and
     /// copied text runs long) and 4 for a draft model (each drafted token
@@ -106,10 +102,10 @@ impl SpeculativeParams {
         }
     }
 
-    /// `max_batch`, or the device's crossover when it is 0.
-    pub fn max_batch_on(&self, gpu: bool) -> usize {
+    /// `max_batch`, or [`AUTO_MAX_BATCH`] when it is 0.
+    pub fn effective_max_batch(&self) -> usize {
         match self.max_batch {
-            0 => Self::auto_max_batch(gpu),
+            0 => AUTO_MAX_BATCH,
             n => n,
         }
     }

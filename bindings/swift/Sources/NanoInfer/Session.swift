@@ -36,7 +36,7 @@ public struct SessionOptions {
     /// model's tokenizer and device; `numSpeculativeTokens` is the most
     /// tokens a request drafts per step (1-16, 0 = 4); drafting stops in
     /// steps with more than `speculativeMaxBatch` running requests (0 = the
-    /// device's crossover); `ngramMin`/`ngramMax` are the n-gram lengths
+    /// measured crossover, 4); `ngramMin`/`ngramMax` are the n-gram lengths
     /// prompt lookup tries (0 = 2 and 4).
     public var speculative: SpeculativeMethod = .none
     public var draftModel: Model? = nil
