@@ -57,17 +57,18 @@ impl Speculation {
 }
 
 impl Session {
-    /// Whether running request `req` drafts in a step where `running`
-    /// requests run: it is decoding, did not opt out, and its output has
-    /// room for a drafted token and the target's own.
-    fn may_speculate(&self, req: &Request, max_batch: usize) -> bool {
+    /// How many tokens running request `req` may draft this step (0: it
+    /// does not speculate): it is decoding, did not opt out, the step has
+    /// at most `max_batch` requests, and its output has room for the
+    /// drafted tokens and the target's own.
+    fn draft_room(&self, req: &Request, max_batch: usize) -> usize {
         let max_positions = self.model.config().max_position_embeddings;
-        let left = req.prompt_len + req.params.sampling.max_tokens as usize;
-        self.running.len() <= max_batch
-            && !req.params.disable_speculation
-            && req.computed + 1 == req.tokens.len()
-            && req.tokens.len() > req.prompt_len
-            && req.tokens.len() + 1 < left.min(max_positions)
+        let limit = (req.prompt_len + req.params.sampling.max_tokens as usize).min(max_positions);
+        let decoding = req.computed + 1 == req.tokens.len() && req.tokens.len() > req.prompt_len;
+        if self.running.len() > max_batch || req.params.disable_speculation || !decoding {
+            return 0;
+        }
+        limit.saturating_sub(req.tokens.len() + 1)
     }
 
     /// True when a running request would draft in the next step (a step
@@ -80,7 +81,7 @@ impl Session {
         self.running.iter().any(|id| {
             self.requests
                 .get(id)
-                .is_some_and(|r| self.may_speculate(r, spec.max_batch))
+                .is_some_and(|r| self.draft_room(r, spec.max_batch) > 0)
         })
     }
 
@@ -92,13 +93,19 @@ impl Session {
         };
         spec.asks.clear();
         for &id in &self.running {
-            let req = &self.requests[&id];
-            if self.may_speculate(req, spec.max_batch) {
-                let left = req.prompt_len + req.params.sampling.max_tokens as usize;
-                let room = left.min(self.model.config().max_position_embeddings) - 1;
-                let max_k = spec.max_k.min(room - req.tokens.len());
-                spec.asks.push((id, max_k));
+            let room = self.draft_room(&self.requests[&id], spec.max_batch);
+            if room > 0 {
+                spec.asks.push((id, spec.max_k.min(room)));
             }
+        }
+        // A step that did not run (a cancel or an abort stopped it) leaves
+        // its drafts behind; they are stale now.
+        for id in &self.running {
+            self.requests
+                .get_mut(id)
+                .expect("running request exists")
+                .draft
+                .clear();
         }
         for (id, max_k) in spec.asks.iter_mut() {
             let req = self.requests.get_mut(id).expect("running request exists");
