@@ -1,7 +1,15 @@
 //! Compute backends: the ops a decoder needs, per device.
 
+mod context_shape;
 pub mod cpu;
 pub mod cuda;
+pub mod layer_ops;
+
+pub use context_shape::{ContextShape, KvBudget};
+pub use layer_ops::{
+    Activations, DecoderDims, DecoderWeights, LayerKv, LayerOps, LayerWeights, LmHead,
+    WeightFormats,
+};
 
 /// Where a model's weights live and its kernels run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

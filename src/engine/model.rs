@@ -91,13 +91,9 @@ impl Model {
                 let decoder = Decoder::load(config, &weights, params.dtype, params.quant)?;
                 Arc::new(CpuDecoder { decoder, pool })
             }
-            Device::Cuda(ordinal) => crate::model::cuda_decoder::load(
-                ordinal,
-                config,
-                &weights,
-                params.dtype,
-                params.quant,
-            )?,
+            Device::Cuda(ordinal) => {
+                crate::model::cuda::load(ordinal, config, &weights, params.dtype, params.quant)?
+            }
         };
         let fingerprint =
             model_fingerprint(decoder.config(), &weights, decoder.weight_dtype_name());

@@ -32,6 +32,56 @@ pub struct ForwardBatch<'a> {
     pub stop: Option<&'a StepStop<'a>>,
 }
 
+impl ForwardBatch<'_> {
+    /// Checks the batch against a model of `vocab` tokens and
+    /// `max_positions` positions, a KV cache of `num_slots` slots and room
+    /// for `logits_len` logits: what a backend needs to hold for its
+    /// kernels to stay in bounds.
+    pub fn validate(
+        &self,
+        vocab: usize,
+        max_positions: usize,
+        num_slots: usize,
+        logits_len: usize,
+    ) -> crate::Result<()> {
+        use crate::bail_arg;
+        let rows = self.tokens.len();
+        if let Some(&bad) = self.tokens.iter().find(|&&t| t as usize >= vocab) {
+            bail_arg!("token id {bad} is outside the vocabulary (size {vocab})");
+        }
+        let mut next = 0;
+        for s in self.seqs {
+            if s.start != next || s.len == 0 {
+                bail_arg!("forward batch sequences must be contiguous and non-empty");
+            }
+            next += s.len;
+            let end = s.context_len + s.len;
+            if end > s.kv.capacity() {
+                bail_arg!(
+                    "sequence needs {end} KV positions but only {} are allocated",
+                    s.kv.capacity()
+                );
+            }
+            if end > max_positions {
+                bail_arg!("position {end} exceeds the model's context length {max_positions}");
+            }
+            if (0..end).any(|p| s.kv.slot(p) >= num_slots) {
+                bail_arg!("KV mapping points outside the cache ({num_slots} slots)");
+            }
+        }
+        if next != rows {
+            bail_arg!("forward batch sequences cover {next} rows, batch has {rows}");
+        }
+        if self.logits_rows.iter().any(|&r| r >= rows) {
+            bail_arg!("logits row out of range");
+        }
+        if logits_len < self.logits_rows.len() * vocab {
+            bail_arg!("logits buffer too small");
+        }
+        Ok(())
+    }
+}
+
 /// One sequence's rows in the batch.
 #[derive(Clone, Copy)]
 pub struct AttnSeq<'a> {

@@ -2,6 +2,7 @@
 //! Slot 0 is reserved (the paged backend's null block starts there, the token
 //! backend's dummy slot is slot 0), so managers never hand it out.
 
+use crate::backend::LayerKv;
 use crate::memory::zeroed_f32;
 use crate::{Error, ErrorKind, Result};
 
@@ -82,5 +83,11 @@ impl KvStorage {
             off += w;
         }
         off
+    }
+}
+
+impl LayerKv for KvStorage {
+    fn layer_mut(&mut self, layer: usize) -> (&mut [f32], &mut [f32]) {
+        KvStorage::layer_mut(self, layer)
     }
 }

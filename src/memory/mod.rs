@@ -54,7 +54,7 @@ pub use device_pool::{DeviceAllocation, DevicePool};
 pub use fallible::{try_with_capacity, zeroed_f32};
 pub use slab::CpuSlab;
 pub use system::SystemPool;
-pub use workspace::{Workspace, Zeroable, WORKSPACE_ALIGN};
+pub use workspace::{Workspace, WorkspaceStats, Zeroable, WORKSPACE_ALIGN};
 
 /// Identity of one pool instance; every [`Allocation`] and [`Checkpoint`]
 /// carries the id of the pool that made it so that a pool can refuse

@@ -11,6 +11,21 @@ use crate::{Error, ErrorKind, Result};
 /// Alignment of every workspace slice (a cache line, enough for AVX-512).
 pub const WORKSPACE_ALIGN: usize = 64;
 
+/// Usage figures of a context's workspace.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkspaceStats {
+    pub pool: MemoryPoolKind,
+    /// The planned peak in bytes.
+    pub planned_bytes: usize,
+    /// The pool's figures (capacity, peak, system allocations).
+    pub pool_stats: PoolStats,
+    /// Explicit arena resizes (steps larger than planned).
+    pub resizes: u64,
+    pub steps: u64,
+    /// Time spent acquiring (and zeroing) step buffers, in nanoseconds.
+    pub acquire_ns: u64,
+}
+
 /// Types for which the all-zero bit pattern is a valid value.
 ///
 /// # Safety

@@ -1,7 +1,7 @@
 //! Model loading and the decoder forward pass.
 
 pub mod config;
-pub mod cuda_decoder;
+pub mod cuda;
 pub mod decoder;
 pub mod fingerprint;
 pub mod loader;
@@ -13,11 +13,14 @@ pub mod safetensors;
 mod safetensors_header;
 mod safetensors_json;
 mod safetensors_view;
+pub mod transformer;
+pub mod weight_upload;
 pub mod weights;
-pub mod workspace;
 
+pub use crate::backend::cpu::{ForwardWorkspace, StepBuffers, WorkspacePlan};
 pub use crate::forward::ForwardBatch;
 pub use crate::forward::StepStop;
+pub use crate::memory::WorkspaceStats;
 pub use config::{Architecture, ModelConfig};
 pub use decoder::Decoder;
 pub use quant::{QuantMethod, QuantMode};
@@ -25,4 +28,3 @@ pub use runner::{
     ContextShape, CpuDecoder, DeviceDecoder, ForwardContext, KvBudget, NON_FINITE_ROW,
 };
 pub use weights::{WeightDType, WeightSource};
-pub use workspace::{ForwardWorkspace, StepBuffers, WorkspacePlan, WorkspaceStats};

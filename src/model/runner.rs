@@ -4,70 +4,19 @@
 //! engine drives both through `ForwardBatch` and host logits only, so the
 //! same scheduler runs on the CPU and on CUDA.
 
-use super::decoder::{attn_shape, Decoder};
-use super::workspace::{ForwardWorkspace, WorkspacePlan, WorkspaceStats};
+use super::decoder::Decoder;
 use super::ModelConfig;
-use crate::backend::cpu::attention::reserve_decode_scratch;
-use crate::backend::cpu::ThreadPool;
+use crate::backend::cpu::attention::{reserve_decode_scratch, AttnShape};
+use crate::backend::cpu::{ForwardWorkspace, ThreadPool, WorkspacePlan};
 use crate::backend::Device;
+pub use crate::backend::{ContextShape, KvBudget};
 use crate::forward::ForwardBatch;
 use crate::kv::{KvCacheDType, KvStorage};
-use crate::memory::{utilization_kv_bytes, DeviceMemory, MemoryPoolKind};
+use crate::memory::{utilization_kv_bytes, DeviceMemory, WorkspaceStats};
 use crate::sampling::{DeviceSampling, MaskFill};
 use crate::{bail_arg, Error, Result};
 use std::collections::VecDeque;
 use std::sync::Arc;
-
-/// Per-session shape limits a context is sized for.
-#[derive(Debug, Clone, Copy)]
-pub struct ContextShape {
-    /// KV slots, slot 0 included (it is reserved by the KV managers).
-    pub kv_slots: usize,
-    /// Most rows (tokens) in one forward.
-    pub max_rows: usize,
-    /// Most rows wanting logits in one forward.
-    pub max_logits_rows: usize,
-    /// Fraction of device memory the automatic KV budget may bring the
-    /// device's use up to (vLLM's `gpu_memory_utilization`). CUDA always
-    /// applies it; the CPU only when `utilization_budget` is set.
-    pub memory_utilization: f32,
-    /// CPU: size the automatic KV budget by `memory_utilization` (vLLM
-    /// semantics) instead of the CPU default (a quarter of available memory,
-    /// at most 2 GiB).
-    pub utilization_budget: bool,
-    /// Where the context's memory comes from: the CPU step workspace, or a
-    /// GPU context's workspace and KV cache. Must suit the device (the
-    /// session checks; a decoder refuses the other device's pools).
-    pub memory_pool: MemoryPoolKind,
-    /// What the KV cache stores (a decoder refuses a type it lacks).
-    pub kv_dtype: KvCacheDType,
-}
-
-impl ContextShape {
-    pub const DEFAULT_MEMORY_UTILIZATION: f32 = 0.9;
-
-    pub fn new(kv_slots: usize, max_rows: usize, max_logits_rows: usize) -> Self {
-        ContextShape {
-            kv_slots,
-            max_rows,
-            max_logits_rows,
-            memory_utilization: Self::DEFAULT_MEMORY_UTILIZATION,
-            utilization_budget: false,
-            memory_pool: MemoryPoolKind::default(),
-            kv_dtype: KvCacheDType::Auto,
-        }
-    }
-}
-
-/// An automatic KV budget and how it was found.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct KvBudget {
-    /// Bytes the KV cache may take.
-    pub bytes: usize,
-    /// Peak temporaries a profiling forward measured; 0 when the budget
-    /// was computed without one.
-    pub profiled_peak_bytes: usize,
-}
 
 /// A decoder's weights on one device. Shared by sessions through `Arc`.
 pub trait DeviceDecoder: Send + Sync {
@@ -183,55 +132,6 @@ pub trait ForwardContext: Send {
     fn fail_next_workspace_allocation(&mut self) {}
 }
 
-/// Checks a batch against the model and the context's limits.
-pub fn validate_batch(
-    c: &ModelConfig,
-    batch: &ForwardBatch<'_>,
-    num_slots: usize,
-    logits_len: usize,
-) -> Result<()> {
-    let rows = batch.tokens.len();
-    if let Some(&bad) = batch.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-        bail_arg!(
-            "token id {bad} is outside the vocabulary (size {})",
-            c.vocab_size
-        );
-    }
-    let mut next = 0;
-    for s in batch.seqs {
-        if s.start != next || s.len == 0 {
-            bail_arg!("forward batch sequences must be contiguous and non-empty");
-        }
-        next += s.len;
-        let end = s.context_len + s.len;
-        if end > s.kv.capacity() {
-            bail_arg!(
-                "sequence needs {end} KV positions but only {} are allocated",
-                s.kv.capacity()
-            );
-        }
-        if end > c.max_position_embeddings {
-            bail_arg!(
-                "position {end} exceeds the model's context length {}",
-                c.max_position_embeddings
-            );
-        }
-        if (0..end).any(|p| s.kv.slot(p) >= num_slots) {
-            bail_arg!("KV mapping points outside the cache ({num_slots} slots)");
-        }
-    }
-    if next != rows {
-        bail_arg!("forward batch sequences cover {next} rows, batch has {rows}");
-    }
-    if batch.logits_rows.iter().any(|&r| r >= rows) {
-        bail_arg!("logits row out of range");
-    }
-    if logits_len < batch.logits_rows.len() * c.vocab_size {
-        bail_arg!("logits buffer too small");
-    }
-    Ok(())
-}
-
 /// The CPU decoder and the thread pool its kernels run on.
 pub struct CpuDecoder {
     pub decoder: Decoder,
@@ -247,7 +147,11 @@ fn default_cpu_kv_budget() -> usize {
 impl CpuDecoder {
     /// The workspace plan of a context of `shape`.
     pub fn workspace_plan(&self, shape: &ContextShape) -> WorkspacePlan {
-        WorkspacePlan::new(&self.decoder.config, shape.max_rows, shape.max_logits_rows)
+        WorkspacePlan::new(
+            &self.decoder.config.dims(),
+            shape.max_rows,
+            shape.max_logits_rows,
+        )
     }
 }
 
@@ -325,7 +229,7 @@ impl DeviceDecoder for CpuDecoder {
         let storage = KvStorage::new(c.num_layers, shape.kv_slots, c.num_kv_heads, c.head_dim)?;
         let ws = ForwardWorkspace::new(shape.memory_pool, self.workspace_plan(shape))?;
         let max_positions = shape.kv_slots.min(c.max_position_embeddings);
-        reserve_decode_scratch(&self.pool, &attn_shape(c), max_positions);
+        reserve_decode_scratch(&self.pool, &AttnShape::from(&c.dims()), max_positions);
         Ok(Box::new(CpuContext {
             model: self,
             storage,

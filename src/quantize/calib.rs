@@ -10,7 +10,6 @@ use crate::backend::cpu::exact::{
 use crate::backend::cpu::ops::{add_in_place, apply_rope};
 use crate::backend::cpu::ThreadPool;
 use crate::model::config::ModelConfig;
-use crate::model::decoder::attn_shape;
 use crate::model::safetensors::WeightFiles;
 use crate::tokenizer::Tokenizer;
 use crate::{bail_arg, untrusted_file, Error, Result};
@@ -347,12 +346,12 @@ impl<'a> CalibForward<'a> {
             .iter()
             .map(|&(start, len)| Span { start, len })
             .collect();
-        let shape = attn_shape(c);
+        let dims = c.dims();
         let heads = Heads {
-            n_heads: shape.n_heads,
-            n_kv_heads: shape.n_kv_heads,
-            head_dim: shape.head_dim,
-            scale: shape.scale,
+            n_heads: dims.heads,
+            n_kv_heads: dims.kv_heads,
+            head_dim: dims.head_dim,
+            scale: dims.attn_scale(),
         };
         let mut attn = vec![0f32; n * nq];
         attention(

@@ -6,6 +6,7 @@
 //! `DeviceBuffer`s; kernels take raw device addresses, which stay valid for
 //! as long as the owning buffer lives.
 
+pub mod decoder;
 mod gemm;
 mod kernels;
 mod pending;

@@ -10,8 +10,8 @@
 
 use std::time::Instant;
 
-use super::ModelConfig;
-use crate::memory::{MemoryPoolKind, PoolStats, Workspace, WORKSPACE_ALIGN};
+use crate::backend::layer_ops::DecoderDims;
+use crate::memory::{MemoryPoolKind, Workspace, WorkspaceStats, WORKSPACE_ALIGN};
 use crate::Result;
 
 /// Buffer lengths (in f32) of one step, from the model's shape.
@@ -29,16 +29,14 @@ pub struct WorkspacePlan {
 }
 
 impl WorkspacePlan {
-    pub fn new(c: &ModelConfig, max_rows: usize, max_logits_rows: usize) -> Self {
-        let hd = c.head_dim;
-        let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
+    pub fn new(dims: &DecoderDims, max_rows: usize, max_logits_rows: usize) -> Self {
         WorkspacePlan {
-            d: c.hidden_size,
-            qkv: nq + 2 * nkv,
-            nq,
-            inter: c.intermediate_size,
-            half: hd / 2,
-            vocab: c.vocab_size,
+            d: dims.hidden,
+            qkv: dims.qkv_width(),
+            nq: dims.q_width(),
+            inter: dims.intermediate,
+            half: dims.head_dim / 2,
+            vocab: dims.vocab,
             max_rows: max_rows.max(1),
             max_logits_rows: max_logits_rows.max(1),
         }
@@ -100,21 +98,6 @@ pub struct StepBuffers<'a> {
     pub selected: &'a mut [f32],
     /// Logits kept in the pool (empty unless asked for).
     pub logits: &'a mut [f32],
-}
-
-/// Usage figures of a context's workspace.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct WorkspaceStats {
-    pub pool: MemoryPoolKind,
-    /// The planned peak in bytes.
-    pub planned_bytes: usize,
-    /// The pool's figures (capacity, peak, system allocations).
-    pub pool_stats: PoolStats,
-    /// Explicit arena resizes (steps larger than planned).
-    pub resizes: u64,
-    pub steps: u64,
-    /// Time spent acquiring (and zeroing) step buffers, in nanoseconds.
-    pub acquire_ns: u64,
 }
 
 /// A context's step workspace: the plan and the pool it draws from.
@@ -223,13 +206,17 @@ impl ForwardWorkspace {
 mod tests {
     use super::*;
 
-    fn config() -> ModelConfig {
-        ModelConfig::from_json(
-            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":160,
-            "num_attention_heads":4,"num_key_value_heads":2,"num_hidden_layers":2,
-            "vocab_size":100,"max_position_embeddings":256,"rms_norm_eps":1e-5}"#,
-        )
-        .unwrap()
+    fn config() -> DecoderDims {
+        DecoderDims {
+            hidden: 64,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            intermediate: 160,
+            vocab: 100,
+            layers: 2,
+            rms_norm_eps: 1e-5,
+        }
     }
 
     #[test]
