@@ -2,7 +2,7 @@
 # Runs the CUDA checks on a GPU machine that has no Rust: the release binaries
 # built elsewhere are in $BIN (nanoinfer, cuda test binary), torch +
 # transformers are installed. Prints a short table last.
-#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|int4test|make8b|tests8b|bench|bench4|ab4|profile|trace|sampling|serve|http|grammar|spec|state|engine|offline|kvfp8]...
+#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|int4test|make8b|tests8b|bench|bench4|ab|ab4|profile|trace|sampling|serve|http|grammar|spec|state|engine|offline|kvfp8]...
 # Binaries: `bash scripts/cuda_carry.sh` (here, with Rust) fills gpu-carry/.
 # KV_CACHE_DTYPE=fp8 runs the offline steps with an FP8 KV cache (default auto).
 set -uo pipefail
@@ -97,6 +97,25 @@ for step in "$@"; do
         for build in baseline new; do
             bin=$BIN/w4_bench; [ $build = baseline ] && bin=$BIN/baseline/w4_bench
             echo "== w4_bench, $build"; $bin --rows 1,8,16 --reps 300 2>&1 | tail -13
+        done ;;
+    ab)
+        # The baseline build ($BIN/baseline, from `cuda_carry.sh --baseline
+        # REV`) against this one, interleaved in the same call: bf16 and int4
+        # tg128 and pp512 of the 8B shape, then offline 1000 x (512 + 256).
+        field() { grep -o "\"$1\":[0-9.]*" | cut -d: -f2; }
+        for q in none awq; do
+            for run in 1 2; do
+                for build in baseline new; do
+                    bin=$BIN/nanoinfer; [ $build = baseline ] && bin=$BIN/baseline/nanoinfer
+                    out=$($bin bench --model "$WORK/l8b" --device cuda --quant $q -p 512 -n 128 -r 3 --json 2>/dev/null)
+                    echo "ab $q $build run$run: pp512 $(echo "$out" | field pp_tokens_per_s) tg128 $(echo "$out" | field tg_tokens_per_s)"
+                done
+            done
+        done
+        for build in baseline new; do
+            bin=$BIN/engine_bench; [ $build = baseline ] && bin=$BIN/baseline/engine_bench
+            echo "ab offline $build: $($bin --model "$WORK/l8b" --device cuda --offline 1000 --prompt-len 512 \
+                --decode-tokens 256 --max-seqs 256 --max-batched-tokens 8192 2>&1 | grep offline:)"
         done ;;
     sampling)
         # Full sampling (temperature, top-k, top-p, repetition penalty) on
