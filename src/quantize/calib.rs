@@ -9,10 +9,14 @@ use crate::backend::cpu::exact::{
 };
 use crate::backend::cpu::ops::{add_in_place, apply_rope};
 use crate::backend::cpu::ThreadPool;
+use crate::backend::layer_ops::{
+    Activations, DecoderWeights, LayerOps, LayerWeights as ProgramLayer, LmHead, WeightFormats,
+};
 use crate::model::config::ModelConfig;
 use crate::model::safetensors::WeightFiles;
+use crate::model::transformer;
 use crate::tokenizer::Tokenizer;
-use crate::{bail_arg, untrusted_file, Error, Result};
+use crate::{bail_arg, untrusted_file, Error, ErrorKind, Result};
 use std::path::Path;
 
 /// Calibration tokens used unless told otherwise (`--calib-tokens`).
@@ -292,8 +296,9 @@ impl<'a> CalibForward<'a> {
     }
 
     /// Runs block `l` on `h` (`[tokens, hidden]`, replaced by the block's
-    /// output). Before each stage's linears are applied, `hook(stage, x, l)`
-    /// gets their input `x` (`[tokens, in]`) and may change `l`'s weights.
+    /// output): the model's layer program over [`CalibOps`]. Before each
+    /// stage's linears are applied, `hook(stage, x, l)` gets their input `x`
+    /// (`[tokens, in]`) and may change `l`'s weights.
     pub fn layer(
         &self,
         l: &mut LayerWeights,
@@ -301,18 +306,161 @@ impl<'a> CalibForward<'a> {
         hook: &mut StageHook<'_>,
     ) -> Result<()> {
         let c = self.config;
-        let n = self.tokens();
-        let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        if h.len() != self.tokens() * c.hidden_size {
+            bail_arg!(
+                "hidden states hold {} values, expected {}",
+                h.len(),
+                self.tokens() * c.hidden_size
+            );
+        }
+        let program_view = program_view(c);
+        let index = l.index;
+        let mut ops = CalibOps {
+            fwd: self,
+            l,
+            h,
+            hook,
+            normed: Vec::new(),
+            qkv: Vec::new(),
+            keys: Vec::new(),
+            values: Vec::new(),
+            attn: Vec::new(),
+            act: Vec::new(),
+        };
+        transformer::run_layer(&mut ops, index, &program_view, None)
+    }
+}
+
+/// The weights as the layer program sees them in calibration: tags naming
+/// what [`CalibOps`] reads from the block's [`LayerWeights`], which the
+/// hooks may change between the products.
+struct CalibFormats;
+
+/// A vector of the block.
+#[derive(Debug, Clone, Copy)]
+enum Vector {
+    InputNorm,
+    PostNorm,
+    /// q, k and v biases (added per part).
+    QkvBias,
+    QNorm,
+    KNorm,
+    OBias,
+}
+
+impl WeightFormats for CalibFormats {
+    type Weight = Stage;
+    type Vector = Vector;
+    type Embedding = ();
+    type Rope = ();
+}
+
+/// The program's view of a block of model `c`: which vectors it has.
+fn program_view(c: &ModelConfig) -> ProgramLayer<CalibFormats> {
+    ProgramLayer {
+        input_norm: Vector::InputNorm,
+        qkv: Stage::Qkv,
+        qkv_bias: c.qkv_bias.then_some(Vector::QkvBias),
+        q_norm: c.qk_norm.then_some(Vector::QNorm),
+        k_norm: c.qk_norm.then_some(Vector::KNorm),
+        o: Stage::O,
+        o_bias: c.o_bias.then_some(Vector::OBias),
+        post_norm: Vector::PostNorm,
+        gate_up: Stage::GateUp,
+        down: Stage::Down,
+    }
+}
+
+/// One block's forward over all calibration tokens on the reproducible
+/// kernels (`exact`), calling the hook before each stage's products.
+struct CalibOps<'f, 'a, 'h> {
+    fwd: &'f CalibForward<'a>,
+    l: &'f mut LayerWeights,
+    /// The residual stream, `[tokens, hidden]`.
+    h: &'f mut [f32],
+    hook: &'f mut StageHook<'h>,
+    normed: Vec<f32>,
+    qkv: Vec<f32>,
+    /// Row `i`'s key and value (every token is its own position).
+    keys: Vec<f32>,
+    values: Vec<f32>,
+    attn: Vec<f32>,
+    act: Vec<f32>,
+}
+
+impl CalibOps<'_, '_, '_> {
+    fn vector(&self, v: Vector) -> Option<&Vec<f32>> {
+        let l = &*self.l;
+        match v {
+            Vector::InputNorm => Some(&l.input_norm),
+            Vector::PostNorm => Some(&l.post_norm),
+            Vector::QNorm => l.q_norm.as_ref(),
+            Vector::KNorm => l.k_norm.as_ref(),
+            Vector::OBias => l.o_bias.as_ref(),
+            Vector::QkvBias => None,
+        }
+    }
+
+    /// The hook for `stage`'s input `x`, then `out = x · [w of its linears]ᵀ`.
+    fn hooked_product(&mut self, stage: Stage, x: &[f32], out: &mut [f32]) -> Result<()> {
+        (self.hook)(stage, x, self.l)?;
+        self.fwd.project(self.l, stage.linears(), x, out);
+        Ok(())
+    }
+
+    /// `h += x · [w of stage's linears]ᵀ (+ o's bias)`, after the hook.
+    fn add_into_residual(&mut self, stage: Stage, x: &[f32]) -> Result<()> {
+        let d = self.fwd.config.hidden_size;
+        let mut proj = vec![0f32; self.h.len()];
+        self.hooked_product(stage, x, &mut proj)?;
+        if let (Stage::O, Some(b)) = (stage, &self.l.o_bias) {
+            proj.chunks_exact_mut(d).for_each(|r| add_in_place(r, b));
+        }
+        add_in_place(self.h, &proj);
+        Ok(())
+    }
+}
+
+impl LayerOps for CalibOps<'_, '_, '_> {
+    type Formats = CalibFormats;
+    /// The normed rows are in `normed`.
+    type Normed = ();
+
+    fn embed(&mut self, _w: &DecoderWeights<CalibFormats>) -> Result<()> {
+        Err(Error::new(
+            ErrorKind::Internal,
+            "the calibration forward runs block by block (CalibForward::embed)",
+        ))
+    }
+
+    fn norm(&mut self, _index: usize, weight: &Vector, _reader: &Stage) -> Result<()> {
+        let eps = self.fwd.config.rms_norm_eps;
+        let mut normed = std::mem::take(&mut self.normed);
+        normed.resize(self.h.len(), 0.0);
+        let w = self
+            .vector(*weight)
+            .expect("norm weights are always present");
+        rms_norm(self.h, w, eps, &mut normed);
+        self.normed = normed;
+        Ok(())
+    }
+
+    fn qkv_rope_kv_write(
+        &mut self,
+        _layer: usize,
+        _x: (),
+        _w: &ProgramLayer<CalibFormats>,
+    ) -> Result<()> {
+        let c = self.fwd.config;
+        let n = self.fwd.tokens();
+        let hd = c.head_dim;
         let (nq, nkv) = (c.num_heads * hd, c.num_kv_heads * hd);
         let width = nq + 2 * nkv;
-        if h.len() != n * d {
-            bail_arg!("hidden states hold {} values, expected {}", h.len(), n * d);
-        }
-        let mut normed = vec![0f32; n * d];
-        rms_norm(h, &l.input_norm, c.rms_norm_eps, &mut normed);
-        hook(Stage::Qkv, &normed, l)?;
+        let normed = std::mem::take(&mut self.normed);
         let mut qkv = vec![0f32; n * width];
-        self.project(l, Stage::Qkv.linears(), &normed, &mut qkv);
+        self.hooked_product(Stage::Qkv, &normed, &mut qkv)?;
+        self.normed = normed;
+        let l = &*self.l;
         let half = hd / 2;
         let (mut keys, mut values) = (vec![0f32; n * nkv], vec![0f32; n * nkv]);
         for row in 0..n {
@@ -333,44 +481,71 @@ impl<'a> CalibForward<'a> {
                 rms_norm_in_place(k, kn, c.rms_norm_eps);
             }
             let (cos, sin) = (
-                &self.cos[row * half..(row + 1) * half],
-                &self.sin[row * half..(row + 1) * half],
+                &self.fwd.cos[row * half..(row + 1) * half],
+                &self.fwd.sin[row * half..(row + 1) * half],
             );
             apply_rope(q, hd, cos, sin);
             apply_rope(k, hd, cos, sin);
             keys[row * nkv..(row + 1) * nkv].copy_from_slice(k);
             values[row * nkv..(row + 1) * nkv].copy_from_slice(v);
         }
+        (self.qkv, self.keys, self.values) = (qkv, keys, values);
+        Ok(())
+    }
+
+    fn attend(&mut self, _layer: usize) -> Result<()> {
+        let c = self.fwd.config;
+        let dims = c.dims();
         let spans: Vec<Span> = self
+            .fwd
             .spans
             .iter()
             .map(|&(start, len)| Span { start, len })
             .collect();
-        let dims = c.dims();
         let heads = Heads {
             n_heads: dims.heads,
             n_kv_heads: dims.kv_heads,
             head_dim: dims.head_dim,
             scale: dims.attn_scale(),
         };
-        let mut attn = vec![0f32; n * nq];
+        let mut attn = vec![0f32; self.fwd.tokens() * dims.q_width()];
         attention(
-            self.pool, &heads, &spans, &qkv, width, &keys, &values, &mut attn,
+            self.fwd.pool,
+            &heads,
+            &spans,
+            &self.qkv,
+            dims.qkv_width(),
+            &self.keys,
+            &self.values,
+            &mut attn,
         );
-        drop((qkv, keys, values));
+        // Freed before the MLP, whose activations are the larger.
+        (self.qkv, self.keys, self.values) = Default::default();
+        self.attn = attn;
+        Ok(())
+    }
 
-        hook(Stage::O, &attn, l)?;
-        let mut proj = vec![0f32; n * d];
-        self.project(l, Stage::O.linears(), &attn, &mut proj);
-        if let Some(b) = &l.o_bias {
-            proj.chunks_exact_mut(d).for_each(|r| add_in_place(r, b));
-        }
-        add_in_place(h, &proj);
+    fn add_product(
+        &mut self,
+        x: Activations,
+        w: &Stage,
+        _bias: Option<&Vector>,
+        _next_norm: Option<(usize, &Vector)>,
+    ) -> Result<()> {
+        let input = match x {
+            Activations::Attention => std::mem::take(&mut self.attn),
+            Activations::SwiGlu => std::mem::take(&mut self.act),
+        };
+        self.add_into_residual(*w, &input)
+    }
 
-        rms_norm(h, &l.post_norm, c.rms_norm_eps, &mut normed);
-        hook(Stage::GateUp, &normed, l)?;
+    fn gate_up_swiglu(&mut self, _x: (), _gate_up: &Stage, _down: &Stage) -> Result<()> {
+        let inter = self.fwd.config.intermediate_size;
+        let n = self.fwd.tokens();
+        let normed = std::mem::take(&mut self.normed);
         let mut gate_up = vec![0f32; n * 2 * inter];
-        self.project(l, Stage::GateUp.linears(), &normed, &mut gate_up);
+        self.hooked_product(Stage::GateUp, &normed, &mut gate_up)?;
+        self.normed = normed;
         let mut act = vec![0f32; n * inter];
         for (gu, a) in gate_up
             .chunks_exact(2 * inter)
@@ -379,11 +554,15 @@ impl<'a> CalibForward<'a> {
             let (g, u) = gu.split_at(inter);
             silu_mul(g, u, a);
         }
-        drop(gate_up);
-        hook(Stage::Down, &act, l)?;
-        self.project(l, Stage::Down.linears(), &act, &mut proj);
-        add_in_place(h, &proj);
+        self.act = act;
         Ok(())
+    }
+
+    fn logits(&mut self, _final_norm: &Vector, _head: LmHead<'_, CalibFormats>) -> Result<()> {
+        Err(Error::new(
+            ErrorKind::Internal,
+            "the calibration forward computes no logits",
+        ))
     }
 }
 
