@@ -11,7 +11,7 @@ use super::weight_upload::{load_decoder, HeadSource, Projection, WeightUpload};
 use super::{ForwardBatch, ModelConfig, WeightDType, WeightSource};
 use crate::backend::cpu::{Matrix, MatrixData, ThreadPool};
 use crate::backend::cuda::decoder::{CudaFormats, CudaForward, CudaModel, CudaWeight, LoadReport};
-use crate::backend::cuda::{self, ActDType, CudaDevice, DeviceBuffer, Staging, W4Host, W4Matrix};
+use crate::backend::cuda::{ActDType, CudaDevice, DeviceBuffer, Staging, W4Host, W4Matrix};
 use crate::backend::Device;
 use crate::forward::{DeviceSampling, KvCacheDType, MaskFill};
 use crate::memory::{DeviceMemory, WorkspaceStats};
@@ -64,12 +64,8 @@ pub fn load(
         act,
         stored,
         method: method.as_deref(),
-        // NANOINFER_CUDA_PINNED=0: plain pageable copies (for comparison).
-        staging: if cuda::switch_on("NANOINFER_CUDA_PINNED") {
-            dev.staging()
-        } else {
-            None
-        },
+        // None only where pinned memory cannot be had: plain pageable copies.
+        staging: dev.staging(),
         pool: ThreadPool::try_new(crate::limits::resolve_threads(0)?)?,
         bytes: 0,
     };

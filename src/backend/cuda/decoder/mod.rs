@@ -119,8 +119,7 @@ pub struct CudaModel {
     /// larger ones dequantize for cuBLAS (NANOINFER_CUDA_W4_GEMM_ROWS).
     w4_gemm_rows: usize,
     /// Every projection int4 and no q/k norms (their QKV is not one fused
-    /// product): decode steps may hand norms over (`CudaForward::norm_handoff`;
-    /// NANOINFER_CUDA_W4_HANDOFF=0 turns it off).
+    /// product): decode steps may hand norms over (`CudaForward::norm_handoff`).
     w4_handoff: bool,
     /// The norms and SwiGLU before int4 GEMM products write the GEMM's
     /// packed activations themselves instead of rows that it then packs
@@ -194,13 +193,12 @@ impl CudaModel {
         );
         let w4_gemm_rows = cuda::env_number("NANOINFER_CUDA_W4_GEMM_ROWS", DEFAULT_W4_GEMM_ROWS);
         let w4_packed_inputs = cuda::switch_on("NANOINFER_CUDA_W4_PACKED_INPUTS");
-        let w4_handoff = cuda::switch_on("NANOINFER_CUDA_W4_HANDOFF")
-            && weights.layers.iter().all(|l| {
-                l.q_norm.is_none()
-                    && l.projections()
-                        .iter()
-                        .all(|w| matches!(w, CudaWeight::Int4(_)))
-            });
+        let w4_handoff = weights.layers.iter().all(|l| {
+            l.q_norm.is_none()
+                && l.projections()
+                    .iter()
+                    .all(|w| matches!(w, CudaWeight::Int4(_)))
+        });
         CudaModel {
             prefill: PrefillKernel::choose(dev.arch, dims.head_dim),
             decode_mma: decode_mma_fits(dev.arch, &dims),
@@ -232,7 +230,7 @@ enum PrefillKernel {
     /// 64 or 128; NANOINFER_CUDA_FLASH=0 turns it off).
     Flash,
     /// Tiles of 16 rows sharing key blocks in shared memory, CUDA cores
-    /// (head_dim <= 128; NANOINFER_CUDA_TILES=0 turns tiles off).
+    /// (head_dim <= 128).
     Tiles,
     /// Row by row through the decode kernel.
     Rows,
@@ -240,7 +238,7 @@ enum PrefillKernel {
 
 impl PrefillKernel {
     fn choose(arch: (i32, i32), head_dim: usize) -> Self {
-        if !cuda::switch_on("NANOINFER_CUDA_TILES") || head_dim > TILE_HD_MAX {
+        if head_dim > TILE_HD_MAX {
             PrefillKernel::Rows
         } else if cuda::switch_on("NANOINFER_CUDA_FLASH")
             && arch.0 >= 8
