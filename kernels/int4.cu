@@ -1,5 +1,4 @@
-// Int4 weights (AWQ / GPTQ, W4A16): appended to decoder.cu at build time,
-// so it uses that file's helpers (raw16, to_f/from_f, mma16816, ...).
+// Int4 weights (AWQ / GPTQ, W4A16): the fused decode products.
 //
 // Packed layout (written by src/backend/cuda/w4.rs): weight rows in tiles
 // of 16, inputs in chunks of 64. Tile `rt`, chunk `c` is 32 lanes × one
@@ -22,6 +21,9 @@
 // partial sums (f32) are then scaled by the group's f32 scale: more
 // accurate than rounding dequantized weights to 16 bits first.
 
+#include "common.cuh"
+#include "int4.cuh"
+
 #if NI_F16
 #define W4_MAGIC 0x6400u
 #define W4_ONE2 0x3c003c00u
@@ -38,7 +40,6 @@
 // 8B shapes, one row, µs for W = 8 / 4 / 2: gate/up (896 units) 27.3 /
 // 26.0 / 25.3; 6144 x 4096 (384 units) 9.2 / 7.7 / 9.7; o and down (256
 // units) 6.0 / 6.5 and 13.6 / 16.9 for 8 / 4.
-#define W4_CHUNK 64  // inputs per chunk
 
 #define W4_OUT_ACT 0       // y[r, row] in the activation dtype
 #define W4_OUT_F32 1       // y[r, row] as f32 (an int4 LM head's logits)
@@ -122,12 +123,6 @@ __device__ __forceinline__ void w4_unit_rows(int u, int mode, int inter, int nq,
     }
 }
 
-// input / group without a division: group_magic = ⌈2³² / group⌉ (exact
-// for inputs < 2³² / group).
-__device__ __forceinline__ unsigned w4_group_magic(int group) { return 0xffffffffu / (unsigned)group + 1u; }
-__device__ __forceinline__ int w4_group_of(int input, unsigned group_magic) {
-    return (int)__umulhi((unsigned)input, group_magic);
-}
 
 // acc += part · the group's scales (sz of rows g, g + 8), then part = 0.
 __device__ __forceinline__ void w4_scale_add(float (&part)[4], unsigned sz, unsigned sz8, float (&acc)[4]) {

@@ -2,7 +2,7 @@
 // kernels' rows (prefill chunks, serving steps that carry prompt chunks):
 // y[rows, n] = x[rows, k] · wᵀ. It replaces dequantizing w to the
 // activation dtype for cuBLAS, which writes and rereads 2 bytes per weight
-// on every pass. Appended after int4.cu; uses its helpers and layout.
+// on every pass. It reads int4.cu's packed layout (int4.cuh).
 //
 // wgmma computes yᵀ. The weights are its A operand, from registers: the
 // packed layout of int4.cu already is the m16n8k16 A fragment, and wgmma's
@@ -67,6 +67,9 @@
 // slots of NT / 4 float2 per consumer thread), `counters` (one per tile)
 // and `ready` (one per slot), both zero, serve tiles that stream-K splits
 // among blocks.
+
+#include "common.cuh"
+#include "int4.cuh"
 
 #define W4G_TOKENS 128                   // activation rows per wgmma (its N) and per packed block
 #define W4G_X_BYTES (W4G_TOKENS * 128)  // one chunk of them: 128 rows × 64 inputs × 2 bytes

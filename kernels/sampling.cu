@@ -15,6 +15,8 @@
 // integer sums do not depend on the order of the atomics, so a seed gives
 // the same tokens on every run.
 
+#include "common.cuh"
+
 #define SAMPLE_THREADS 1024
 #define SAMPLE_ROW_WORDS 16
 #define SAMPLE_TEMPERATURE 1u

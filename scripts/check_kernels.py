@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Compiles kernels/decoder.cu + int4.cu + sampling.cu (one module, as the
-library embeds them) with NVRTC for several GPU architectures and
-both activation dtypes, the way the library does at run time, so a kernel
-that does not compile fails here, on a machine without a GPU.
+"""Compiles each kernel source of kernels/ (each its own module, as the
+library embeds them, its #include "*.cuh" from kernels/) with NVRTC for
+several GPU architectures and both activation dtypes, the way the library
+does at run time, so a kernel that does not compile fails here, on a
+machine without a GPU.
 
 NVRTC comes from the `nvidia-cuda-nvrtc` wheel (PyPI), unpacked once into
 ~/.cache/nanoinfer/nvrtc (no pip install, no CUDA toolkit needed).
@@ -91,18 +92,19 @@ def run_ptxas(ptxas, ptx, arch, resources):
 
 
 def module_files():
-    """The .cu files of the module, in the order src/backend/cuda/kernels.rs embeds them."""
+    """The .cu files src/backend/cuda/kernels.rs embeds, one module each."""
     rs = open(os.path.join(ROOT, "src", "backend", "cuda", "kernels.rs")).read()
-    files = re.findall(r'include_str!\("\.\./\.\./\.\./kernels/([^"]+)"\)', rs)
+    files = re.findall(r'include_str!\("\.\./\.\./\.\./kernels/([^"]+\.cu)"\)', rs)
     if not files:
-        sys.exit("check_kernels: no include_str! of kernels/ found in src/backend/cuda/kernels.rs")
+        sys.exit("check_kernels: no include_str! of kernels/*.cu found in src/backend/cuda/kernels.rs")
     return files
 
 
-def compile_once(lib, source, arch, f16, defines=()):
+def compile_once(lib, source, name, arch, f16, defines=()):
     prog = ctypes.c_void_p()
-    check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"decoder.cu", 0, None, None), "create")
+    check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source, name.encode(), 0, None, None), "create")
     opts = [f"--gpu-architecture=compute_{arch}".encode(), f"-DNI_F16={f16}".encode()]
+    opts += [f"--include-path={os.path.join(ROOT, 'kernels')}".encode()]
     opts += [f"-D{d}".encode() for d in defines]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     status = lib.nvrtcCompileProgram(prog, len(opts), arr)
@@ -135,21 +137,37 @@ def main():
     args = ap.parse_args()
     lib = ctypes.CDLL(args.nvrtc or find_nvrtc())
     ptxas = find_ptxas() if args.ptxas else None
-    source = b"".join(open(os.path.join(ROOT, "kernels", f), "rb").read() for f in module_files())
     failed = False
-    for arch in args.arch.split(","):
-        for f16 in (0, 1):
-            status, log, ptx = compile_once(lib, source, arch.strip(), f16, args.defines)
-            dtype = "f16" if f16 else "bf16"
-            if status != 0:
-                failed = True
-                print(f"sm_{arch} {dtype}: FAILED\n{log}")
-                continue
-            print(f"sm_{arch} {dtype}: ok ({len(ptx)} bytes of PTX)" + (f"\n{log}" if log else ""))
-            if ptxas:
-                ok, report = run_ptxas(ptxas, ptx, arch.strip(), args.resources)
-                failed |= not ok
-                print(f"sm_{arch} {dtype} ptxas: {'ok' if ok else 'FAILED'}" + (f"\n{report}" if report else ""))
+    entries = {}  # kernel name -> modules whose PTX defines it (first arch, bf16)
+    for name in module_files():
+        source = open(os.path.join(ROOT, "kernels", name), "rb").read()
+        for arch in args.arch.split(","):
+            for f16 in (0, 1):
+                status, log, ptx = compile_once(lib, source, name, arch.strip(), f16, args.defines)
+                what = f"{name} sm_{arch} {'f16' if f16 else 'bf16'}"
+                if status != 0:
+                    failed = True
+                    print(f"{what}: FAILED\n{log}")
+                    continue
+                print(f"{what}: ok ({len(ptx)} bytes of PTX)" + (f"\n{log}" if log else ""))
+                if not f16 and arch == args.arch.split(",")[0]:
+                    for entry in re.findall(rb"\.entry\s+(\w+)", ptx):
+                        entries.setdefault(entry.decode(), []).append(name)
+                if ptxas:
+                    ok, report = run_ptxas(ptxas, ptx, arch.strip(), args.resources)
+                    failed |= not ok
+                    print(f"{what} ptxas: {'ok' if ok else 'FAILED'}" + (f"\n{report}" if report else ""))
+    # Every kernel the host loads (kernel_set! in kernels.rs) in exactly one module.
+    rs = open(os.path.join(ROOT, "src", "backend", "cuda", "kernels.rs")).read()
+    listed = re.search(r"kernel_set!\(([^)]*)\);", rs)
+    for kernel in re.findall(r"\w+", listed.group(1)) if listed else []:
+        where = entries.get(kernel, [])
+        if len(where) != 1:
+            failed = True
+            print(f"kernel {kernel}: defined in {len(where)} modules {where}")
+    if not listed:
+        failed = True
+        print("check_kernels: no kernel_set!(...) list in src/backend/cuda/kernels.rs")
     sys.exit(1 if failed else 0)
 
 

@@ -1,9 +1,8 @@
-//! The decoder kernels (`kernels/decoder.cu`, `kernels/int4.cu`,
-//! `kernels/int4_gemm.cu` and `kernels/sampling.cu`, one module, embedded
-//! in the library),
-//! compiled by NVRTC for the device's architecture on first use and cached
-//! on disk as PTX. Cache key: source hash + activation dtype + arch + NVRTC
-//! version, so a changed source, GPU or toolkit never loads a stale module.
+//! The kernels (`kernels/*.cu`, one module per source, with the shared
+//! helpers of `kernels/*.cuh`, embedded in the library), compiled by NVRTC
+//! for the device's architecture on first use and cached on disk as PTX.
+//! Cache key: source hash + activation dtype + arch + NVRTC version, so a
+//! changed source, GPU or toolkit never loads a stale module.
 
 use super::{cuda_error, ActDType};
 use crate::{Error, ErrorKind, Result};
@@ -12,15 +11,50 @@ use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-/// int4.cu, int4_gemm.cu and sampling.cu use decoder.cu's helpers (and
-/// int4_gemm.cu int4.cu's): one translation unit
+/// The kernel sources, each compiled on its own into a module
 /// (scripts/check_kernels.py reads this list).
-const SOURCE: &str = concat!(
-    include_str!("../../../kernels/decoder.cu"),
-    include_str!("../../../kernels/int4.cu"),
-    include_str!("../../../kernels/int4_gemm.cu"),
-    include_str!("../../../kernels/sampling.cu")
-);
+const MODULES: [(&str, &str); 4] = [
+    ("decoder.cu", include_str!("../../../kernels/decoder.cu")),
+    ("int4.cu", include_str!("../../../kernels/int4.cu")),
+    (
+        "int4_gemm.cu",
+        include_str!("../../../kernels/int4_gemm.cu"),
+    ),
+    ("sampling.cu", include_str!("../../../kernels/sampling.cu")),
+];
+
+/// The headers the sources include (`#include "name"`), resolved here so
+/// NVRTC needs no files at run time.
+const HEADERS: [(&str, &str); 2] = [
+    ("common.cuh", include_str!("../../../kernels/common.cuh")),
+    ("int4.cuh", include_str!("../../../kernels/int4.cuh")),
+];
+
+/// `source` with each `#include "name"` line replaced by that header (the
+/// headers' include guards keep a header included twice harmless).
+fn expand_includes(name: &str, source: &str) -> Result<String> {
+    let mut out = String::with_capacity(source.len() + 32 * 1024);
+    for line in source.lines() {
+        let included = line
+            .trim()
+            .strip_prefix("#include \"")
+            .and_then(|rest| rest.strip_suffix('"'));
+        match included {
+            Some(header) => {
+                let (_, text) = HEADERS.iter().find(|(h, _)| *h == header).ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::Internal,
+                        format!("kernels/{name} includes {header}, which is not embedded"),
+                    )
+                })?;
+                out.push_str(text);
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    Ok(out)
+}
 
 /// Where compiled modules are kept: `NANOINFER_KERNEL_CACHE`, else
 /// `$XDG_CACHE_HOME/nanoinfer/kernels`, else `~/.cache/nanoinfer/kernels`;
@@ -109,7 +143,13 @@ fn target(arch: (i32, i32)) -> String {
     format!("{}{}{suffix}", arch.0, arch.1)
 }
 
-fn compile(arch: (i32, i32), act: ActDType, defines: &[String]) -> Result<String> {
+fn compile(
+    name: &str,
+    source: &str,
+    arch: (i32, i32),
+    act: ActDType,
+    defines: &[String],
+) -> Result<String> {
     let mut options = vec![
         format!("--gpu-architecture=compute_{}", target(arch)),
         format!("-DNI_F16={}", (act == ActDType::F16) as i32),
@@ -119,12 +159,12 @@ fn compile(arch: (i32, i32), act: ActDType, defines: &[String]) -> Result<String
         options,
         ..Default::default()
     };
-    match cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts) {
+    match cudarc::nvrtc::compile_ptx_with_opts(source, opts) {
         Ok(ptx) => Ok(ptx.to_src()),
         Err(CompileError::CompileError { log, .. }) => Err(Error::new(
             ErrorKind::Internal,
             format!(
-                "NVRTC failed to compile kernels/decoder.cu + int4.cu + int4_gemm.cu + sampling.cu for sm_{}:\n{}",
+                "NVRTC failed to compile kernels/{name} for sm_{}:\n{}",
                 target(arch),
                 log.to_string_lossy()
             ),
@@ -154,19 +194,20 @@ impl Kernel {
 
 macro_rules! kernel_set {
     ($($name:ident),* $(,)?) => {
-        /// Handles to every kernel of the module.
+        /// Handles to every kernel of the modules.
         pub struct Kernels {
             $(pub $name: Kernel,)*
         }
 
         impl Kernels {
-            fn from_module(module: &Arc<cudarc::driver::CudaModule>) -> Result<Kernels> {
+            /// Every kernel's name, as the sources define it.
+            pub const NAMES: &[&str] = &[$(stringify!($name)),*];
+
+            fn from_modules(modules: &[Arc<cudarc::driver::CudaModule>]) -> Result<Kernels> {
                 Ok(Kernels {
                     $($name: Kernel {
                         name: stringify!($name),
-                        func: module
-                            .load_function(stringify!($name))
-                            .map_err(|e| cuda_error(concat!("loading kernel ", stringify!($name)), e))?,
+                        func: find_function(modules, stringify!($name))?,
                     },)*
                 })
             }
@@ -232,6 +273,18 @@ kernel_set!(
     sample_rows,
 );
 
+/// Kernel `name` from the module that defines it.
+fn find_function(modules: &[Arc<cudarc::driver::CudaModule>], name: &str) -> Result<CudaFunction> {
+    let mut last = None;
+    for m in modules {
+        match m.load_function(name) {
+            Ok(f) => return Ok(f),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(cuda_error(&format!("loading kernel {name}"), last))
+}
+
 impl Kernels {
     pub fn load(
         ctx: &Arc<CudaContext>,
@@ -241,33 +294,51 @@ impl Kernels {
     ) -> Result<Kernels> {
         let nvrtc = nvrtc_version();
         let defines = tuning_defines();
-        let key = format!(
-            "decoder-{:016x}-{}-sm{}-nvrtc{}.{}{}",
-            fnv1a(SOURCE.as_bytes()),
-            act.name(),
-            target(arch),
-            nvrtc.0,
-            nvrtc.1,
-            defines.concat()
-        );
-        let ptx = match cache.load(&key) {
-            Some(ptx) => ptx,
-            None => {
-                let ptx = compile(arch, act, &defines)?;
-                cache.store(&key, &ptx);
-                ptx
-            }
-        };
-        let module = ctx
-            .load_module(Ptx::from_src(ptx))
-            .map_err(|e| cuda_error("loading the kernel module", e))?;
-        Kernels::from_module(&module)
+        let mut modules = Vec::with_capacity(MODULES.len());
+        for (name, source) in MODULES {
+            let source = expand_includes(name, source)?;
+            let key = format!(
+                "{}-{:016x}-{}-sm{}-nvrtc{}.{}{}",
+                name.trim_end_matches(".cu"),
+                fnv1a(source.as_bytes()),
+                act.name(),
+                target(arch),
+                nvrtc.0,
+                nvrtc.1,
+                defines.concat()
+            );
+            let ptx = match cache.load(&key) {
+                Some(ptx) => ptx,
+                None => {
+                    let ptx = compile(name, &source, arch, act, &defines)?;
+                    cache.store(&key, &ptx);
+                    ptx
+                }
+            };
+            let module = ctx
+                .load_module(Ptx::from_src(ptx))
+                .map_err(|e| cuda_error(&format!("loading the module of kernels/{name}"), e))?;
+            modules.push(module);
+        }
+        Kernels::from_modules(&modules)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every include of every source resolves (scripts/check_kernels.py
+    /// checks that each kernel is defined by exactly one module).
+    #[test]
+    fn every_include_resolves() {
+        for (name, source) in MODULES {
+            let expanded = expand_includes(name, source).unwrap();
+            assert!(!expanded.contains("#include \""), "{name}");
+        }
+        let err = expand_includes("x.cu", "#include \"missing.cuh\"\n").unwrap_err();
+        assert!(err.message.contains("missing.cuh"), "{}", err.message);
+    }
 
     #[test]
     fn cache_keys_are_stable() {
