@@ -298,7 +298,7 @@ fn random_model(config_dir: &std::path::Path) -> PathBuf {
     use safetensors::tensor::{Dtype, TensorView};
     let c = nanoinfer::model::ModelConfig::from_dir(config_dir).expect("config.json");
     assert!(
-        c.architecture == nanoinfer::model::Architecture::Llama && !c.qkv_bias && !c.o_bias,
+        c.architecture.hf_name() == "LlamaForCausalLM" && !c.qkv_bias && !c.o_bias,
         "--random-from supports plain Llama configs"
     );
     let dir = std::env::temp_dir().join(format!("engine-bench-{}", std::process::id()));

@@ -1,28 +1,28 @@
 //! `config.json` of a HuggingFace causal LM, validated into `ModelConfig`.
 
+use super::arch::{self, Family, LayoutSettings};
 use super::quant_int4::Int4;
 use crate::{bail_model, untrusted_file, Error, Result};
 use serde_json::Value;
 use std::path::Path;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Architecture {
-    Llama,
-    Qwen2,
-    Qwen3,
-}
+/// A model's architecture family (`model::arch`).
+#[derive(Debug, Clone, Copy)]
+pub struct Architecture(&'static Family);
 
 impl Architecture {
-    pub const SUPPORTED: &'static str = "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM";
-
     pub fn hf_name(self) -> &'static str {
-        match self {
-            Architecture::Llama => "LlamaForCausalLM",
-            Architecture::Qwen2 => "Qwen2ForCausalLM",
-            Architecture::Qwen3 => "Qwen3ForCausalLM",
-        }
+        self.0.hf_name
     }
 }
+
+impl PartialEq for Architecture {
+    fn eq(&self, other: &Self) -> bool {
+        self.hf_name() == other.hf_name()
+    }
+}
+
+impl Eq for Architecture {}
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
@@ -53,11 +53,11 @@ pub struct ModelConfig {
     pub rope_scaling: RopeScaling,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
-    /// Bias on q/k/v projections (always for Qwen2, `attention_bias` otherwise).
+    /// Bias on q/k/v projections (the family's layout, `model::arch`).
     pub qkv_bias: bool,
-    /// Bias on the output projection (`attention_bias` for Llama/Qwen3).
+    /// Bias on the output projection.
     pub o_bias: bool,
-    /// Per-head RMSNorm on q and k before RoPE (Qwen3).
+    /// Per-head RMSNorm on q and k before RoPE.
     pub qk_norm: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
@@ -200,16 +200,11 @@ impl ModelConfig {
             .and_then(|a| a.get(0))
             .and_then(Value::as_str)
             .ok_or_else(|| Error::invalid_model("config.json: missing `architectures`"))?;
-        let architecture = match arch_name {
-            "LlamaForCausalLM" => Architecture::Llama,
-            "Qwen2ForCausalLM" => Architecture::Qwen2,
-            "Qwen3ForCausalLM" => Architecture::Qwen3,
-            other => {
-                return Err(Error::unsupported(format!(
-                    "architecture `{other}` is not supported (supported: {})",
-                    Architecture::SUPPORTED
-                )))
-            }
+        let Some(family) = arch::family(arch_name) else {
+            return Err(Error::unsupported(format!(
+                "architecture `{arch_name}` is not supported (supported: {})",
+                arch::supported()
+            )));
         };
         if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
             if act != "silu" {
@@ -256,7 +251,9 @@ impl ModelConfig {
             bail_model!("config.json: rope_theta must be positive, got {rope_theta}");
         }
         let rope_scaling = parse_rope_scaling(rope_params.or(v.get("rope_scaling")))?;
-        let attention_bias = get_bool(&v, "attention_bias")?.unwrap_or(false);
+        let layout = (family.layout)(LayoutSettings {
+            attention_bias: get_bool(&v, "attention_bias")?.unwrap_or(false),
+        });
         let eps = get_f32(&v, "rms_norm_eps")?.unwrap_or(1e-6);
         // RMSNorm divides by sqrt(mean(x²) + eps): zero makes an all-zero
         // row NaN, negative makes small rows NaN.
@@ -264,7 +261,7 @@ impl ModelConfig {
             bail_model!("config.json: rms_norm_eps must be positive, got {eps}");
         }
         let config = ModelConfig {
-            architecture,
+            architecture: Architecture(family),
             vocab_size: req_usize(&v, "vocab_size")?,
             hidden_size,
             intermediate_size: req_usize(&v, "intermediate_size")?,
@@ -277,9 +274,9 @@ impl ModelConfig {
             rope_scaling,
             max_position_embeddings: get_usize(&v, "max_position_embeddings")?.unwrap_or(2048),
             tie_word_embeddings: get_bool(&v, "tie_word_embeddings")?.unwrap_or(false),
-            qkv_bias: architecture == Architecture::Qwen2 || attention_bias,
-            o_bias: architecture != Architecture::Qwen2 && attention_bias,
-            qk_norm: architecture == Architecture::Qwen3,
+            qkv_bias: layout.qkv_bias,
+            o_bias: layout.o_bias,
+            qk_norm: layout.qk_norm,
             bos_token_id: token_ids(v.get("bos_token_id")).first().copied(),
             eos_token_ids: token_ids(v.get("eos_token_id")),
             quantization,
@@ -429,7 +426,7 @@ mod tests {
     #[test]
     fn parses_llama() {
         let c = ModelConfig::from_json(SMOL).unwrap();
-        assert_eq!(c.architecture, Architecture::Llama);
+        assert_eq!(c.architecture.hf_name(), "LlamaForCausalLM");
         assert_eq!((c.head_dim, c.num_kv_heads), (64, 3));
         assert!(c.tie_word_embeddings && !c.qkv_bias && !c.qk_norm);
         assert_eq!(c.eos_token_ids, vec![2]);

@@ -1,5 +1,6 @@
 //! Model loading and the decoder forward pass.
 
+pub mod arch;
 pub mod config;
 pub mod cuda;
 pub mod decoder;
