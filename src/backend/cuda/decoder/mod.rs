@@ -270,7 +270,7 @@ fn decode_mma_fits(arch: (i32, i32), d: &DecoderDims) -> bool {
         && d.heads / d.kv_heads <= DA_GROUP_MAX
 }
 
-/// `CudaDecoder::w4_mma_rows` where the int4 GEMM takes larger batches
+/// `CudaModel::w4_mma_rows` where the int4 GEMM takes larger batches
 /// (sm_90). The GEMM's time is flat up to 128 rows (one block of
 /// activation rows); the int4 kernels' grows with their passes over the
 /// weights (32, 16 or 8 rows each). H100, 8B shapes (docs/benchmarks-log.md), prefill
@@ -278,11 +278,11 @@ fn decode_mma_fits(arch: (i32, i32), d: &DecoderDims) -> bool {
 /// pass) against 6 796 through the GEMM; 64 tokens 8 865 (two 32-row
 /// passes) against 9 053; 128 tokens 9 483 against 17 459 (bf16 16 644).
 const W4_MMA_ROWS_BEFORE_GEMM: usize = 48;
-/// `CudaDecoder::w4_mma_rows` where larger batches dequantize for cuBLAS,
+/// `CudaModel::w4_mma_rows` where larger batches dequantize for cuBLAS,
 /// which writes and rereads 2 bytes a weight: up to four passes of the int4
 /// kernels are cheaper.
 const W4_MMA_ROWS_BEFORE_DEQUANT: usize = 128;
-/// See `CudaDecoder::w4_gemm_rows`: where the int4 GEMM stops beating
+/// See `CudaModel::w4_gemm_rows`: where the int4 GEMM stops beating
 /// dequantization + cuBLAS (H100, 8B shapes: 14 % faster per gate/up
 /// product at 512 rows, 7 % slower at 2048).
 const DEFAULT_W4_GEMM_ROWS: usize = 1024;

@@ -21,7 +21,7 @@ pub(super) struct Workspace {
     /// (cos, sin) per row and rotary frequency of this step (rope_table).
     pub(super) rope_cs: DeviceBuffer<f32>,
     /// Two sets of HANDOFF_ROWS sums of squares for int4 norm handoffs,
-    /// used in turn (see `CudaDecoder::norm_handoff`): 64-bit fixed point,
+    /// used in turn (see `CudaForward::norm_handoff`): 64-bit fixed point,
     /// two f32s each.
     pub(super) norm_sums: DeviceBuffer<f32>,
     /// Step inputs (tokens, slots, positions, tables), uploaded once per step.
