@@ -20,8 +20,15 @@ pub struct CpuLinear {
 }
 
 impl CpuLinear {
-    pub fn refs(&self) -> Vec<&Matrix> {
-        self.parts.iter().collect()
+    /// `f` over the parts as `matmul` takes them, without allocating (a
+    /// decode step must not touch the allocator).
+    pub fn with_parts<R>(&self, f: impl FnOnce(&[&Matrix]) -> R) -> R {
+        match self.parts.as_slice() {
+            [a] => f(&[a]),
+            [a, b] => f(&[a, b]),
+            [a, b, c] => f(&[a, b, c]),
+            parts => f(&parts.iter().collect::<Vec<_>>()),
+        }
     }
 
     pub fn size_in_bytes(&self) -> usize {
@@ -130,7 +137,8 @@ impl LayerOps for CpuLayerOps<'_, '_> {
         let width = dims.qkv_width();
         let ws = &mut *self.ws;
         let qkv = &mut ws.qkv[..rows * width];
-        matmul(self.pool, ws.normed, rows, &w.qkv.refs(), qkv);
+        w.qkv
+            .with_parts(|parts| matmul(self.pool, ws.normed, rows, parts, qkv));
         let half = hd / 2;
         for (row, r) in qkv.chunks_exact_mut(width).enumerate() {
             if let Some(b) = &w.qkv_bias {
@@ -190,7 +198,7 @@ impl LayerOps for CpuLayerOps<'_, '_> {
             Activations::SwiGlu => ws.act,
         };
         let proj = &mut ws.proj[..rows * d];
-        matmul(self.pool, input, rows, &w.refs(), proj);
+        w.with_parts(|parts| matmul(self.pool, input, rows, parts, proj));
         if let Some(b) = bias {
             proj.chunks_exact_mut(d).for_each(|r| add_in_place(r, b));
         }
@@ -202,7 +210,7 @@ impl LayerOps for CpuLayerOps<'_, '_> {
         let (rows, inter) = (self.rows(), self.dims.intermediate);
         let ws = &mut *self.ws;
         let gu = &mut ws.gate_up[..rows * 2 * inter];
-        matmul(self.pool, ws.normed, rows, &gate_up.refs(), gu);
+        gate_up.with_parts(|parts| matmul(self.pool, ws.normed, rows, parts, gu));
         swiglu_rows(self.pool, gu, inter, &mut ws.act[..rows * inter]);
         Ok(())
     }
@@ -223,12 +231,13 @@ impl LayerOps for CpuLayerOps<'_, '_> {
             self.dims.rms_norm_eps,
             &mut ws.normed[..n_out * d],
         );
-        let head = match head {
-            LmHead::Own(w) => w.refs(),
-            LmHead::Tied(table) => vec![table],
-        };
         let logits = &mut self.logits[..n_out * vocab];
-        matmul(self.pool, ws.normed, n_out, &head, logits);
+        match head {
+            LmHead::Own(w) => {
+                w.with_parts(|parts| matmul(self.pool, ws.normed, n_out, parts, logits))
+            }
+            LmHead::Tied(table) => matmul(self.pool, ws.normed, n_out, &[table], logits),
+        }
         Ok(())
     }
 
