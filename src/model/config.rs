@@ -414,6 +414,22 @@ impl ModelConfig {
     }
 }
 
+impl ModelConfig {
+    /// The geometry the backends compute with.
+    pub fn dims(&self) -> crate::backend::DecoderDims {
+        crate::backend::DecoderDims {
+            hidden: self.hidden_size,
+            heads: self.num_heads,
+            kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            intermediate: self.intermediate_size,
+            vocab: self.vocab_size,
+            layers: self.num_layers,
+            rms_norm_eps: self.rms_norm_eps,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -26,22 +26,6 @@ pub struct Decoder {
     weights: CpuWeights,
 }
 
-impl ModelConfig {
-    /// The geometry the backends compute with.
-    pub fn dims(&self) -> DecoderDims {
-        DecoderDims {
-            hidden: self.hidden_size,
-            heads: self.num_heads,
-            kv_heads: self.num_kv_heads,
-            head_dim: self.head_dim,
-            intermediate: self.intermediate_size,
-            vocab: self.vocab_size,
-            layers: self.num_layers,
-            rms_norm_eps: self.rms_norm_eps,
-        }
-    }
-}
-
 impl Decoder {
     /// Loads the weights; `quant` quantizes the dense linear layers (and the
     /// LM head when its method says so) at load.
