@@ -2,10 +2,10 @@
 //! KV budget a device finds for it.
 
 use crate::forward::KvCacheDType;
-use crate::memory::MemoryPoolKind;
+use crate::memory::{MemoryPoolKind, PoolFaultSwitch};
 
 /// Per-session shape limits a context is sized for.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct ContextShape {
     /// KV slots, slot 0 included (it is reserved by the KV managers).
     pub kv_slots: usize,
@@ -27,6 +27,10 @@ pub struct ContextShape {
     pub memory_pool: MemoryPoolKind,
     /// What the KV cache stores (a decoder refuses a type it lacks).
     pub kv_dtype: KvCacheDType,
+    /// Fault injection: armed, the context's next step fails inside its
+    /// workspace pool. A context without a planned workspace (CUDA) never
+    /// fires it.
+    pub pool_fault: PoolFaultSwitch,
 }
 
 impl ContextShape {
@@ -41,6 +45,7 @@ impl ContextShape {
             utilization_budget: false,
             memory_pool: MemoryPoolKind::default(),
             kv_dtype: KvCacheDType::Auto,
+            pool_fault: PoolFaultSwitch::default(),
         }
     }
 }

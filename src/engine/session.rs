@@ -31,9 +31,9 @@ use crate::kv::{
 };
 use crate::memory::{
     check_fits, try_with_capacity, utilization_kv_bytes, zeroed_f32, BudgetSource, DeviceMemory,
-    MemoryBudget, MemoryPoolKind,
+    MemoryBudget, MemoryPoolKind, PoolFaultSwitch,
 };
-use crate::model::{ContextShape, ForwardContext, WorkspaceStats};
+use crate::model::{ContextShape, ForwardContext, HostLaunches, WorkspaceStats};
 use crate::sampling::{DeviceSampling, GrammarMask, Rng, Sampler, StopMatcher};
 use crate::tokenizer::StreamDetokenizer;
 use crate::{bail_arg, Error, ErrorKind, Result};
@@ -321,6 +321,8 @@ pub struct Session {
     scratch: StepScratch,
     /// Test-only fault injection (`inject_faults`); `None` in normal use.
     faults: Option<Box<FaultState>>,
+    /// Arms a workspace pool failure in the context (see `FaultPlan`).
+    pool_fault: PoolFaultSwitch,
     /// Overlapped steps are on (`SessionParams::overlap_steps`).
     overlap: bool,
     /// The step launched last, whose ids have not been collected.
@@ -536,6 +538,13 @@ impl Session {
         scratch.cancels.reserve(params.max_seqs);
         scratch.ended.reserve(params.max_seqs);
         let overlap = params.overlap_steps.unwrap_or(ctx.overlaps_steps());
+        // Overlap asked of a device that computes each forward at once:
+        // its launches are computed at once and queued on the host.
+        let ctx = if overlap {
+            HostLaunches::wrap(ctx)
+        } else {
+            ctx
+        };
         Ok(Session {
             policy: create_policy(params.policy, params.aging_steps),
             rng: Rng::seed_from_u64(params.seed),
@@ -553,6 +562,7 @@ impl Session {
             stats: SessionStats::default(),
             scratch,
             faults: None,
+            pool_fault: shape.pool_fault.clone(),
             overlap,
             in_flight: None,
             canceller: Canceller::default(),
@@ -938,7 +948,7 @@ impl Session {
                 let error = f.take_forward_error(step);
                 // Armed only for a pass that runs (it would fire later).
                 if error.is_none() && f.take_pool_failure(step) {
-                    self.ctx.fail_next_workspace_allocation();
+                    self.pool_fault.arm();
                 }
                 error
             });

@@ -5,6 +5,7 @@ pub mod config;
 pub mod cuda;
 pub mod decoder;
 pub mod fingerprint;
+pub mod host_launches;
 pub mod loader;
 pub mod quant;
 pub mod quant_int4;
@@ -24,6 +25,7 @@ pub use crate::forward::StepStop;
 pub use crate::memory::WorkspaceStats;
 pub use config::{Architecture, ModelConfig};
 pub use decoder::Decoder;
+pub use host_launches::HostLaunches;
 pub use quant::{QuantMethod, QuantMode};
 pub use runner::{
     ContextShape, CpuDecoder, DeviceDecoder, ForwardContext, KvBudget, NON_FINITE_ROW,

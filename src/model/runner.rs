@@ -15,7 +15,6 @@ use crate::kv::{KvCacheDType, KvStorage};
 use crate::memory::{utilization_kv_bytes, DeviceMemory, WorkspaceStats};
 use crate::sampling::{DeviceSampling, MaskFill};
 use crate::{bail_arg, Error, Result};
-use std::collections::VecDeque;
 use std::sync::Arc;
 
 /// A decoder's weights on one device. Shared by sessions through `Arc`.
@@ -86,14 +85,27 @@ pub trait ForwardContext: Send {
     /// `batch` takes as its token the id the previous launch chose for its
     /// row `i` (`batch.tokens` are placeholders), so it can be launched
     /// before those ids reach the host; no other forward may run in between.
+    ///
+    /// A device that computes each forward at once does not implement
+    /// this: the engine wraps its context in
+    /// [`HostLaunches`](super::host_launches::HostLaunches) when it wants
+    /// launches from it.
     fn launch(
         &mut self,
         batch: &ForwardBatch<'_>,
         sampling: Option<&DeviceSampling>,
         chained: bool,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        let _ = (batch, sampling, chained);
+        Err(Error::unsupported(
+            "this context runs each forward at once; it has no launch queue",
+        ))
+    }
     /// Waits for the oldest outstanding launch and writes its ids to `ids`.
-    fn collect_ids(&mut self, ids: &mut [u32]) -> Result<()>;
+    fn collect_ids(&mut self, ids: &mut [u32]) -> Result<()> {
+        let _ = ids;
+        bail_arg!("collect_ids without a launch")
+    }
     /// Whether `forward_sample` runs here: the device samples its logits
     /// rows itself. The CPU samples in the engine (`false`).
     fn samples_on_device(&self) -> bool {
@@ -125,11 +137,6 @@ pub trait ForwardContext: Send {
     fn workspace_stats(&self) -> Option<WorkspaceStats> {
         None
     }
-    /// TESTING ONLY (fault injection): the next forward pass asks its
-    /// workspace pool for an impossible amount of memory after its first
-    /// buffer, so the pool's own out-of-memory error fails that pass.
-    /// Contexts without a planned workspace do nothing.
-    fn fail_next_workspace_allocation(&mut self) {}
 }
 
 /// The CPU decoder and the thread pool its kernels run on.
@@ -227,14 +234,17 @@ impl DeviceDecoder for CpuDecoder {
         check_cpu_kv_dtype(shape.kv_dtype)?;
         let c = &self.decoder.config;
         let storage = KvStorage::new(c.num_layers, shape.kv_slots, c.num_kv_heads, c.head_dim)?;
-        let ws = ForwardWorkspace::new(shape.memory_pool, self.workspace_plan(shape))?;
+        let ws = ForwardWorkspace::new(
+            shape.memory_pool,
+            self.workspace_plan(shape),
+            shape.pool_fault.clone(),
+        )?;
         let max_positions = shape.kv_slots.min(c.max_position_embeddings);
         reserve_decode_scratch(&self.pool, &AttnShape::from(&c.dims()), max_positions);
         Ok(Box::new(CpuContext {
             model: self,
             storage,
             ws,
-            launches: HostLaunches::default(),
         }))
     }
 }
@@ -253,100 +263,21 @@ struct CpuContext {
     model: Arc<CpuDecoder>,
     storage: KvStorage,
     ws: ForwardWorkspace,
-    launches: HostLaunches,
-}
-
-/// The ids of launches (`ForwardContext::launch`) on a context that
-/// computes each forward at once, oldest first.
-#[derive(Default)]
-struct HostLaunches {
-    queue: VecDeque<Vec<u32>>,
-    /// The newest queued ids are the last forward's (a chained launch reads
-    /// them as its tokens).
-    chainable: bool,
-    /// Chained tokens and spent id buffers, reused.
-    tokens: Vec<u32>,
-    spare: Vec<Vec<u32>>,
 }
 
 impl ForwardContext for CpuContext {
     fn forward(&mut self, batch: &ForwardBatch<'_>, logits: &mut [f32]) -> Result<()> {
         let m = &*self.model;
-        self.launches.chainable = false;
         m.decoder
             .forward(&m.pool, batch, &mut self.storage, &mut self.ws, logits)
     }
     fn forward_argmax(&mut self, batch: &ForwardBatch<'_>, ids: &mut [u32]) -> Result<()> {
         let m = &*self.model;
-        self.launches.chainable = false;
         m.decoder
             .forward_argmax(&m.pool, batch, &mut self.storage, &mut self.ws, ids)
     }
-    fn launch(
-        &mut self,
-        batch: &ForwardBatch<'_>,
-        sampling: Option<&DeviceSampling>,
-        chained: bool,
-    ) -> Result<()> {
-        let m = &*self.model;
-        let l = &mut self.launches;
-        if sampling.is_some() {
-            return Err(Error::unsupported("the CPU samples on the host"));
-        }
-        if l.queue.len() >= 2 {
-            bail_arg!("launch with two launches outstanding");
-        }
-        let fed;
-        let batch = if chained {
-            let rows = batch.tokens.len();
-            let prev = l.queue.back().filter(|p| l.chainable && p.len() >= rows);
-            let Some(prev) = prev else {
-                bail_arg!("a chained launch of {rows} rows does not follow a launch of as many");
-            };
-            l.tokens.clear();
-            // A non-finite row's request is ended when its ids land; its
-            // chained row only needs a valid placeholder meanwhile.
-            l.tokens.extend(
-                prev[..rows]
-                    .iter()
-                    .map(|&t| if t == NON_FINITE_ROW { 0 } else { t }),
-            );
-            fed = ForwardBatch {
-                tokens: &l.tokens,
-                ..*batch
-            };
-            &fed
-        } else {
-            batch
-        };
-        let mut ids = l.spare.pop().unwrap_or_default();
-        ids.clear();
-        ids.resize(batch.logits_rows.len(), 0);
-        let result =
-            m.decoder
-                .forward_argmax(&m.pool, batch, &mut self.storage, &mut self.ws, &mut ids);
-        l.chainable = result.is_ok();
-        match result {
-            Ok(()) => l.queue.push_back(ids),
-            Err(_) => l.spare.push(ids),
-        }
-        result
-    }
-    fn collect_ids(&mut self, ids: &mut [u32]) -> Result<()> {
-        let l = &mut self.launches;
-        let Some(done) = l.queue.pop_front() else {
-            bail_arg!("collect_ids without a launch");
-        };
-        let n = done.len().min(ids.len());
-        ids[..n].copy_from_slice(&done[..n]);
-        l.spare.push(done);
-        Ok(())
-    }
     fn workspace_stats(&self) -> Option<WorkspaceStats> {
         Some(self.ws.stats())
-    }
-    fn fail_next_workspace_allocation(&mut self) {
-        self.ws.fail_next_step();
     }
     fn kv_values_per_slot(&self) -> usize {
         self.storage.slot_width() * 2 * self.storage.num_layers

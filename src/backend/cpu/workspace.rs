@@ -11,7 +11,7 @@
 use std::time::Instant;
 
 use crate::backend::layer_ops::DecoderDims;
-use crate::memory::{MemoryPoolKind, Workspace, WorkspaceStats, WORKSPACE_ALIGN};
+use crate::memory::{MemoryPoolKind, PoolFaultSwitch, Workspace, WorkspaceStats, WORKSPACE_ALIGN};
 use crate::Result;
 
 /// Buffer lengths (in f32) of one step, from the model's shape.
@@ -108,14 +108,14 @@ pub struct ForwardWorkspace {
     resizes: u64,
     steps: u64,
     acquire_ns: u64,
-    /// Fault injection: the next `step` fails inside the pool.
-    fail_next: bool,
+    /// Fault injection: armed, the next `step` fails inside the pool.
+    fault: PoolFaultSwitch,
 }
 
 impl ForwardWorkspace {
     /// A workspace over a new pool of `kind`; an arena is allocated at the
     /// plan's peak at once.
-    pub fn new(kind: MemoryPoolKind, plan: WorkspacePlan) -> Result<Self> {
+    pub fn new(kind: MemoryPoolKind, plan: WorkspacePlan, fault: PoolFaultSwitch) -> Result<Self> {
         let initial = match kind {
             MemoryPoolKind::Arena => plan.peak_bytes(),
             _ => 0,
@@ -131,7 +131,7 @@ impl ForwardWorkspace {
             resizes: 0,
             steps: 0,
             acquire_ns: 0,
-            fail_next: false,
+            fault,
         })
     }
 
@@ -150,7 +150,7 @@ impl ForwardWorkspace {
             resizes,
             steps,
             acquire_ns,
-            fail_next,
+            fault,
             ..
         } = self;
         let need = plan.step_bytes(rows, out_rows, logits);
@@ -162,7 +162,7 @@ impl ForwardWorkspace {
             plan.lengths(rows, out_rows, logits);
         let ws: &Workspace = ws;
         let hidden = ws.alloc_zeroed(hidden)?;
-        if std::mem::take(fail_next) {
+        if fault.take() {
             // Valid as a layout, beyond any address space: every pool kind
             // reaches its own out-of-memory path.
             ws.alloc_zeroed::<u8>(isize::MAX as usize / 2)?;
@@ -182,12 +182,6 @@ impl ForwardWorkspace {
         };
         *acquire_ns += start.elapsed().as_nanos() as u64;
         Ok(buffers)
-    }
-
-    /// Fault injection: the next `step` asks the pool for an impossible
-    /// amount of memory after its first buffer and returns the pool's error.
-    pub fn fail_next_step(&mut self) {
-        self.fail_next = true;
     }
 
     pub fn stats(&self) -> WorkspaceStats {
@@ -222,7 +216,8 @@ mod tests {
     #[test]
     fn the_arena_is_sized_to_the_plan_and_a_step_fills_it_exactly() {
         let plan = WorkspacePlan::new(&config(), 16, 4);
-        let mut ws = ForwardWorkspace::new(MemoryPoolKind::Arena, plan).unwrap();
+        let mut ws =
+            ForwardWorkspace::new(MemoryPoolKind::Arena, plan, PoolFaultSwitch::default()).unwrap();
         assert_eq!(ws.stats().pool_stats.capacity_bytes, plan.peak_bytes());
         for (rows, out, logits) in [(16, 4, 400), (1, 1, 100), (7, 3, 0), (16, 4, 400)] {
             let b = ws.step(rows, out, logits).unwrap();
@@ -247,7 +242,8 @@ mod tests {
     #[test]
     fn a_step_beyond_the_plan_resizes_the_arena_once() {
         let plan = WorkspacePlan::new(&config(), 4, 1);
-        let mut ws = ForwardWorkspace::new(MemoryPoolKind::Arena, plan).unwrap();
+        let mut ws =
+            ForwardWorkspace::new(MemoryPoolKind::Arena, plan, PoolFaultSwitch::default()).unwrap();
         let need = plan.step_bytes(64, 8, 800);
         assert!(need > plan.peak_bytes());
         for _ in 0..3 {
@@ -267,7 +263,7 @@ mod tests {
     fn slab_and_system_pools_serve_the_same_steps() {
         let plan = WorkspacePlan::new(&config(), 16, 4);
         for kind in [MemoryPoolKind::Slab, MemoryPoolKind::System] {
-            let mut ws = ForwardWorkspace::new(kind, plan).unwrap();
+            let mut ws = ForwardWorkspace::new(kind, plan, PoolFaultSwitch::default()).unwrap();
             for rows in [16, 1, 32] {
                 let b = ws.step(rows, 2, 200).unwrap();
                 assert_eq!(b.act.len(), rows * 160);
@@ -277,6 +273,25 @@ mod tests {
             let st = ws.stats();
             assert_eq!((st.pool, st.resizes, st.steps), (kind, 0, 3));
             assert_eq!(st.planned_bytes, plan.peak_bytes());
+        }
+    }
+
+    #[test]
+    fn an_armed_fault_fails_one_step_inside_each_pool_and_the_next_step_works() {
+        let plan = WorkspacePlan::new(&config(), 16, 4);
+        let kinds = [
+            MemoryPoolKind::Arena,
+            MemoryPoolKind::Slab,
+            MemoryPoolKind::System,
+        ];
+        for kind in kinds {
+            let fault = PoolFaultSwitch::default();
+            let mut ws = ForwardWorkspace::new(kind, plan, fault.clone()).unwrap();
+            fault.arm();
+            let err = ws.step(4, 1, 0).err().expect("the armed step fails");
+            assert_eq!(err.kind, crate::ErrorKind::OutOfMemory, "{kind:?}: {err}");
+            let b = ws.step(4, 1, 0).unwrap();
+            assert!(b.act.iter().all(|&x| x == 0.0), "{kind:?}");
         }
     }
 }

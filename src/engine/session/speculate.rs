@@ -35,8 +35,13 @@ impl Speculation {
     ) -> Result<Self> {
         let proposer = create_proposer(params, target, |draft: &Arc<Model>| {
             let (kv, slots) = create_kv_backend(KvBackendKind::Token, capacity_tokens, 1, false);
-            let mut shape = *target_shape;
-            shape.kv_slots = slots;
+            // The draft's own fault switch: injected pool failures are the
+            // target context's.
+            let shape = ContextShape {
+                kv_slots: slots,
+                pool_fault: Default::default(),
+                ..target_shape.clone()
+            };
             Ok(DraftContext {
                 ctx: draft.decoder.clone().new_context(&shape)?,
                 kv,

@@ -515,7 +515,7 @@ impl CudaModel {
             .max_logits_rows
             .clamp(1, rows)
             .max(rows.div_ceil(max_pos));
-        let mut tiny = *shape;
+        let mut tiny = shape.clone();
         tiny.kv_slots = rows + 1 + PROFILE_EXTRA_SLOTS;
         let tiny_kv_bytes = self.kv_words(&tiny) * 2;
         let tokens = vec![0u32; rows];
