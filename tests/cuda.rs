@@ -2065,3 +2065,35 @@ fn fp8_kv_cache_matches_transformers_with_fp8_kv() {
         }
     }
 }
+
+/// The op conformance suite (`common/conformance.rs`, which
+/// `tests/op_conformance.rs` runs on the CPU) on the GPU: the same cases
+/// against the same f64 reference, with BF16 and F16 activations and
+/// int4 weights. The figures are printed for BENCHMARKS.md's accuracy notes.
+#[test]
+fn gpu_ops_match_the_f64_reference_of_the_conformance_suite() {
+    use common::conformance::{check_backend, write_int4};
+    if fixtures().is_none() {
+        return;
+    }
+    let pool = MemoryPoolKind::default_for(true);
+    let scratch = std::env::temp_dir().join(format!("ni-cuda-conformance-{}", std::process::id()));
+    let mut report = Vec::new();
+    for (label, dtype, tolerance) in [
+        ("cuda-bf16", WeightDType::BF16, 6e-2),
+        ("cuda-f16", WeightDType::F16, 2e-2),
+    ] {
+        let load = |dense: &std::path::Path, _: &std::path::Path| {
+            (load_as(dense, dtype), dense.to_path_buf())
+        };
+        report.extend(check_backend(label, &scratch, pool, tolerance, &load));
+    }
+    let load = |dense: &std::path::Path, case: &std::path::Path| {
+        let (packed, reference) = (case.join("int4"), case.join("dequantized"));
+        write_int4(dense, &packed, &reference);
+        (load_as(&packed, WeightDType::BF16), reference)
+    };
+    report.extend(check_backend("cuda-int4", &scratch, pool, 6e-2, &load));
+    eprintln!("{}", report.join("\n"));
+    let _ = std::fs::remove_dir_all(&scratch);
+}
