@@ -278,10 +278,14 @@ fn eight_b_shape_matches_transformers() {
 /// format of the int4 speed figures, against the same weights dequantized
 /// into a bf16 model. Greedy tokens and logprobs of six prompts (the golden's
 /// two and four seeded random ones of 16–512 tokens), 32 steps each: the
-/// first two tokens identical, then within near-ties as in
-/// `int4_matches_the_same_weights_dequantized`; prints how many leading
-/// tokens are identical and the largest logprob difference before the first
-/// divergence.
+/// first token identical, then within near-ties as in
+/// `int4_matches_the_same_weights_dequantized`, and the chosen tokens'
+/// logprobs before each divergence within `2 × NEAR_TIE`; prints how many
+/// leading tokens are identical and the largest logprob difference before
+/// the first divergence. (The second token is not required to agree: with
+/// random weights over 128 256 tokens it flips at a near-tie on some
+/// freshly generated models, before the device seam as after it; see
+/// docs/benchmarks-log.md.)
 #[test]
 fn int4_eight_b_shape_matches_the_same_weights_dequantized() {
     let Some(dir) = std::env::var_os("NANOINFER_CUDA_8B").map(PathBuf::from) else {
@@ -343,8 +347,12 @@ fn int4_eight_b_shape_matches_the_same_weights_dequantized() {
          divergence {worst:.3?}"
     );
     assert!(
-        matched.iter().all(|&m| m >= 2),
+        matched.iter().all(|&m| m >= 1),
         "8B int4: the first tokens differ: {matched:?}"
+    );
+    assert!(
+        worst.iter().all(|&d| d <= near),
+        "8B int4: chosen-token logprobs differ by more than {near}: {worst:?}"
     );
     std::fs::remove_dir_all(&tmp).unwrap();
 }
@@ -2069,7 +2077,8 @@ fn fp8_kv_cache_matches_transformers_with_fp8_kv() {
 /// The op conformance suite (`common/conformance.rs`, which
 /// `tests/op_conformance.rs` runs on the CPU) on the GPU: the same cases
 /// against the same f64 reference, with BF16 and F16 activations and
-/// int4 weights. The figures are printed for BENCHMARKS.md's accuracy notes.
+/// int4 weights. Tolerances are about three times the worst deviation
+/// measured on an H200 (BF16 1.55e-2, F16 2.0e-3, int4 1.52e-2).
 #[test]
 fn gpu_ops_match_the_f64_reference_of_the_conformance_suite() {
     use common::conformance::{check_backend, write_int4};
@@ -2080,8 +2089,8 @@ fn gpu_ops_match_the_f64_reference_of_the_conformance_suite() {
     let scratch = std::env::temp_dir().join(format!("ni-cuda-conformance-{}", std::process::id()));
     let mut report = Vec::new();
     for (label, dtype, tolerance) in [
-        ("cuda-bf16", WeightDType::BF16, 6e-2),
-        ("cuda-f16", WeightDType::F16, 2e-2),
+        ("cuda-bf16", WeightDType::BF16, 4.5e-2),
+        ("cuda-f16", WeightDType::F16, 6e-3),
     ] {
         let load = |dense: &std::path::Path, _: &std::path::Path| {
             (load_as(dense, dtype), dense.to_path_buf())
@@ -2093,7 +2102,7 @@ fn gpu_ops_match_the_f64_reference_of_the_conformance_suite() {
         write_int4(dense, &packed, &reference);
         (load_as(&packed, WeightDType::BF16), reference)
     };
-    report.extend(check_backend("cuda-int4", &scratch, pool, 6e-2, &load));
+    report.extend(check_backend("cuda-int4", &scratch, pool, 4.5e-2, &load));
     eprintln!("{}", report.join("\n"));
     let _ = std::fs::remove_dir_all(&scratch);
 }
