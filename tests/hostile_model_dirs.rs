@@ -181,7 +181,8 @@ fn fifo_generation_config_is_skipped() {
 }
 
 /// A hostile chat template loads (it compiles), and rendering fails fast with
-/// the file and the limit named, through the API and the CLI.
+/// the file and the limit named, through the Rust API, the C ABI
+/// (`ni_apply_chat_template`) and the CLI (`generate --chat`).
 #[test]
 fn hostile_chat_templates_fail_to_render() {
     let templates = [
@@ -209,11 +210,106 @@ fn hostile_chat_templates_fail_to_render() {
             tok.apply_chat_template(&[ChatMessage::new("user", "hi")], true)
         })
         .unwrap_err();
-        assert!(
-            err.message.contains("chat_template.jinja") && err.message.contains(limit),
-            "{}",
-            err.message
-        );
+        let check = |msg: &str, via: &str| {
+            assert!(
+                msg.contains("chat_template.jinja") && msg.contains(limit),
+                "{via}: {msg}"
+            );
+        };
+        check(&err.message, "Rust API");
+        let (status, msg) = ffi_render(&dir, &[("user", "hi")]);
+        assert_eq!(status, NI_ERR_INVALID_ARGUMENT, "{msg}");
+        check(&msg, "C ABI");
+        let (code, stderr) = cli_chat(&dir);
+        assert_eq!(code, 1, "{stderr}");
+        check(&stderr, "CLI");
         std::fs::remove_dir_all(&dir).unwrap();
     }
+}
+
+/// `ni_apply_chat_template` of `messages` on the model in `dir`: (status,
+/// the error message or the rendered text's length).
+fn ffi_render(dir: &Path, messages: &[(&str, &str)]) -> (ni_status, String) {
+    let dir = dir.to_path_buf();
+    let owned: Vec<(CString, CString)> = messages
+        .iter()
+        .map(|(r, c)| (CString::new(*r).unwrap(), CString::new(*c).unwrap()))
+        .collect();
+    bounded("ni_apply_chat_template", move || {
+        let (status, msg, model) = ffi_common::try_load_model_at(&dir);
+        assert_eq!(status, NI_OK, "{msg}");
+        let msgs: Vec<ni_chat_message> = owned
+            .iter()
+            .map(|(r, c)| ni_chat_message {
+                role: r.as_ptr(),
+                content: c.as_ptr(),
+            })
+            .collect();
+        let (mut text, mut len) = (std::ptr::null_mut(), 0usize);
+        // SAFETY: a live model, `msgs.len()` valid messages whose strings
+        // outlive the call, valid out pointers.
+        let status = unsafe {
+            ni_apply_chat_template(model, msgs.as_ptr(), msgs.len(), true, &mut text, &mut len)
+        };
+        let out = if status == NI_OK {
+            len.to_string()
+        } else {
+            ffi_common::last_error()
+        };
+        // SAFETY: text is NULL or a string from ni_apply_chat_template;
+        // model is a handle from ni_model_load.
+        unsafe {
+            ni_string_free(text);
+            ni_model_free(model);
+        }
+        (status, out)
+    })
+}
+
+/// `nanoinfer generate --chat` on `dir`: (exit code, stderr).
+fn cli_chat(dir: &Path) -> (i32, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nanoinfer"));
+    cmd.args(["generate", "--model", dir.to_str().unwrap(), "--chat"])
+        .args(["--prompt", "hi", "--max-tokens", "1", "--threads", "2"]);
+    let out = bounded("nanoinfer generate --chat", move || cmd.output().unwrap());
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The step limit grows with the conversation: a 60 000-message chat renders
+/// with the model's own template (the fixed 2 000 000 steps ran out before),
+/// while a template that loops over the messages inside a loop over them
+/// still runs out, quickly, naming the allowance it had.
+#[test]
+fn the_step_limit_scales_with_the_conversation_not_with_a_nested_loop() {
+    let turns: Vec<(&str, &str)> = (0..60_000)
+        .map(|i| {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            (role, "hello there, how are you")
+        })
+        .collect();
+    let (status, rendered) = ffi_render(&ffi_common::model_dir(), &turns);
+    assert_eq!(status, NI_OK, "{rendered}");
+    assert!(rendered.parse::<usize>().unwrap() > 60_000 * 25);
+
+    let dir = model_dir_without("template-quadratic", "chat_template.jinja");
+    let quadratic =
+        "{% for a in messages %}{% for b in messages %}{{ '' }}{% endfor %}{% endfor %}";
+    std::fs::write(dir.join("chat_template.jinja"), quadratic).unwrap();
+    let started = std::time::Instant::now();
+    let (status, msg) = ffi_render(&dir, &turns[..5_000]);
+    assert_eq!(status, NI_ERR_INVALID_ARGUMENT, "{msg}");
+    let allowance = nanoinfer::tokenizer::template_step_limit(5_000);
+    assert!(
+        msg.contains(&format!("step limit of {allowance} instructions")),
+        "{msg}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -91,7 +91,7 @@ impl ChatTemplate {
         compile(&template.source).map_err(|e| {
             Error::invalid_model(format!(
                 "chat template from {origin} does not compile: {}",
-                describe(&e)
+                describe(&e, sandbox::FUEL)
             ))
         })?;
         Ok(template)
@@ -104,6 +104,7 @@ impl ChatTemplate {
             .iter()
             .map(|m| m.role.len() + m.content.len())
             .sum();
+        let fuel = sandbox::fuel_for(messages.len());
         let messages: Vec<Value> = messages
             .iter()
             .map(|m| {
@@ -142,7 +143,12 @@ impl ChatTemplate {
                 .iter()
                 .map(|(name, block)| (*name, sandbox::harden(block)))
                 .collect();
-            Vm::new(&self.env)
+            // The allowance scales with the conversation; the environment
+            // holds it, so each render runs on its own copy (a few maps of
+            // shared function handles).
+            let mut env = self.env.clone();
+            env.set_fuel(Some(fuel));
+            Vm::new(&env)
                 .eval(
                     &instructions,
                     ctx,
@@ -167,7 +173,7 @@ impl ChatTemplate {
             Error::invalid_arg(format!(
                 "chat template from {} failed to render: {}",
                 self.origin,
-                describe(&e)
+                describe(&e, fuel)
             ))
         })?;
         Ok(out)
@@ -203,13 +209,11 @@ fn compile(source: &str) -> std::result::Result<CompiledTemplate<'_>, minijinja:
     CompiledTemplate::new(TEMPLATE_NAME, source, &config)
 }
 
-/// The error and its causes on one line, with the limit named when one was hit.
-fn describe(err: &minijinja::Error) -> String {
+/// The error and its causes on one line, with the limit named when one was
+/// hit (`fuel`: the instruction allowance it ran under).
+fn describe(err: &minijinja::Error, fuel: u64) -> String {
     let mut msg = match err.kind() {
-        ErrorKind::OutOfFuel => format!(
-            "step limit of {} instructions exceeded: {err}",
-            sandbox::FUEL
-        ),
+        ErrorKind::OutOfFuel => format!("step limit of {fuel} instructions exceeded: {err}"),
         _ if err.to_string().contains("recursion limit") => format!(
             "recursion limit of {} exceeded: {err}",
             sandbox::MAX_RECURSION

@@ -26,5 +26,6 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use config::SpecialTokens;
 pub use hf::{EncodeOptions, Tokenizer};
 pub use protect::ProtectedText;
+pub use sandbox::fuel_for as template_step_limit;
 pub use stream::StreamDetokenizer;
 pub use token_bytes::TokenBytes;

@@ -33,9 +33,25 @@ pub const MAX_SOURCE_BYTES: usize = 1 << 20;
 /// compiles operator chains recursively, so a chain of 100 000 `~` overflows the
 /// stack at compile time; real tags have tens of tokens.
 pub const MAX_TAG_TOKENS: usize = 1000;
-/// Instructions one render may execute (the hardening adds about three per loop
-/// iteration, call and operator). Bounds nested loops to well under a second.
+/// Instructions one render may execute before counting its messages (the
+/// hardening adds about three per loop iteration, call and operator). With
+/// [`FUEL_PER_MESSAGE`] and [`MAX_FUEL`], see [`fuel_for`].
 pub const FUEL: u64 = 2_000_000;
+/// Instructions added to a render's allowance per message. Real templates
+/// spend tens per message (35–55 for the ChatML, alternating-roles and
+/// generation-tag test templates), so a conversation of any length fits,
+/// while a template that loops over the messages in a nested loop runs out.
+pub const FUEL_PER_MESSAGE: u64 = 1_000;
+/// The most instructions any render may execute: a few seconds, within
+/// [`DEADLINE`]. Reached at about 62 000 messages, more than any context
+/// holds.
+pub const MAX_FUEL: u64 = 64_000_000;
+
+/// The instruction allowance of a render of `messages` messages.
+pub fn fuel_for(messages: usize) -> u64 {
+    let per_message = FUEL_PER_MESSAGE.saturating_mul(messages as u64);
+    FUEL.saturating_add(per_message).min(MAX_FUEL)
+}
 /// Nesting of macro calls, recursive loops and includes.
 pub const MAX_RECURSION: usize = 64;
 /// Bytes one render may build (output, concatenations, formatted values), on top of

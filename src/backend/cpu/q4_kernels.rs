@@ -94,10 +94,11 @@ unsafe fn micro_scalar(
                     for (kk, &xv) in x[k0..k0 + ACT_BLOCK].iter().enumerate() {
                         isum += w.q(wr, k0 + kk) as i32 * xv as i32;
                     }
-                    dot += isum as f32 * a.scales[row * nab + ab];
+                    dot = (isum as f32).mul_add(a.scales[row * nab + ab], dot);
                     xsum += a.sums[row * nab + ab];
                 }
-                sum += dot * w.scale(wr, gi) + w.min(wr, gi) * xsum;
+                sum = dot.mul_add(w.scale(wr, gi), sum);
+                sum = w.min(wr, gi).mul_add(xsum, sum);
             }
             *out.add(r * stride + col) = sum;
         }

@@ -1,7 +1,10 @@
 //! Q8_0 × int8-activation kernels over the packed layout of [`Q8Matrix`]:
 //! AVX-512 VNNI (`vpdpbusd`), AVX2 (`vpmaddubsw` with the sign trick) and
 //! scalar. Each group's integer dot products are exact; the f32 scales are
-//! applied once per group.
+//! applied once per group, as one fused multiply-add on every path: the
+//! next product quantizes these outputs to int8, so a last-bit difference
+//! between paths becomes a different rounding of some activations
+//! (docs/quantization-determinism.md).
 
 use super::q8::{Q8Matrix, QActs, BLOCK_ROWS, K_STEP};
 
@@ -189,7 +192,7 @@ unsafe fn micro_scalar(
                     isum += wq * x[kk] as i32;
                 }
                 let sw = w.scales[(b * ng + gi) * BLOCK_ROWS + j];
-                sum += isum as f32 * sw * a.scales[(r0 + r) * ng + gi];
+                sum = (isum as f32).mul_add(sw * a.scales[(r0 + r) * ng + gi], sum);
             }
             *out.add(r * stride + col) = sum;
         }
