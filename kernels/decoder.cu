@@ -12,10 +12,14 @@
 
 #include "common.cuh"
 
-// out[r] = table[tokens[r]]; grid = rows.
-extern "C" __global__ void embed(const raw16* table, const unsigned* tokens, raw16* out, int d) {
+// out[r] = table[tokens[r]]; grid = rows. A token outside the table reads
+// row 0: a chained step's row whose previous id was the non-finite marker
+// (0xffffffff, see argmax_merge) is a placeholder its request never sees.
+extern "C" __global__ void embed(const raw16* table, const unsigned* tokens, raw16* out, int d,
+                                 int vocab) {
     GRID_DEP_ENTER();
-    const raw16* src = table + (size_t)tokens[blockIdx.x] * d;
+    const unsigned token = tokens[blockIdx.x];
+    const raw16* src = table + (size_t)(token < (unsigned)vocab ? token : 0u) * d;
     raw16* dst = out + (size_t)blockIdx.x * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) dst[i] = src[i];
 }
@@ -1478,8 +1482,13 @@ DECODE_ATTENTION_KERNEL(attention_decode_mma_fp8, fp8, DA_WARPS, DA_FP8_MIN_BLOC
 
 #define ARGMAX_SPLITS 32  // blocks per row in argmax_partial; one warp merges them
 
+// A slice's key when it holds a NaN or an infinity: above every real key
+// (whose high word is at most the order key of +inf, 0xff800000), so it wins
+// the merge and marks the whole row.
+#define ARGMAX_NON_FINITE 0xffffffffffffffffull
+
 // Greedy decoding on the GPU, step 1: the best (logit, index) key of slice
-// blockIdx.y of row blockIdx.x (NaN logits are skipped).
+// blockIdx.y of row blockIdx.x, or ARGMAX_NON_FINITE.
 // grid = (rows, ARGMAX_SPLITS), block = 256.
 extern "C" __global__ void argmax_partial(const float* logits, int vocab, unsigned long long* part) {
     GRID_DEP_ENTER();
@@ -1488,13 +1497,14 @@ extern "C" __global__ void argmax_partial(const float* logits, int vocab, unsign
     const int begin = blockIdx.y * chunk, end = min(vocab, begin + chunk);
     const float* row = logits + (size_t)blockIdx.x * vocab;
     unsigned long long best = 0;
+    int non_finite = 0;
     for (int i = begin + threadIdx.x; i < end; i += blockDim.x) {
         const float x = row[i];
-        if (x == x) {
-            const unsigned long long key = argmax_key(x, i);
-            best = key > best ? key : best;
-        }
+        non_finite |= !isfinite(x);
+        const unsigned long long key = argmax_key(x, i);
+        best = key > best ? key : best;
     }
+    if (__syncthreads_or(non_finite)) best = ARGMAX_NON_FINITE;
     best = warp_max_u64(best);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (lane == 0) best_w[warp] = best;
@@ -1505,11 +1515,14 @@ extern "C" __global__ void argmax_partial(const float* logits, int vocab, unsign
     }
 }
 
-// Step 2: ids[r] = index of the first largest logit of row r (0 when every
-// logit is NaN). grid = rows, block = 32.
+// Step 2: ids[r] = index of the first largest logit of row r, or
+// 0xffffffff (the engine's NON_FINITE_ROW) when the row holds a NaN or an
+// infinity, as the CPU reports it. grid = rows, block = 32.
 extern "C" __global__ void argmax_merge(const unsigned long long* part, unsigned* ids) {
     GRID_DEP_ENTER();
     const unsigned long long best =
         warp_max_u64(part[(size_t)blockIdx.x * ARGMAX_SPLITS + threadIdx.x]);
-    if (threadIdx.x == 0) ids[blockIdx.x] = best ? 0xffffffffu - (unsigned)(best & 0xffffffffu) : 0u;
+    if (threadIdx.x == 0)
+        ids[blockIdx.x] = best == ARGMAX_NON_FINITE ? 0xffffffffu
+                                                    : 0xffffffffu - (unsigned)(best & 0xffffffffu);
 }

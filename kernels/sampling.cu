@@ -490,6 +490,15 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     // Read before thread 0 writes this row's id below.
     const unsigned pending = flags & SAMPLE_PENDING ? ids[blockIdx.x] : 0xffffffffu;
     const bool pending_in_vocab = pending < (unsigned)vocab;
+    // A row the model made non-finite (NaN or infinity, before any stage
+    // writes -inf) gets 0xffffffff, the engine's NON_FINITE_ROW: its
+    // request ends with an error, as on the CPU.
+    int non_finite = 0;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) non_finite |= !isfinite(row[i]);
+    if (__syncthreads_or(non_finite)) {
+        if (threadIdx.x == 0) ids[blockIdx.x] = 0xffffffffu;
+        return;
+    }
     // Stage 0, the grammar: before everything else, as on the CPU, so the
     // later stages only weigh allowed tokens.
     if (p[SAMPLE_MASK_AT]) {

@@ -2106,3 +2106,75 @@ fn gpu_ops_match_the_f64_reference_of_the_conformance_suite() {
     eprintln!("{}", report.join("\n"));
     let _ = std::fs::remove_dir_all(&scratch);
 }
+
+/// A model whose f16 activations overflow (finite weights: layer 0's input
+/// norm scaled to 6e4, so the normed rows pass f16's 65 504) makes NaN
+/// logits on the GPU. Greedy rows (argmax on the device) and sampled rows
+/// (the device sampler) are marked non-finite, and each request ends with
+/// one error event naming the cause, as on the CPU; nothing is emitted from
+/// the garbage row and no KV is leaked.
+#[test]
+fn non_finite_gpu_logits_end_the_request_with_an_error() {
+    use common::conformance::{shapes, write_model, Isolate};
+    use nanoinfer::engine::FinishReason;
+    if fixtures().is_none() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ni-cuda-overflow-{}", std::process::id()));
+    write_model(&dir, &shapes()[0], Isolate::Whole, 3);
+    let file = dir.join("model.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in st.tensors() {
+        let mut data = view.data().to_vec();
+        if name == "model.layers.0.input_layernorm.weight" {
+            for c in data.chunks_exact_mut(4) {
+                let v = f32::from_le_bytes(c.try_into().unwrap()) * 6e4;
+                c.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        tensors.push((name, view.shape().to_vec(), data));
+    }
+    drop(st);
+    let views: Vec<_> = tensors
+        .iter()
+        .map(|(n, s, b)| {
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b);
+            (n.clone(), view.unwrap())
+        })
+        .collect();
+    safetensors::tensor::serialize_to_file(views, None, &file).unwrap();
+    let model = load_as(&dir, WeightDType::F16);
+    for temperature in [0.0, 1.0] {
+        let mut s = Session::new(model.clone(), SessionParams::default()).expect("session");
+        for i in 0..3u32 {
+            let mut sampling = sampling(4, 0);
+            sampling.temperature = temperature;
+            let prompt = (0..5 + i).map(|t| 3 + t * 7).collect();
+            s.add_request(RequestParams {
+                prompt,
+                sampling,
+                ..Default::default()
+            })
+            .unwrap();
+        }
+        let mut ended = 0;
+        while s.has_work() {
+            for e in s.step().expect("step") {
+                assert!(e.tokens.is_empty(), "tokens from a NaN row: {:?}", e.tokens);
+                match e.finish {
+                    Some(FinishReason::Error(msg)) => {
+                        assert!(msg.contains("non-finite logits"), "{msg}");
+                        ended += 1;
+                    }
+                    None => {}
+                    Some(other) => panic!("temperature {temperature}: ended with {other:?}"),
+                }
+            }
+        }
+        assert_eq!(ended, 3, "temperature {temperature}");
+        assert_eq!(s.stats().kv.used_slots, 0, "KV leaked");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -64,9 +64,9 @@ pub trait ForwardContext: Send {
     fn forward(&mut self, batch: &ForwardBatch<'_>, logits: &mut [f32]) -> Result<()>;
     /// Like `forward`, for callers that need only each logits row's argmax
     /// (plain greedy decoding): writes `ids[i]` = the first index of the
-    /// largest logit of `batch.logits_rows[i]`. A GPU never copies the
-    /// logits to the host for this. The CPU writes [`NON_FINITE_ROW`] for a
-    /// row holding a NaN or infinity; a GPU does not check.
+    /// largest logit of `batch.logits_rows[i]`, or [`NON_FINITE_ROW`] for
+    /// a row holding a NaN or infinity. A GPU never copies the logits to
+    /// the host for this.
     fn forward_argmax(&mut self, batch: &ForwardBatch<'_>, ids: &mut [u32]) -> Result<()>;
     /// Whether the engine should launch a decode step's successor before
     /// the step's ids reach the host (`launch` with `chained`). A device
@@ -115,7 +115,8 @@ pub trait ForwardContext: Send {
     /// `sampling.rows[i]` says and writing the token to `ids[i]`; the rows
     /// of `sampling.host_rows` are not sampled but their logits copied to
     /// `logits`, one after the other. `masks` is asked for the masked
-    /// rows' masks once the forward is under way (see `MaskFill`).
+    /// rows' masks once the forward is under way (see `MaskFill`). A
+    /// sampled row holding a NaN or infinity gets [`NON_FINITE_ROW`].
     fn forward_sample(
         &mut self,
         batch: &ForwardBatch<'_>,

@@ -639,6 +639,7 @@ impl LayerOps for CudaLayerOps<'_> {
                 inp(inputs.tokens),
                 KArg::Ptr(ws.hidden.ptr()),
                 KArg::I32(ctx.model.dims.hidden as i32),
+                KArg::I32(ctx.model.dims.vocab as i32),
             ],
         )?;
         if self.handoff {
