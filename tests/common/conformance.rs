@@ -28,6 +28,7 @@ use nanoinfer::forward::{AttnSeq, KvMapping};
 use nanoinfer::memory::MemoryPoolKind;
 use nanoinfer::model::safetensors::WeightFiles;
 use nanoinfer::model::{ContextShape, ForwardBatch, ModelConfig, QuantMode};
+use nanoinfer::sampling::rng::SplitMix64;
 use safetensors::tensor::{Dtype, TensorView};
 use std::collections::HashMap;
 use std::path::Path;
@@ -121,21 +122,9 @@ const LAYERS: usize = 2;
 const EPS: f64 = 1e-6;
 const THETA: f64 = 10000.0;
 
-/// SplitMix64, for weights and tokens.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-a, a).
-    fn uniform(&mut self, a: f32) -> f32 {
-        ((self.next() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32 * a
-    }
+/// Uniform in [-a, a).
+fn uniform(rng: &mut SplitMix64, a: f32) -> f32 {
+    ((rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32 * a
 }
 
 /// Writes a random-weight checkpoint of `s` with `isolate`'s projections
@@ -166,20 +155,21 @@ pub fn write_model(dir: &Path, s: &Shape, isolate: Isolate, seed: u64) {
     });
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let mut rng = Rng(seed);
+    let mut rng = SplitMix64::new(seed);
     let (d, hd) = (s.hidden, s.head_dim);
     let (nq, nkv, inter) = (s.heads * hd, s.kv_heads * hd, s.intermediate);
     let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
     // Uniform in ±scale (all zero for scale 0).
-    let add = |t: &mut Vec<_>, name: String, shape: Vec<usize>, scale: f32, rng: &mut Rng| {
-        let n: usize = shape.iter().product();
-        let data = (0..n).map(|_| rng.uniform(scale)).collect();
-        t.push((name, shape, data));
-    };
+    let add =
+        |t: &mut Vec<_>, name: String, shape: Vec<usize>, scale: f32, rng: &mut SplitMix64| {
+            let n: usize = shape.iter().product();
+            let data = (0..n).map(|_| uniform(rng, scale)).collect();
+            t.push((name, shape, data));
+        };
     // Norm weights around 1, so that a norm applied with the wrong weight
     // (or none) shows.
-    let norm = |t: &mut Vec<_>, name: String, n: usize, rng: &mut Rng| {
-        let data = (0..n).map(|_| 1.0 + rng.uniform(0.5)).collect();
+    let norm = |t: &mut Vec<_>, name: String, n: usize, rng: &mut SplitMix64| {
+        let data = (0..n).map(|_| 1.0 + uniform(rng, 0.5)).collect();
         t.push((name, vec![n], data));
     };
     // Scales keep activations O(1) through the layers.
@@ -539,7 +529,7 @@ pub fn run(
 ) -> Deviation {
     let c = model.config();
     let vocab = c.vocab_size;
-    let mut rng = Rng(99);
+    let mut rng = SplitMix64::new(99);
     // Three sequences: A is prefilled (9 rows), then decoded twice;
     // B prefilled (6), then a chunk of 5, then a decode row; C starts in
     // step 2 (7 rows) and decodes in step 3.
@@ -549,7 +539,7 @@ pub fn run(
         .iter()
         .map(|steps| {
             let n: usize = steps.iter().sum();
-            let tokens = (0..n).map(|_| (rng.next() % vocab as u64) as u32).collect();
+            let tokens = (0..n).map(|_| rng.below(vocab) as u32).collect();
             Sequence {
                 tokens,
                 slots: Vec::new(),
