@@ -2115,36 +2115,14 @@ fn gpu_ops_match_the_f64_reference_of_the_conformance_suite() {
 /// the garbage row and no KV is leaked.
 #[test]
 fn non_finite_gpu_logits_end_the_request_with_an_error() {
-    use common::conformance::{shapes, write_model, Isolate};
+    use common::conformance::{scale_tensor, shapes, write_model, Isolate};
     use nanoinfer::engine::FinishReason;
     if fixtures().is_none() {
         return;
     }
     let dir = std::env::temp_dir().join(format!("ni-cuda-overflow-{}", std::process::id()));
     write_model(&dir, &shapes()[0], Isolate::Whole, 3);
-    let file = dir.join("model.safetensors");
-    let bytes = std::fs::read(&file).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (name, view) in st.tensors() {
-        let mut data = view.data().to_vec();
-        if name == "model.layers.0.input_layernorm.weight" {
-            for c in data.chunks_exact_mut(4) {
-                let v = f32::from_le_bytes(c.try_into().unwrap()) * 6e4;
-                c.copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        tensors.push((name, view.shape().to_vec(), data));
-    }
-    drop(st);
-    let views: Vec<_> = tensors
-        .iter()
-        .map(|(n, s, b)| {
-            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b);
-            (n.clone(), view.unwrap())
-        })
-        .collect();
-    safetensors::tensor::serialize_to_file(views, None, &file).unwrap();
+    scale_tensor(&dir, "model.layers.0.input_layernorm.weight", 6e4);
     let model = load_as(&dir, WeightDType::F16);
     for temperature in [0.0, 1.0] {
         let mut s = Session::new(model.clone(), SessionParams::default()).expect("session");

@@ -267,6 +267,11 @@ pub fn write_model(dir: &Path, s: &Shape, isolate: Isolate, seed: u64) {
     if s.family != Family::Qwen2 {
         add(t, "lm_head.weight".into(), vec![s.vocab, d], w, &mut rng);
     }
+    save_f32(dir, tensors);
+}
+
+/// Writes `tensors` (name, shape, values) as `dir/model.safetensors` in F32.
+fn save_f32(dir: &Path, tensors: Vec<(String, Vec<usize>, Vec<f32>)>) {
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
         .into_iter()
         .map(|(n, shape, v)| (n, shape, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
@@ -281,6 +286,27 @@ pub fn write_model(dir: &Path, s: &Shape, isolate: Isolate, seed: u64) {
         })
         .collect();
     safetensors::tensor::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+}
+
+/// Multiplies tensor `name` of the F32 checkpoint `dir` by `factor` in place.
+pub fn scale_tensor(dir: &Path, name: &str, factor: f32) {
+    let files = WeightFiles::open(dir).unwrap();
+    let mut found = false;
+    let tensors = files
+        .tensor_names()
+        .map(|n| {
+            let view = files.get(n).unwrap();
+            let mut values = view.to_f32().unwrap().into_owned();
+            if n == name {
+                values.iter_mut().for_each(|v| *v *= factor);
+                found = true;
+            }
+            (n.to_string(), view.shape.to_vec(), values)
+        })
+        .collect();
+    drop(files);
+    assert!(found, "no tensor {name} in {}", dir.display());
+    save_f32(dir, tensors);
 }
 
 /// Writes an int4 checkpoint of the dense model `dense` (round to nearest,
