@@ -1488,13 +1488,15 @@ DECODE_ATTENTION_KERNEL(attention_decode_mma_fp8, fp8, DA_WARPS, DA_FP8_MIN_BLOC
 #define ARGMAX_NON_FINITE 0xffffffffffffffffull
 
 // Greedy decoding on the GPU, step 1: the best (logit, index) key of slice
-// blockIdx.y of row blockIdx.x, or ARGMAX_NON_FINITE.
-// grid = (rows, ARGMAX_SPLITS), block = 256.
-extern "C" __global__ void argmax_partial(const float* logits, int vocab, unsigned long long* part) {
+// blockIdx.y of the first `choosable` columns of row blockIdx.x (rows of
+// `vocab`; the columns past the tokenizer are left out), or
+// ARGMAX_NON_FINITE. grid = (rows, ARGMAX_SPLITS), block = 256.
+extern "C" __global__ void argmax_partial(const float* logits, int vocab, int choosable,
+                                          unsigned long long* part) {
     GRID_DEP_ENTER();
     __shared__ unsigned long long best_w[32];
-    const int chunk = (vocab + ARGMAX_SPLITS - 1) / ARGMAX_SPLITS;
-    const int begin = blockIdx.y * chunk, end = min(vocab, begin + chunk);
+    const int chunk = (choosable + ARGMAX_SPLITS - 1) / ARGMAX_SPLITS;
+    const int begin = blockIdx.y * chunk, end = min(choosable, begin + chunk);
     const float* row = logits + (size_t)blockIdx.x * vocab;
     unsigned long long best = 0;
     int non_finite = 0;

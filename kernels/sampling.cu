@@ -479,7 +479,7 @@ __device__ bool block_list_has(const unsigned* edit, unsigned n, unsigned t) {
 // Rows marked SAMPLE_ON_HOST are left untouched.
 // grid = rows, block = SAMPLE_THREADS.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample_rows(float* logits, int vocab, const unsigned* params, unsigned* ids) {
+    sample_rows(float* logits, int vocab, int choosable, const unsigned* params, unsigned* ids) {
     GRID_DEP_ENTER();
     float* row = logits + (size_t)blockIdx.x * vocab;
     const unsigned* p = params + (size_t)blockIdx.x * SAMPLE_ROW_WORDS;
@@ -494,11 +494,15 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     // writes -inf) gets 0xffffffff, the engine's NON_FINITE_ROW: its
     // request ends with an error, as on the CPU.
     int non_finite = 0;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) non_finite |= !isfinite(row[i]);
+    for (int i = threadIdx.x; i < choosable; i += blockDim.x) non_finite |= !isfinite(row[i]);
     if (__syncthreads_or(non_finite)) {
         if (threadIdx.x == 0) ids[blockIdx.x] = 0xffffffffu;
         return;
     }
+    // The columns past the tokenizer (padding rows of the head) have no
+    // text: never chosen, as on the CPU, which samples only the others.
+    for (int i = choosable + threadIdx.x; i < vocab; i += blockDim.x) row[i] = -NI_INF;
+    __syncthreads();
     // Stage 0, the grammar: before everything else, as on the CPU, so the
     // later stages only weigh allowed tokens.
     if (p[SAMPLE_MASK_AT]) {

@@ -2156,3 +2156,14 @@ fn non_finite_gpu_logits_end_the_request_with_an_error() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A vocabulary padded past its tokenizer: the device argmax and sampler
+/// choose only among the ids the tokenizer covers (`common/choosable.rs`).
+#[test]
+fn gpu_chooses_only_ids_the_tokenizer_covers() {
+    let Some(fx) = fixtures() else { return };
+    for name in MODELS {
+        let model = load(&fx.join(name));
+        common::choosable::check_choosable_ids(&model, MemoryPoolKind::default_for(true));
+    }
+}

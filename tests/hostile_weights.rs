@@ -14,6 +14,7 @@ use nanoinfer::engine::model::{Model, ModelParams};
 use nanoinfer::engine::request::{Event, FinishReason, RequestParams};
 use nanoinfer::engine::{Session, SessionParams};
 use nanoinfer::ffi::*;
+use nanoinfer::memory::MemoryPoolKind;
 use nanoinfer::sampling::SamplingParams;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -422,5 +423,66 @@ fn tokenizer_that_does_not_cover_the_model() {
         let text: String = ev.iter().map(|e| e.text.as_str()).collect();
         assert!(!text.is_empty());
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A word-level tokenizer.json with tokens for ids `0..n` only.
+fn write_word_tokenizer(dir: &Path, n: u32) {
+    let vocab: serde_json::Map<String, Value> =
+        (0..n).map(|i| (format!("w{i}"), Value::from(i))).collect();
+    let tok = serde_json::json!({
+        "version": "1.0",
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "w0"},
+        "pre_tokenizer": {"type": "Whitespace"},
+        "decoder": null,
+        "added_tokens": [],
+    });
+    std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
+}
+
+#[test]
+fn a_context_chooses_only_ids_the_tokenizer_covers() {
+    let dir = tiny_copy("choosable");
+    let model = Arc::new(rust_load(&dir).unwrap());
+    common::choosable::check_choosable_ids(&model, MemoryPoolKind::default_for(false));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn plain_greedy_never_emits_padding_ids() {
+    // The padded head row 255 is made to win the first step (ten times the
+    // winning row), as a Qwen-style checkpoint's untrained padding rows can:
+    // without a tokenizer every id is choosable and 255 comes out; with one
+    // that covers ids 0..250, greedy decoding takes the best id it covers.
+    let dir = tiny_copy("padded-greedy");
+    let prompt = [1, 2, 3];
+    let first = |dir: &Path| {
+        let model = Arc::new(rust_load(dir).unwrap());
+        let ev = run(&model, &[request(&prompt, 0.0, 0)]).remove(0);
+        assert_eq!(terminal(&ev), &FinishReason::Length);
+        let tokens: Vec<u32> = ev.iter().flat_map(|e| e.tokens.clone()).collect();
+        let text: String = ev.iter().map(|e| e.text.as_str()).collect();
+        (tokens, text)
+    };
+    let (plain, _) = first(&dir);
+    let winner = plain[0] as usize;
+    assert!(winner < 250, "{plain:?}");
+    edit_tensor(&dir, "lm_head.weight", |w, shape| {
+        let h = shape[1];
+        let row: Vec<f32> = w[winner * h..(winner + 1) * h].to_vec();
+        for (d, s) in w[255 * h..256 * h].iter_mut().zip(row) {
+            *d = 10.0 * s;
+        }
+    });
+    let (unlimited, _) = first(&dir);
+    assert_eq!(
+        unlimited[0], 255,
+        "the padding row does not win: {unlimited:?}"
+    );
+    write_word_tokenizer(&dir, 250);
+    let (limited, text) = first(&dir);
+    assert_eq!(limited[0] as usize, winner, "{limited:?}");
+    assert!(limited.iter().all(|&t| t < 250), "{limited:?}");
+    assert!(text.starts_with(&format!("w{winner}")), "{text:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -27,6 +27,11 @@ pub struct ContextShape {
     pub memory_pool: MemoryPoolKind,
     /// What the KV cache stores (a decoder refuses a type it lacks).
     pub kv_dtype: KvCacheDType,
+    /// The ids a device may choose when it picks tokens itself (argmax,
+    /// sampling): those below this, the tokenizer's coverage, when the
+    /// model's vocabulary is padded past its tokenizer (padding rows have
+    /// no text). `None`: every logits column.
+    pub sample_vocab: Option<usize>,
     /// Fault injection: armed, the context's next step fails inside its
     /// workspace pool. A context without a planned workspace (CUDA) never
     /// fires it.
@@ -35,6 +40,12 @@ pub struct ContextShape {
 
 impl ContextShape {
     pub const DEFAULT_MEMORY_UTILIZATION: f32 = 0.9;
+
+    /// How many leading ids of a `vocab`-column logits row a device may
+    /// choose.
+    pub fn choosable_ids(&self, vocab: usize) -> usize {
+        self.sample_vocab.map_or(vocab, |n| n.min(vocab))
+    }
 
     pub fn new(kv_slots: usize, max_rows: usize, max_logits_rows: usize) -> Self {
         ContextShape {
@@ -45,6 +56,7 @@ impl ContextShape {
             utilization_budget: false,
             memory_pool: MemoryPoolKind::default(),
             kv_dtype: KvCacheDType::Auto,
+            sample_vocab: None,
             pool_fault: PoolFaultSwitch::default(),
         }
     }

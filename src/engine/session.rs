@@ -450,6 +450,7 @@ impl Session {
         let mut shape = ContextShape::new(0, params.max_batched_tokens, max_logits_rows);
         shape.memory_pool = pool;
         shape.kv_dtype = params.kv_cache_dtype;
+        shape.sample_vocab = Some(model.sample_vocab);
         shape.memory_utilization = params.gpu_memory_utilization;
         if mu > 0.0 {
             shape.memory_utilization = mu;

@@ -114,9 +114,9 @@ impl Decoder {
     }
 
     /// Like `forward`, for plain greedy decoding: writes `ids[i]` = the
-    /// first index of the largest logit of `batch.logits_rows[i]`, or
-    /// [`NON_FINITE_ROW`] when that row holds a NaN or infinity. The
-    /// logits stay in the workspace.
+    /// first index of the largest of the first `choosable` logits of
+    /// `batch.logits_rows[i]`, or [`NON_FINITE_ROW`] when they hold a NaN
+    /// or infinity. The logits stay in the workspace.
     pub fn forward_argmax(
         &self,
         pool: &ThreadPool,
@@ -124,6 +124,7 @@ impl Decoder {
         kv: &mut KvStorage,
         ws: &mut ForwardWorkspace,
         ids: &mut [u32],
+        choosable: usize,
     ) -> Result<()> {
         let vocab = self.config.vocab_size;
         let n_out = batch.logits_rows.len();
@@ -139,6 +140,7 @@ impl Decoder {
         let logits = std::mem::take(&mut b.logits);
         self.run(pool, batch, kv, &mut b, logits)?;
         for (id, row) in ids.iter_mut().zip(logits.chunks_exact(vocab)) {
+            let row = &row[..choosable.min(vocab)];
             *id = match first_non_finite(row) {
                 Some(_) => NON_FINITE_ROW,
                 None => first_argmax(row),

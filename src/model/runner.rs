@@ -243,6 +243,7 @@ impl DeviceDecoder for CpuDecoder {
         let max_positions = shape.kv_slots.min(c.max_position_embeddings);
         reserve_decode_scratch(&self.pool, &AttnShape::from(&c.dims()), max_positions);
         Ok(Box::new(CpuContext {
+            sample_vocab: shape.choosable_ids(c.vocab_size),
             model: self,
             storage,
             ws,
@@ -264,6 +265,8 @@ struct CpuContext {
     model: Arc<CpuDecoder>,
     storage: KvStorage,
     ws: ForwardWorkspace,
+    /// Ids `forward_argmax` may choose (`ContextShape::choosable_ids`).
+    sample_vocab: usize,
 }
 
 impl ForwardContext for CpuContext {
@@ -274,8 +277,9 @@ impl ForwardContext for CpuContext {
     }
     fn forward_argmax(&mut self, batch: &ForwardBatch<'_>, ids: &mut [u32]) -> Result<()> {
         let m = &*self.model;
+        let (storage, ws) = (&mut self.storage, &mut self.ws);
         m.decoder
-            .forward_argmax(&m.pool, batch, &mut self.storage, &mut self.ws, ids)
+            .forward_argmax(&m.pool, batch, storage, ws, ids, self.sample_vocab)
     }
     fn workspace_stats(&self) -> Option<WorkspaceStats> {
         Some(self.ws.stats())

@@ -93,12 +93,12 @@ pub fn encode_filled(
 }
 
 /// Enqueues the sampling of `rows` logits rows (`[rows, vocab]` f32 at
-/// `logits`, processed in place) from the encoded records at `params`;
-/// token ids go to `ids`.
+/// `logits`, processed in place) from the encoded records at `params`,
+/// choosing among the first `choosable` ids of each; token ids go to `ids`.
 pub fn enqueue(
     dev: &CudaDevice,
     logits: u64,
-    vocab: usize,
+    (vocab, choosable): (usize, usize),
     rows: usize,
     params: u64,
     ids: u64,
@@ -118,6 +118,7 @@ pub fn enqueue(
         &[
             KArg::Ptr(logits),
             KArg::I32(vocab as i32),
+            KArg::I32(choosable.min(vocab) as i32),
             KArg::Ptr(params),
             KArg::Ptr(ids),
         ],
@@ -175,7 +176,14 @@ pub fn sample_logits_masked(
     dev.upload(previous, &mut d_ids)?;
     dev.upload(logits, &mut d_logits)?;
     dev.upload(&words, &mut d_words)?;
-    enqueue(dev, d_logits.ptr(), vocab, rows, d_words.ptr(), d_ids.ptr())?;
+    enqueue(
+        dev,
+        d_logits.ptr(),
+        (vocab, vocab),
+        rows,
+        d_words.ptr(),
+        d_ids.ptr(),
+    )?;
     let mut ids = vec![0u32; rows];
     dev.download(&d_ids, &mut ids)?;
     Ok(ids)

@@ -22,6 +22,8 @@ pub struct CudaForward {
     pub(super) slots: usize,
     pub(super) max_rows: usize,
     pub(super) max_logits_rows: usize,
+    /// Ids the device may choose (`ContextShape::choosable_ids`).
+    pub(super) sample_vocab: usize,
     /// `[layer][k | v][slot][kv_heads * head_dim]` of the activation dtype,
     /// or of fp8 bytes (`kv_dtype`).
     pub(super) kv: DeviceBuffer<u16>,
@@ -387,7 +389,8 @@ impl CudaForward {
         if let Some((sampling, masks)) = sampling {
             let params = self.upload_sampling(sampling, masks)?;
             let (logits, ids) = (self.ws.logits.ptr(), self.ws.argmax.ptr());
-            return cuda::sampling::enqueue(&dev, logits, vocab, n_out, params, ids);
+            let columns = (vocab, self.sample_vocab);
+            return cuda::sampling::enqueue(&dev, logits, columns, n_out, params, ids);
         }
         dev.launch(
             &dev.kernels.argmax_partial,
@@ -396,6 +399,7 @@ impl CudaForward {
             &[
                 KArg::Ptr(self.ws.logits.ptr()),
                 KArg::I32(vocab as i32),
+                KArg::I32(self.sample_vocab as i32),
                 KArg::Ptr(self.ws.argmax_part.ptr()),
             ],
         )?;

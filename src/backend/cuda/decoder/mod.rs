@@ -471,6 +471,7 @@ impl CudaModel {
             slots: shape.kv_slots,
             max_rows: shape.max_rows,
             max_logits_rows: shape.max_logits_rows,
+            sample_vocab: shape.choosable_ids(self.dims.vocab),
             kv,
             kv_dtype: shape.kv_dtype,
             ws,
