@@ -1903,6 +1903,33 @@ fn fp8_kv() -> SessionParams {
     }
 }
 
+/// The logits of the last of `tokens`, prefilled in a fresh context.
+fn last_logits(model: &Arc<Model>, tokens: &[u32]) -> Vec<f32> {
+    use nanoinfer::forward::AttnSeq;
+    use nanoinfer::kv::KvMapping;
+    use nanoinfer::model::{ContextShape, ForwardBatch};
+    let n = tokens.len();
+    let mut shape = ContextShape::new(n + 1, n, 1);
+    shape.memory_pool = MemoryPoolKind::default_for(true);
+    let mut ctx = model.decoder.clone().new_context(&shape).unwrap();
+    let slots: Vec<u32> = (1..=n as u32).collect();
+    let seqs = [AttnSeq {
+        start: 0,
+        len: n,
+        context_len: 0,
+        kv: KvMapping::Slots(&slots),
+    }];
+    let batch = ForwardBatch {
+        tokens,
+        seqs: &seqs,
+        logits_rows: &[n - 1],
+        stop: None,
+    };
+    let mut logits = vec![0f32; model.config().vocab_size];
+    ctx.forward(&batch, &mut logits).unwrap();
+    logits
+}
+
 /// The cached keys and values of slots 1..=n after forwarding `tokens`
 /// (a prefill of all but the last token, then a one-row decode step: the
 /// two ways the QKV projection writes the cache) into a fresh context
@@ -2107,12 +2134,14 @@ fn gpu_ops_match_the_f64_reference_of_the_conformance_suite() {
     let _ = std::fs::remove_dir_all(&scratch);
 }
 
-/// A model whose f16 activations overflow (finite weights: layer 0's input
-/// norm scaled to 6e4, so the normed rows pass f16's 65 504) makes NaN
-/// logits on the GPU. Greedy rows (argmax on the device) and sampled rows
-/// (the device sampler) are marked non-finite, and each request ends with
-/// one error event naming the cause, as on the CPU; nothing is emitted from
-/// the garbage row and no KV is leaked.
+/// A model whose f16 activations overflow (finite weights: layer 0's value
+/// projection scaled by 4e5, to at most 6.0e4 in f16, so the values it
+/// computes pass f16's 65 504; the norms' outputs may stay f32 inside a
+/// fused projection, so overflowing only there would not be certain)
+/// makes NaN logits on the GPU. Greedy rows (argmax on the device) and
+/// sampled rows (the device sampler) are marked non-finite, and each
+/// request ends with one error event naming the cause, as on the CPU;
+/// nothing is emitted from the garbage row and no KV is leaked.
 #[test]
 fn non_finite_gpu_logits_end_the_request_with_an_error() {
     use common::conformance::{scale_tensor, shapes, write_model, Isolate};
@@ -2122,8 +2151,17 @@ fn non_finite_gpu_logits_end_the_request_with_an_error() {
     }
     let dir = std::env::temp_dir().join(format!("ni-cuda-overflow-{}", std::process::id()));
     write_model(&dir, &shapes()[0], Isolate::Whole, 3);
-    scale_tensor(&dir, "model.layers.0.input_layernorm.weight", 6e4);
+    scale_tensor(&dir, "model.layers.0.self_attn.v_proj.weight", 4e5);
     let model = load_as(&dir, WeightDType::F16);
+    // The premise: the forward itself overflows.
+    let prompt: Vec<u32> = (0..5).map(|t| 3 + t * 7).collect();
+    let logits = last_logits(&model, &prompt);
+    let bad = logits.iter().filter(|v| !v.is_finite()).count();
+    eprintln!(
+        "overflowing f16 model: {bad} of {} logits non-finite",
+        logits.len()
+    );
+    assert!(bad > 0, "the model does not overflow: {:?}", &logits[..8]);
     for temperature in [0.0, 1.0] {
         let mut s = Session::new(model.clone(), SessionParams::default()).expect("session");
         for i in 0..3u32 {
@@ -2140,7 +2178,11 @@ fn non_finite_gpu_logits_end_the_request_with_an_error() {
         let mut ended = 0;
         while s.has_work() {
             for e in s.step().expect("step") {
-                assert!(e.tokens.is_empty(), "tokens from a NaN row: {:?}", e.tokens);
+                assert!(
+                    e.tokens.is_empty(),
+                    "temperature {temperature}: tokens from a NaN row: {:?}",
+                    e.tokens
+                );
                 match e.finish {
                     Some(FinishReason::Error(msg)) => {
                         assert!(msg.contains("non-finite logits"), "{msg}");
