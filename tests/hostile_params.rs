@@ -716,3 +716,354 @@ fn pool_spawn_failure_leaves_no_thread() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// What a hostile request must come to: refused naming a field, or (a
+/// value that means something) accepted and ended with one terminal event.
+enum Outcome {
+    Refused(&'static str),
+    Runs,
+}
+
+/// Request fields one at a time, each a value a careless or hostile
+/// caller could pass: NaN and infinite floats, out-of-range ids and
+/// enums, null pointers with non-zero counts, invalid UTF-8. After the
+/// table the session still serves and holds no KV.
+#[test]
+fn hostile_request_fields_are_refused_or_run_cleanly() {
+    use Outcome::*;
+    let _g = serial();
+    let s = small_session();
+    let prompt = [1u32, 2, 3];
+    let base = {
+        let mut r = request_params();
+        r.prompt_tokens = prompt.as_ptr();
+        r.n_prompt_tokens = prompt.len();
+        r.max_tokens = 2;
+        r
+    };
+    let vocab = 49152u32;
+    let out_of_vocab = [1u32, vocab, 2];
+    let bad_bias = [ni_logit_bias {
+        token: vocab,
+        bias: 1.0,
+    }];
+    let nan_bias = [ni_logit_bias {
+        token: 5,
+        bias: f32::NAN,
+    }];
+    let inf_bias = [ni_logit_bias {
+        token: 5,
+        bias: f32::INFINITY,
+    }];
+    let ban_bias = [ni_logit_bias {
+        token: 5,
+        bias: f32::NEG_INFINITY,
+    }];
+    let bad_utf8 = [b'a', 0xff, 0xfe, b'b'];
+    let null_stop: [*const c_char; 1] = [ptr::null()];
+    let empty = CString::new("").unwrap();
+    let empty_stop = [empty.as_ptr()];
+    let bad_grammar = CString::new("root ::= (").unwrap();
+    let null_msg = [ni_chat_message {
+        role: ptr::null(),
+        content: ptr::null(),
+    }];
+    type Edit<'a> = Box<dyn Fn(&mut ni_request_params) + 'a>;
+    let cases: Vec<(&str, Edit<'_>, Outcome)> = vec![
+        (
+            "temperature NaN",
+            Box::new(|r| r.temperature = f32::NAN),
+            Refused("temperature"),
+        ),
+        (
+            "temperature -1",
+            Box::new(|r| r.temperature = -1.0),
+            Refused("temperature"),
+        ),
+        (
+            "temperature inf",
+            Box::new(|r| r.temperature = f32::INFINITY),
+            Refused("temperature"),
+        ),
+        (
+            "top_p NaN",
+            Box::new(|r| r.top_p = f32::NAN),
+            Refused("top_p"),
+        ),
+        ("top_p 1.5", Box::new(|r| r.top_p = 1.5), Refused("top_p")),
+        ("top_p -0.5", Box::new(|r| r.top_p = -0.5), Refused("top_p")),
+        (
+            "min_p NaN",
+            Box::new(|r| r.min_p = f32::NAN),
+            Refused("min_p"),
+        ),
+        ("min_p 2", Box::new(|r| r.min_p = 2.0), Refused("min_p")),
+        ("min_p -1", Box::new(|r| r.min_p = -1.0), Refused("min_p")),
+        (
+            "repetition_penalty NaN",
+            Box::new(|r| r.repetition_penalty = f32::NAN),
+            Refused("repetition_penalty"),
+        ),
+        (
+            "repetition_penalty -1",
+            Box::new(|r| r.repetition_penalty = -1.0),
+            Refused("repetition_penalty"),
+        ),
+        (
+            "repetition_penalty inf",
+            Box::new(|r| r.repetition_penalty = f32::INFINITY),
+            Refused("repetition_penalty"),
+        ),
+        (
+            "presence_penalty NaN",
+            Box::new(|r| r.presence_penalty = f32::NAN),
+            Refused("presence_penalty"),
+        ),
+        (
+            "presence_penalty inf",
+            Box::new(|r| r.presence_penalty = f32::INFINITY),
+            Refused("presence_penalty"),
+        ),
+        (
+            "frequency_penalty NaN",
+            Box::new(|r| r.frequency_penalty = f32::NAN),
+            Refused("frequency_penalty"),
+        ),
+        (
+            "frequency_penalty -inf",
+            Box::new(|r| r.frequency_penalty = f32::NEG_INFINITY),
+            Refused("frequency_penalty"),
+        ),
+        ("top_k -2", Box::new(|r| r.top_k = -2), Refused("top_k")),
+        ("top_k i32::MAX", Box::new(|r| r.top_k = i32::MAX), Runs),
+        (
+            "prompt id past the vocabulary",
+            Box::new(|r| {
+                r.prompt_tokens = out_of_vocab.as_ptr();
+                r.n_prompt_tokens = out_of_vocab.len();
+            }),
+            Refused("49152"),
+        ),
+        (
+            "null prompt_tokens with a count",
+            Box::new(|r| r.prompt_tokens = ptr::null()),
+            Refused("prompt_tokens"),
+        ),
+        (
+            "empty prompt",
+            Box::new(|r| r.n_prompt_tokens = 0),
+            Refused("prompt"),
+        ),
+        (
+            "prompt text not UTF-8",
+            Box::new(|r| {
+                r.prompt_tokens = ptr::null();
+                r.n_prompt_tokens = 0;
+                r.prompt_text = bad_utf8.as_ptr().cast();
+                r.prompt_text_len = bad_utf8.len();
+            }),
+            Refused("UTF-8"),
+        ),
+        (
+            "null prompt_text with a length",
+            Box::new(|r| {
+                r.prompt_tokens = ptr::null();
+                r.n_prompt_tokens = 0;
+                r.prompt_text = ptr::null();
+                r.prompt_text_len = 5;
+            }),
+            Refused("prompt_text"),
+        ),
+        (
+            "logit_bias id past the vocabulary",
+            Box::new(|r| {
+                r.logit_bias = bad_bias.as_ptr();
+                r.n_logit_bias = 1;
+            }),
+            Refused("logit_bias"),
+        ),
+        (
+            "logit_bias NaN",
+            Box::new(|r| {
+                r.logit_bias = nan_bias.as_ptr();
+                r.n_logit_bias = 1;
+            }),
+            Refused("logit_bias"),
+        ),
+        (
+            "logit_bias +inf",
+            Box::new(|r| {
+                r.logit_bias = inf_bias.as_ptr();
+                r.n_logit_bias = 1;
+            }),
+            Refused("logit_bias"),
+        ),
+        (
+            "logit_bias -inf (outside [-100, 100])",
+            Box::new(|r| {
+                r.logit_bias = ban_bias.as_ptr();
+                r.n_logit_bias = 1;
+            }),
+            Refused("logit_bias"),
+        ),
+        (
+            "null logit_bias with a count",
+            Box::new(|r| r.n_logit_bias = 3),
+            Refused("logit_bias"),
+        ),
+        (
+            "null stop_token_ids with a count",
+            Box::new(|r| r.n_stop_token_ids = 2),
+            Refused("stop_token_ids"),
+        ),
+        (
+            "stop id past the vocabulary",
+            Box::new(|r| {
+                r.stop_token_ids = out_of_vocab.as_ptr();
+                r.n_stop_token_ids = out_of_vocab.len();
+            }),
+            Refused("stop_token_ids"),
+        ),
+        (
+            "null stop_strings with a count",
+            Box::new(|r| r.n_stop_strings = 1),
+            Refused("stop_strings"),
+        ),
+        (
+            "a null stop string",
+            Box::new(|r| {
+                r.stop_strings = null_stop.as_ptr();
+                r.n_stop_strings = 1;
+            }),
+            Refused("stop_strings[0]"),
+        ),
+        (
+            "an empty stop string",
+            Box::new(|r| {
+                r.stop_strings = empty_stop.as_ptr();
+                r.n_stop_strings = 1;
+            }),
+            Refused("stop_strings[0]"),
+        ),
+        (
+            "max_tokens 0",
+            Box::new(|r| r.max_tokens = 0),
+            Refused("max_tokens"),
+        ),
+        (
+            "min_tokens over max_tokens",
+            Box::new(|r| r.min_tokens = 5),
+            Refused("min_tokens"),
+        ),
+        (
+            "priority extremes",
+            Box::new(|r| r.priority = i32::MIN),
+            Runs,
+        ),
+        (
+            "priority extremes",
+            Box::new(|r| r.priority = i32::MAX),
+            Runs,
+        ),
+        (
+            "seed u64::MAX",
+            Box::new(|r| {
+                r.seed = u64::MAX;
+                r.use_seed = true;
+                r.temperature = 1.0;
+            }),
+            Runs,
+        ),
+        (
+            "constraint kind out of range",
+            Box::new(|r| {
+                r.constraint_kind = 999;
+            }),
+            Refused("constraint_kind"),
+        ),
+        (
+            "grammar that does not parse",
+            Box::new(|r| {
+                r.constraint = bad_grammar.as_ptr();
+                r.constraint_kind = NI_CONSTRAINT_GRAMMAR;
+            }),
+            Refused("grammar"),
+        ),
+        (
+            "null choices with a count",
+            Box::new(|r| {
+                r.n_choices = 2;
+                r.constraint_kind = NI_CONSTRAINT_CHOICE;
+            }),
+            Refused("choices"),
+        ),
+        (
+            "null messages with a count",
+            Box::new(|r| {
+                r.prompt_tokens = ptr::null();
+                r.n_prompt_tokens = 0;
+                r.n_messages = 2;
+            }),
+            Refused("messages"),
+        ),
+        (
+            "a message without a role",
+            Box::new(|r| {
+                r.prompt_tokens = ptr::null();
+                r.n_prompt_tokens = 0;
+                r.messages = null_msg.as_ptr();
+                r.n_messages = 1;
+            }),
+            Refused("role"),
+        ),
+        (
+            "struct_size 0",
+            Box::new(|r| r.struct_size = 0),
+            Refused("struct_size"),
+        ),
+        (
+            "struct_size past this library's",
+            Box::new(|r| r.struct_size = 1 << 20),
+            Refused("struct_size"),
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (what, edit, outcome) in &cases {
+        let mut r = base;
+        edit(&mut r);
+        let (status, msg) = add(s, &r);
+        match outcome {
+            Refused(needle) => {
+                if status != NI_ERR_INVALID_ARGUMENT || !msg.contains(needle) {
+                    failures.push(format!(
+                        "{what}: status {status}, {msg:?} (wanted a refusal naming {needle:?})"
+                    ));
+                }
+            }
+            Runs => {
+                if status != NI_OK {
+                    failures.push(format!("{what}: refused with {status}: {msg}"));
+                    continue;
+                }
+                let out = run_to_completion(s);
+                let ended = out.values().filter(|c| c.finish != NI_FINISH_NONE).count();
+                if out.len() != 1 || ended != 1 {
+                    failures.push(format!("{what}: {} outputs, {ended} ended", out.len()));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "\n{}", failures.join("\n"));
+    // Nothing leaked: a good request runs to one terminal event, no KV held.
+    let (status, _) = add(s, &base);
+    ok(status);
+    assert_eq!(run_to_completion(s).len(), 1);
+    // SAFETY: all-zero is a valid stats struct.
+    let mut st: ni_session_stats = unsafe { std::mem::zeroed() };
+    st.struct_size = size_of::<ni_session_stats>() as u32;
+    // SAFETY: valid pointers.
+    ok(unsafe { ni_session_get_stats(s, &mut st) });
+    assert_eq!(st.kv_used_tokens, 0);
+    // SAFETY: created above, freed once.
+    unsafe { ni_session_free(s) };
+}

@@ -413,7 +413,8 @@ unsafe fn constraint(p: &ni_request_params) -> Result<Option<Constraint>> {
 /// The prompt pointers in `p` must honour their documented contract.
 unsafe fn prompt(p: &ni_request_params, model: &Model, context: usize) -> Result<Vec<u32>> {
     let has_tokens = !p.prompt_tokens.is_null() || p.n_prompt_tokens != 0;
-    let has_text = !p.prompt_text.is_null();
+    // A length without text is a caller's bug, refused by `args::text`.
+    let has_text = !p.prompt_text.is_null() || p.prompt_text_len != 0;
     let has_messages = !p.messages.is_null() || p.n_messages != 0;
     if usize::from(has_tokens) + usize::from(has_text) + usize::from(has_messages) > 1 {
         bail_arg!("request: set exactly one of prompt_tokens, prompt_text and messages");
