@@ -21,6 +21,9 @@
 #   --runs K    sweep all precisions K times (default 3), interleaved, and
 #               report the median of the K runs per cell with the min-max range
 #   --precisions  a subset of "F32 BF16 F16 Q8_0 Q4_1" (default: all)
+#   --isa avx2  an AVX2-only CPU on an AVX-512 one: NanoInfer under
+#               NANOINFER_ISA=avx2, llama.cpp built without AVX-512
+#               (scripts/build_llamacpp.sh --arch avx2)
 #   --no-boost  keep normal priority. By default, as root, the run gets its own
 #               session with scheduler autogroup nice -20: with autogroups,
 #               plain `nice` does not rank us above other sessions, and on a
@@ -35,6 +38,7 @@ P=512 N=128 REPS=3 RUNS=3
 OUT=""
 BOOST=1
 PRECISIONS_ARG="F32 BF16 F16 Q8_0 Q4_1"
+ISA=native
 ARGS=("$@")
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -43,8 +47,9 @@ while [[ $# -gt 0 ]]; do
         --threads) THREADS="$2"; shift 2 ;;
         --out) OUT="$2"; shift 2 ;;
         --no-boost) BOOST=0; shift ;;
+        --isa) ISA="$2"; shift 2 ;;
         --precisions) PRECISIONS_ARG="$2"; shift 2 ;;
-        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
         *) echo "bench_cpu.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -62,7 +67,12 @@ OUT="${OUT:-$CACHE/bench-results/$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$OUT" "$CACHE/gguf" "$CACHE/bin"
 
 # --- tools -------------------------------------------------------------------
-LLAMA_BIN="$("$REPO/scripts/build_llamacpp.sh" | tail -1)"
+case "$ISA" in
+    native) ;;
+    avx2) export NANOINFER_ISA=avx2 ;;
+    *) echo "bench_cpu.sh: --isa takes native or avx2, not $ISA" >&2; exit 2 ;;
+esac
+LLAMA_BIN="$("$REPO/scripts/build_llamacpp.sh" --arch "$ISA" | tail -1)"
 LLAMA_VERSION="$(cat "$LLAMA_BIN/../../LLAMA_CPP_VERSION" 2>/dev/null || echo unknown)"
 
 MEMBW="$CACHE/bin/membw"
@@ -195,6 +205,9 @@ print(f"Memory read bandwidth ({threads} threads, 1 GiB, best of 10): {bw['bw_gb
 print(f"f32 FMA peak ({bw['isa']}): {bw['fma_gflops']:.0f} GFLOP/s on {threads} threads "
       f"({bw['fma_gflops_1t']:.0f} on 1)")
 print(f"llama.cpp: {llama_version}; llama-bench -p {P} -n {N} -t {threads} -r {reps}")
+if os.environ.get("NANOINFER_ISA") == "avx2":
+    print("ISA: AVX2 forced on this CPU (NanoInfer NANOINFER_ISA=avx2; llama.cpp built with AVX-512 off); "
+          "the FMA peak above uses the widest vectors the CPU has (on Zen 4, AVX-512 is two 256-bit halves: the same peak)")
 print(f"Each cell: median of {runs} interleaved run(s), each the mean of {reps} repetitions after a warm-up.")
 print(f"Priority: {priority}; load average (1/5/15 min) before/after: {load_before} / {load_after}")
 busy = max(float(load_before.split()[0]), float(load_after.split()[0]))

@@ -10,7 +10,10 @@
 # Rapids host): GGML_NATIVE off, AVX-512 (VBMI, VNNI, BF16) and AMX (tile,
 # int8, bf16) on, into build-sapphirerapids/. Such a build may not run here.
 #
-# usage: scripts/build_llamacpp.sh [--version X.Y.Z] [--jobs N] [--arch native|sapphirerapids]
+# --arch avx2 builds for AVX2 without AVX-512 into build-avx2/, the peer of
+# NanoInfer's NANOINFER_ISA=avx2 on an AVX-512 machine.
+#
+# usage: scripts/build_llamacpp.sh [--version X.Y.Z] [--jobs N] [--arch native|avx2|sapphirerapids]
 set -euo pipefail
 
 VERSION="0.3.36"   # llama-cpp-python release; its vendor/llama.cpp is pinned below
@@ -21,7 +24,7 @@ while [[ $# -gt 0 ]]; do
         --version) VERSION="$2"; shift 2 ;;
         --jobs) JOBS="$2"; shift 2 ;;
         --arch) ARCH="$2"; shift 2 ;;
-        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
         *) echo "build_llamacpp.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -48,12 +51,19 @@ case "$ARCH" in
     native)
         BUILD="$ROOT/build"
         ISA_FLAGS=(-DGGML_NATIVE=ON) ;;
+    avx2)
+        # What an AVX2-only CPU (AMD Zen 2/3, Intel client parts since Alder
+        # Lake) runs, built on any x86-64 machine: the peer of
+        # NANOINFER_ISA=avx2 on an AVX-512 host.
+        BUILD="$ROOT/build-avx2"
+        ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+            -DGGML_BMI2=ON -DGGML_AVX512=OFF) ;;
     sapphirerapids)
         BUILD="$ROOT/build-sapphirerapids"
         ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
             -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
             -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON -DGGML_AMX_BF16=ON) ;;
-    *) echo "build_llamacpp.sh: unknown --arch $ARCH (native or sapphirerapids)" >&2; exit 2 ;;
+    *) echo "build_llamacpp.sh: unknown --arch $ARCH (native, avx2 or sapphirerapids)" >&2; exit 2 ;;
 esac
 BIN="$BUILD/bin"
 

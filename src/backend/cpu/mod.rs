@@ -27,6 +27,7 @@ pub mod q8_kernels;
 pub mod threadpool;
 pub mod turns;
 pub mod vector;
+mod vector_avx2;
 pub mod workspace;
 
 pub use bf16::PackedBf16;

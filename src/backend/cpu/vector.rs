@@ -12,6 +12,9 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         // SAFETY: the ISA was detected at run time; both slices hold n elements.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { dot_avx512(a.as_ptr(), b.as_ptr(), n) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => unsafe { super::vector_avx2::dot(a.as_ptr(), b.as_ptr(), n) },
         _ => a[..n].iter().zip(&b[..n]).map(|(x, y)| x * y).sum(),
     }
 }
@@ -24,6 +27,9 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
         // SAFETY: the ISA was detected at run time; both slices hold n elements.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { axpy_avx512(alpha, x.as_ptr(), y.as_mut_ptr(), n) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => unsafe { super::vector_avx2::axpy(alpha, x.as_ptr(), y.as_mut_ptr(), n) },
         _ => {
             for (yi, xi) in y[..n].iter_mut().zip(&x[..n]) {
                 *yi += alpha * xi;
@@ -148,6 +154,13 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
         unsafe { silu_mul_avx512(gate.as_ptr(), up.as_ptr(), out.as_mut_ptr(), n) };
         done = n / 16 * 16;
     }
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx2Fma {
+        // SAFETY: AVX2 and FMA detected; all three slices hold n elements.
+        done = unsafe {
+            super::vector_avx2::silu_mul(gate.as_ptr(), up.as_ptr(), out.as_mut_ptr(), n)
+        };
+    }
     for i in done..n {
         let g = gate[i];
         out[i] = g / (1.0 + (-g).exp()) * up[i];
@@ -179,6 +192,15 @@ pub fn softmax_in_place(x: &mut [f32]) {
             for v in x.iter_mut() {
                 *v *= inv;
             }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx2Fma && !x.is_empty() {
+        // SAFETY: AVX2 and FMA detected.
+        let inv = unsafe { super::vector_avx2::softmax_unnormalized(x) };
+        for v in x.iter_mut() {
+            *v *= inv;
         }
         return;
     }
