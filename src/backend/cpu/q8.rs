@@ -47,7 +47,15 @@ pub fn quantize_row(x: &[f32], group: usize, q: &mut [i8], scales: &mut [f32]) {
         let amax = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
         *d = amax / 127.0;
         let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-        for (o, v) in qg.iter_mut().zip(xg) {
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if super::isa::isa() >= super::isa::Isa::Avx2Fma {
+            let n = xg.len().min(qg.len());
+            // SAFETY: AVX2 and FMA detected (AVX-512 CPUs have them); both
+            // slices hold n values.
+            done = unsafe { super::vector_avx2::quantize_i8(xg.as_ptr(), inv, qg.as_mut_ptr(), n) };
+        }
+        for (o, v) in qg[done..].iter_mut().zip(&xg[done..]) {
             *o = (v * inv).round().clamp(-127.0, 127.0) as i8;
         }
     }

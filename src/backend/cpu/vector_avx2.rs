@@ -176,6 +176,45 @@ pub unsafe fn silu_mul(g: *const f32, u: *const f32, o: *mut f32, n: usize) -> u
     i
 }
 
+/// `q[j] = clamp(round(x[j] · inv), ±127)` for j < n / 8 · 8, rounding
+/// halves away from zero exactly as `f32::round` (the scalar quantizer's
+/// rounding, so both give the same bytes); returns how many it wrote.
+///
+/// # Safety
+/// AVX2 and FMA must be available; `x` and `q` hold `n` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn quantize_i8(x: *const f32, inv: f32, q: *mut i8, n: usize) -> usize {
+    let scale = _mm256_set1_ps(inv);
+    let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+    let sign = _mm256_set1_ps(-0.0);
+    let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    let mut i = 0;
+    while i + 8 <= n {
+        let v = _mm256_mul_ps(_mm256_loadu_ps(x.add(i)), scale);
+        // x - trunc(x) is exact, so comparing it with 0.5 decides ties as
+        // round() does, without the 0.49999997 error of adding 0.5.
+        let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(v);
+        let frac = _mm256_andnot_ps(sign, _mm256_sub_ps(v, t));
+        let up = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(frac, half), one);
+        let r = _mm256_add_ps(t, _mm256_or_ps(up, _mm256_and_ps(v, sign)));
+        // NaN becomes 0, as `f32 as i8` makes it.
+        let r = _mm256_and_ps(
+            _mm256_min_ps(_mm256_max_ps(r, lo), hi),
+            _mm256_cmp_ps::<_CMP_ORD_Q>(v, v),
+        );
+        let w = _mm256_cvtps_epi32(r);
+        // 8 × i32 → 8 × i8: pack to i16 then i8 within lanes, then gather
+        // the two lanes' 4 bytes.
+        let p16 = _mm256_packs_epi32(w, w);
+        let p8 = _mm256_packs_epi16(p16, p16);
+        let bytes = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+        _mm_storel_epi64(q.add(i) as *mut __m128i, _mm256_castsi256_si128(bytes));
+        i += 8;
+    }
+    i
+}
+
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
@@ -204,6 +243,48 @@ mod tests {
             unsafe { axpy(0.5, a.as_ptr(), y.as_mut_ptr(), n) };
             for i in 0..n {
                 assert_eq!(y[i], 0.5f32.mul_add(a[i], b[i]), "n {n}, {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn quantize_i8_rounds_as_the_scalar_quantizer() {
+        if !have() {
+            return;
+        }
+        let mut x: Vec<f32> = (0..4096).map(|i| (i as f32 - 2048.0) * 0.0625).collect();
+        // Ties, the float just below a tie, out-of-range and signed zeros.
+        x.extend([
+            0.5,
+            -0.5,
+            1.5,
+            -2.5,
+            0.499_999_97,
+            -0.499_999_97,
+            300.0,
+            -300.0,
+            0.0,
+            -0.0,
+        ]);
+        x.extend([
+            126.5,
+            -126.5,
+            127.49,
+            8_388_609.0,
+            f32::MIN_POSITIVE,
+            1.0e-30,
+        ]);
+        while x.len() % 8 != 0 {
+            x.push(3.5);
+        }
+        for inv in [1.0f32, 0.37, 3.0] {
+            let mut got = vec![0i8; x.len()];
+            // SAFETY: AVX2/FMA checked; both hold x.len() values.
+            let done = unsafe { quantize_i8(x.as_ptr(), inv, got.as_mut_ptr(), x.len()) };
+            assert_eq!(done, x.len());
+            for (j, (&v, &g)) in x.iter().zip(&got).enumerate() {
+                let want = (v * inv).round().clamp(-127.0, 127.0) as i8;
+                assert_eq!(g, want, "{j}: {v} · {inv}");
             }
         }
     }
