@@ -80,7 +80,13 @@ pub unsafe fn q8_blocks(
 ) {
     debug_assert!(a.kp == w.kp && a.group == w.group && a.n_groups == w.n_groups);
     let m = a.m;
-    let (mr_max, nb_max) = if m == 1 { (1, 4) } else { (4, 2) };
+    let (mr_max, nb_max) = match (m, isa) {
+        (1, _) => (1, 4),
+        // 4 × 2 blocks would hold 16 integer accumulators: more than AVX2's
+        // 16 registers once the weights and temporaries are counted.
+        (_, Q8Isa::Avx2) => (4, 1),
+        _ => (4, 2),
+    };
     let mut r = 0;
     while r < m {
         let mr = (m - r).min(mr_max);
