@@ -319,13 +319,12 @@ unsafe fn tile_avx2<E: PackedElem, const R: usize>(t: Tile<E>) {
     let pl = pair_lines::<E>();
     let mut acc = [[[_mm256_setzero_ps(); 2]; 2]; R];
     let pairs = t.k / 2;
+    // No software prefetch, unlike the AVX-512 tile: on an AVX2 path (Zen 4
+    // under NANOINFER_ISA=avx2) the hardware prefetcher alone streams the
+    // weights faster; prefetching 32 lines ahead cut one-thread F32 decode
+    // from 37-38 to 30-33 tok/s (docs/benchmarks-log.md).
     for q in 0..pairs {
         let p = q * pl;
-        if R <= 2 {
-            for l in 0..pl {
-                _mm_prefetch::<_MM_HINT_T0>(t.w.wrapping_add(p + l + PREFETCH_LINES) as *const i8);
-            }
-        }
         let wv = [pair256::<E>(t.w.add(p), 0), pair256::<E>(t.w.add(p), 1)];
         for (r, acc_r) in acc.iter_mut().enumerate() {
             let x = t.x.add(r * t.k + 2 * q);
