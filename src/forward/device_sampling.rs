@@ -47,6 +47,26 @@ pub struct RowSampling {
     pub masked: bool,
 }
 
+impl RowSampling {
+    /// Plain greedy: no stage, the argmax of the raw logits.
+    pub fn greedy() -> RowSampling {
+        RowSampling {
+            repetition_penalty: None,
+            temperature: None,
+            top_k: None,
+            top_p: None,
+            min_p_floor: None,
+            u: 0.0,
+            repeated: 0..0,
+            penalized: 0..0,
+            biased: 0..0,
+            suppressed: 0..0,
+            pending: None,
+            masked: false,
+        }
+    }
+}
+
 /// Writes the masks of a step's masked rows (`RowSampling::masked`), one
 /// after the other in row order, `mask_words(vocab)` words each: bit
 /// `t % 32` of word `t / 32` is set when token `t` is allowed. A device
@@ -81,20 +101,8 @@ impl DeviceSampling {
     /// Appends a row the host samples from its logits.
     pub fn push_host_row(&mut self) {
         self.host_rows.push(self.rows.len());
-        self.rows.push(RowSampling {
-            repetition_penalty: None,
-            temperature: None,
-            top_k: None,
-            top_p: None,
-            min_p_floor: None,
-            u: 0.0,
-            repeated: 0..0,
-            penalized: 0..0,
-            biased: 0..0,
-            suppressed: 0..0,
-            pending: None,
-            masked: false,
-        });
+        // A placeholder: the device does not sample it.
+        self.rows.push(RowSampling::greedy());
     }
 
     /// Whether row `i` is sampled on the host.

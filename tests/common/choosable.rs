@@ -8,18 +8,8 @@ use nanoinfer::forward::{AttnSeq, DeviceSampling, RowSampling};
 use nanoinfer::kv::KvMapping;
 use nanoinfer::memory::MemoryPoolKind;
 use nanoinfer::model::{ContextShape, ForwardBatch};
+use nanoinfer::sampling::processors::argmax as first_argmax;
 use std::sync::Arc;
-
-/// The first index of the largest value: the engine's greedy choice.
-fn first_argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
 
 /// Four sequences of `PROMPT` tokens, prefilled in one forward, with the
 /// last row of each wanting a token.
@@ -61,23 +51,6 @@ fn with_prefill<T>(
     out(&mut *ctx, &batch)
 }
 
-fn greedy_row(temperature: Option<f32>, u: f64) -> RowSampling {
-    RowSampling {
-        repetition_penalty: None,
-        temperature,
-        top_k: None,
-        top_p: None,
-        min_p_floor: None,
-        u,
-        repeated: 0..0,
-        penalized: 0..0,
-        biased: 0..0,
-        suppressed: 0..0,
-        pending: None,
-        masked: false,
-    }
-}
-
 /// Checks the limit on `model`'s device with contexts from `pool`: the
 /// cut is placed below the unlimited argmax of some rows (which must then
 /// choose the best id under the cut) and of every row.
@@ -116,9 +89,13 @@ pub fn check_choosable_ids(model: &Arc<Model>, pool: MemoryPoolKind) {
         let mut sampling = DeviceSampling::default();
         for r in 0..SEQS {
             sampling.rows.push(if r % 2 == 0 {
-                greedy_row(None, 0.0)
+                RowSampling::greedy()
             } else {
-                greedy_row(Some(0.05), (r as f64 + 0.5) / SEQS as f64)
+                RowSampling {
+                    temperature: Some(0.05),
+                    u: (r as f64 + 0.5) / SEQS as f64,
+                    ..RowSampling::greedy()
+                }
             });
         }
         let got = with_prefill(model, &shape, |ctx, batch| {
