@@ -274,7 +274,7 @@ mod tests {
             f32::MIN_POSITIVE,
             1.0e-30,
         ]);
-        while x.len() % 8 != 0 {
+        while !x.len().is_multiple_of(8) {
             x.push(3.5);
         }
         for inv in [1.0f32, 0.37, 3.0] {
