@@ -476,3 +476,25 @@ fn a_tokenizer_json_that_panics_the_tokenizers_crate_is_an_error() {
     assert_eq!(err.kind, ErrorKind::InvalidModel, "{err}");
     fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_post_processor_naming_ids_without_tokens_is_refused_at_load() {
+    // Found by fuzz/tokenizer_json: a template post-processor whose BOS id
+    // has no token encoded every prompt with it. Refused at load, naming
+    // the file and the id (the committed fuzz seed covers an id inside the
+    // vocabulary's range that has no token).
+    let dir = std::env::temp_dir().join(format!("nanoinfer-tok-missing-{}", std::process::id()));
+    fs::create_dir_all(&dir).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(
+        &fs::read_to_string(fixture_dir("spm").join("tokenizer.json")).unwrap(),
+    )
+    .unwrap();
+    json["post_processor"]["special_tokens"]["<s>"]["ids"] = serde_json::json!([100_000]);
+    fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+    let err = Tokenizer::from_dir(&dir).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::InvalidModel, "{err}");
+    for needle in ["tokenizer.json", "100000", "no token"] {
+        assert!(err.message.contains(needle), "{err}");
+    }
+    fs::remove_dir_all(&dir).unwrap();
+}

@@ -180,7 +180,7 @@ impl Tokenizer {
                 )?))
             }
         };
-        Ok(Tokenizer {
+        let tok = Tokenizer {
             inner,
             vocab_size,
             valid_ids,
@@ -193,7 +193,18 @@ impl Tokenizer {
             max_bytes_per_token,
             chat,
             added,
-        })
+        };
+        // The post-processor's own tokens (a BOS template) come out of
+        // every encode: one that names an id without a token is refused
+        // here, with the file, rather than at the first request.
+        tok.encode("", true).map_err(|e| {
+            Error::invalid_model(format!(
+                "{}: {}",
+                dir.join(TOKENIZER_FILE).display(),
+                e.message
+            ))
+        })?;
+        Ok(tok)
     }
 
     /// Token ids of `text`. With `add_special_tokens` the post-processor's tokens
@@ -248,6 +259,15 @@ impl Tokenizer {
         .and_then(|r| r.map_err(|e| e.to_string()))
         .map_err(|e| Error::invalid_arg(format!("cannot tokenize text: {e}")))?;
         let ids = encoding.get_ids();
+        // A hostile tokenizer.json can make ids its vocabulary lacks (a
+        // post-processor or unknown token naming an id no token has):
+        // they would reach the model as tokens that decode to nothing.
+        if let Some(&bad) = ids.iter().find(|&&id| self.check_id(id).is_err()) {
+            return Err(Error::invalid_arg(format!(
+                "cannot tokenize text: the tokenizer produced id {bad}, which has no token in its \
+                 vocabulary (a post-processor or unknown token naming a missing id)"
+            )));
+        }
         if !add_special_tokens || (self.extra_bos.is_none() && self.extra_eos.is_none()) {
             return Ok(ids.to_vec());
         }
