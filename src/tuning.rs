@@ -61,7 +61,7 @@ use SwitchKind::{Comparison, Diagnostic, Setting, Tuning};
 /// The table, CPU first, then CUDA; sorted by name within each.
 pub const SWITCHES: &[Switch] = &[
     switch("NANOINFER_AMX", Comparison, "on", "`0`: BF16 products without AMX tiles (f32 kernels)"),
-    switch("NANOINFER_ATTN_SIMPLE", Comparison, "off", "set: the plain CPU attention instead of the blocked AVX-512 kernels"),
+    switch("NANOINFER_ATTN_SIMPLE", Comparison, "off", "set: the plain CPU attention instead of the blocked AVX-512/AVX2 kernels"),
     switch("NANOINFER_AVX512_BF16", Comparison, "on", "`0`: packed BF16 weights without `vdpbf16ps`"),
     switch("NANOINFER_BF16_ROUND_ACTS", Diagnostic, "off", "`1`: round activations to BF16 where AMX would, on any CPU (to measure AMX's numerics)"),
     switch("NANOINFER_ISA", Diagnostic, "the best the CPU has", "`avx512` (no BF16/VNNI/AMX extensions), `avx2` or `scalar`: force a CPU kernel path (the numeric tests run under each)"),

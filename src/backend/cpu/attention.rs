@@ -87,8 +87,10 @@ pub fn attention(
     );
     let out_ptr = OutPtr(out.as_mut_ptr());
     let blocked = use_blocks(hd);
+    // The decode row kernels are AVX-512 only; AVX2 decode rows take the
+    // generic path below (dot and axpy on AVX2).
     #[cfg(target_arch = "x86_64")]
-    let row_kernel = blocked && attention_row::supported(hd);
+    let row_kernel = blocked && isa() == Isa::Avx512 && attention_row::supported(hd);
     #[cfg(target_arch = "x86_64")]
     let grouped = attention_row::group_supported(hd, group);
     let in_blocks = |s: &AttnSeq<'_>| blocked && s.len >= ROW_BLOCK;
@@ -133,22 +135,30 @@ pub fn attention(
             let (kv_head, b) = (t / blocks, t % blocks);
             let (first, last) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(seq.len));
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `use_blocks` checked AVX-512F and head_dim; this task
-            // alone writes rows first..last of the heads sharing kv_head.
-            unsafe {
-                attention_block::block(
-                    shape,
-                    seq,
-                    kv_head,
-                    first,
-                    last,
-                    q,
-                    q_stride,
-                    keys,
-                    values,
-                    out_ptr.get(),
-                )
-            };
+            {
+                let block = if isa() == Isa::Avx512 {
+                    attention_block::block::<attention_block::Avx512>
+                } else {
+                    attention_block::block::<attention_block::Avx2>
+                };
+                // SAFETY: `use_blocks` checked the instruction set (AVX-512F,
+                // else AVX2 + FMA) and head_dim; this task alone writes rows
+                // first..last of the heads sharing kv_head.
+                unsafe {
+                    block(
+                        shape,
+                        seq,
+                        kv_head,
+                        first,
+                        last,
+                        q,
+                        q_stride,
+                        keys,
+                        values,
+                        out_ptr.get(),
+                    )
+                };
+            }
             return;
         }
         let row = seq.start + t / head_tasks;
@@ -224,10 +234,10 @@ pub fn attention(
     });
 }
 
-/// Whether prefill chunks take the blocked AVX-512 path.
+/// Whether prefill chunks take the blocked path (AVX-512 or AVX2).
 fn use_blocks(head_dim: usize) -> bool {
     static SIMPLE: Lazy<bool> = Lazy::new(|| crate::tuning::var("NANOINFER_ATTN_SIMPLE").is_some());
-    isa() == Isa::Avx512 && head_dim.is_multiple_of(16) && !*SIMPLE
+    matches!(isa(), Isa::Avx512 | Isa::Avx2Fma) && head_dim.is_multiple_of(16) && !*SIMPLE
 }
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! Prefill attention on AVX-512: one task takes a block of query rows of one
+//! Prefill attention on AVX-512 and AVX2: one task takes a block of query rows of one
 //! sequence and one KV head (with all the query heads that share it). The
 //! keys of the causal window are gathered once, transposed, so a query's
 //! scores for 16 positions come out of one vector of FMAs; softmax uses a
@@ -6,11 +6,15 @@
 //! The query heads of a row that share the KV head (up to [`MAX_QUERIES`]
 //! at once) go through the keys and values together: each key or value
 //! vector loaded feeds an FMA per head, and the heads' accumulators are
-//! independent FMA chains.
+//! independent FMA chains. The orchestration here is shared; the vector
+//! kernels come from a [`BlockKernels`] (AVX-512 here, AVX2 in
+//! `attention_block_avx2.rs`).
 
 use super::attention::AttnShape;
 #[cfg(target_arch = "x86_64")]
 use super::vector::softmax_unnormalized;
+#[cfg(target_arch = "x86_64")]
+use super::vector_avx2;
 use crate::forward::AttnSeq;
 use std::cell::RefCell;
 
@@ -21,7 +25,7 @@ use std::arch::x86_64::*;
 pub const ROW_BLOCK: usize = 16;
 
 /// Query heads of one row that share a pass over the keys and values.
-const MAX_QUERIES: usize = 4;
+pub(super) const MAX_QUERIES: usize = 4;
 
 /// Positions per chunk of keys or values that all queries of a block meet
 /// in turn (64 × head_dim 64 × 4 B = 16 KiB).
@@ -51,6 +55,111 @@ macro_rules! dispatch_qw {
     };
 }
 
+/// The vector kernels of one instruction set that [`block`] runs on.
+///
+/// # Safety
+/// Every method requires its instruction set; the argument contracts are
+/// those of the AVX-512 kernels below ([`transpose16`], [`score_chunk`],
+/// [`sum_chunk`]), for `n` (1..=[`MAX_QUERIES`]) queries and `w` (1..=4)
+/// groups of 16 positions or dimensions.
+pub(super) trait BlockKernels {
+    unsafe fn transpose16(rows: &[Option<&[f32]>; 16], d0: usize, out: *mut f32, stride: usize);
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn score(
+        n: usize,
+        w: usize,
+        qs: Queries,
+        keys_t: &[f32],
+        p: usize,
+        scale: f32,
+        out: &mut [f32],
+    );
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn sum(
+        n: usize,
+        w: usize,
+        qs: Queries,
+        scores: &[f32],
+        values: &[f32],
+        span: (usize, usize),
+        d0: usize,
+    );
+    /// `x[i] = exp(x[i] - max)`; returns `1 / Σ x[i]`.
+    unsafe fn softmax_unnormalized(x: &mut [f32]) -> f32;
+}
+
+/// The AVX-512F kernels of this file.
+#[cfg(target_arch = "x86_64")]
+pub(super) struct Avx512;
+
+#[cfg(target_arch = "x86_64")]
+impl BlockKernels for Avx512 {
+    unsafe fn transpose16(rows: &[Option<&[f32]>; 16], d0: usize, out: *mut f32, stride: usize) {
+        transpose16(rows, d0, out, stride)
+    }
+    unsafe fn score(
+        n: usize,
+        w: usize,
+        qs: Queries,
+        keys_t: &[f32],
+        p: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        dispatch_qw!(score_chunk, n, w, (qs, keys_t, p, scale, out))
+    }
+    unsafe fn sum(
+        n: usize,
+        w: usize,
+        qs: Queries,
+        scores: &[f32],
+        values: &[f32],
+        span: (usize, usize),
+        d0: usize,
+    ) {
+        dispatch_qw!(sum_chunk, n, w, (qs, scores, values, span, d0))
+    }
+    unsafe fn softmax_unnormalized(x: &mut [f32]) -> f32 {
+        softmax_unnormalized(x)
+    }
+}
+
+/// The AVX2 + FMA kernels of `attention_block_avx2.rs`.
+#[cfg(target_arch = "x86_64")]
+pub(super) struct Avx2;
+
+#[cfg(target_arch = "x86_64")]
+impl BlockKernels for Avx2 {
+    unsafe fn transpose16(rows: &[Option<&[f32]>; 16], d0: usize, out: *mut f32, stride: usize) {
+        super::attention_block_avx2::transpose16(rows, d0, out, stride)
+    }
+    unsafe fn score(
+        n: usize,
+        w: usize,
+        qs: Queries,
+        keys_t: &[f32],
+        p: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        super::attention_block_avx2::score(n, 2 * w, qs, keys_t, p, scale, out)
+    }
+    unsafe fn sum(
+        n: usize,
+        w: usize,
+        qs: Queries,
+        scores: &[f32],
+        values: &[f32],
+        span: (usize, usize),
+        d0: usize,
+    ) {
+        super::attention_block_avx2::sum(n, 2 * w, qs, scores, values, span, d0)
+    }
+    unsafe fn softmax_unnormalized(x: &mut [f32]) -> f32 {
+        vector_avx2::softmax_unnormalized(x)
+    }
+}
+
 #[derive(Default)]
 struct Scratch {
     /// `[head_dim][positions]`, positions padded to a multiple of 16.
@@ -71,13 +180,11 @@ thread_local! {
 /// `kv_head·group .. (kv_head+1)·group`.
 ///
 /// # Safety
-/// AVX-512F must be available; `head_dim % 16 == 0`; `q`, `keys`, `values`
+/// `K`'s instruction set must be available; `head_dim % 16 == 0`; `q`, `keys`, `values`
 /// hold what `attention` checked; `out` points at the `[rows, n_heads·head_dim]`
 /// output, and the (row, head) slices of this block belong to this call.
-#[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx512f")]
-pub unsafe fn block(
+pub(super) unsafe fn block<K: BlockKernels>(
     shape: &AttnShape,
     seq: &AttnSeq<'_>,
     kv_head: usize,
@@ -115,7 +222,7 @@ pub unsafe fn block(
             for d0 in (0..hd).step_by(16) {
                 // SAFETY: hd % 16 == 0 and p0 + 16 <= padded, so the 16
                 // rows `d0..d0 + 16` of columns `p0..p0 + 16` lie in keys_t.
-                transpose16(&rows, d0, kt.add(d0 * padded + p0), padded);
+                K::transpose16(&rows, d0, kt.add(d0 * padded + p0), padded);
             }
         }
         // Every query of the block meets a chunk of keys (then of values)
@@ -148,7 +255,7 @@ pub unsafe fn block(
                 let w = (end.min(p0 + POS_CHUNK) - p0) / 16;
                 for (j, n, qs) in passes(i) {
                     let sc = &mut s.scores[j * padded..];
-                    dispatch_qw!(score_chunk, n, w, (qs, &s.keys_t, p0, shape.scale, sc));
+                    K::score(n, w, qs, &s.keys_t, p0, shape.scale, sc);
                 }
             }
         }
@@ -156,7 +263,7 @@ pub unsafe fn block(
             let visible = seq.context_len + i + 1;
             for j in (i - first) * group..(i - first + 1) * group {
                 let sc = &mut s.scores[j * padded..j * padded + visible];
-                s.inv_sums[j] = softmax_unnormalized(sc);
+                s.inv_sums[j] = K::softmax_unnormalized(sc);
             }
         }
         for p0 in (0..n_pos).step_by(POS_CHUNK) {
@@ -171,7 +278,7 @@ pub unsafe fn block(
                     while d0 < hd {
                         let w = (hd - d0).min(64) / 16;
                         let sc = &s.scores[j * padded..];
-                        dispatch_qw!(sum_chunk, n, w, (qs, sc, &s.values, span, d0));
+                        K::sum(n, w, qs, sc, &s.values, span, d0);
                         d0 += w * 16;
                     }
                 }
@@ -248,11 +355,11 @@ unsafe fn transpose16(rows: &[Option<&[f32]>; 16], d0: usize, out: *mut f32, str
 /// Query heads of one row: query `j` at `q + j·hd`, its output at
 /// `out + j·hd`, its scores `padded` apart.
 #[derive(Clone, Copy)]
-struct Queries {
-    q: *const f32,
-    out: *mut f32,
-    hd: usize,
-    padded: usize,
+pub(super) struct Queries {
+    pub(super) q: *const f32,
+    pub(super) out: *mut f32,
+    pub(super) hd: usize,
+    pub(super) padded: usize,
 }
 
 /// `scores[j·padded + p] = scale · q_j · k_p` for the `Q` queries `j` and
@@ -335,9 +442,15 @@ mod tests {
 
     #[test]
     fn transpose16_matches_scalar_with_missing_rows() {
-        if !is_x86_feature_detected!("avx512f") {
-            return;
+        if is_x86_feature_detected!("avx512f") {
+            check_transpose16::<Avx512>();
         }
+        if is_x86_feature_detected!("avx2") {
+            check_transpose16::<Avx2>();
+        }
+    }
+
+    fn check_transpose16<K: BlockKernels>() {
         let data = pseudo_random(16 * 48, 5);
         for missing in [0usize, 1, 7, 16] {
             let rows: [Option<&[f32]>; 16] =
@@ -345,9 +458,9 @@ mod tests {
             for d0 in [0, 16, 32] {
                 let stride = 21;
                 let mut out = vec![f32::NAN; 15 * stride + 16];
-                // SAFETY: AVX-512F checked; rows hold 48 >= d0 + 16 values;
-                // out holds 16 rows of 16, `stride` apart.
-                unsafe { transpose16(&rows, d0, out.as_mut_ptr(), stride) };
+                // SAFETY: the caller checked K's instruction set; rows hold
+                // 48 >= d0 + 16 values; out holds 16 rows of 16, `stride` apart.
+                unsafe { K::transpose16(&rows, d0, out.as_mut_ptr(), stride) };
                 for d in 0..16 {
                     for j in 0..16 {
                         let want = rows[j].map_or(0.0, |r| r[d0 + d]);

@@ -3,6 +3,8 @@
 
 pub mod attention;
 mod attention_block;
+#[cfg(target_arch = "x86_64")]
+mod attention_block_avx2;
 mod attention_row;
 pub mod bf16;
 pub mod bf16_amx;
