@@ -13,6 +13,8 @@
 //! rows of the tile. AVX2: up to 4 rows × 1 block, each line as two halves
 //! of 8 rows. Scalar fallback for the rest.
 
+#[cfg(target_arch = "x86_64")]
+use super::f32_packed::F32Line;
 use super::isa::Isa;
 use super::packed::{Packed, PackedElem, BLOCK_ROWS, MAX_TILE_ROWS};
 
@@ -38,6 +40,10 @@ pub unsafe fn packed_blocks<E: PackedElem>(
     stride: usize,
 ) {
     debug_assert!(x.len() >= m * w.cols && b1 <= w.rows.div_ceil(BLOCK_ROWS));
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2Fma && E::INPUTS > 1 && m.div_ceil(AVX2_TILE_ROWS) > FEW_GROUPS {
+        return widened_panels(x, m, w, b0, b1, out, stride);
+    }
     let k = w.cols;
     let max_rows = match isa {
         Isa::Avx512 => E::TILE_ROWS.min(MAX_TILE_ROWS),
@@ -60,18 +66,105 @@ pub unsafe fn packed_blocks<E: PackedElem>(
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => dispatch_avx512(mr, nb, t),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2Fma => match mr {
-                1 => tile_avx2::<E, 1>(t),
-                2 => tile_avx2::<E, 2>(t),
-                3 => tile_avx2::<E, 3>(t),
-                4 => tile_avx2::<E, 4>(t),
-                5 => tile_avx2_tall::<E, 5>(t),
-                _ => tile_avx2_tall::<E, 6>(t),
-            },
+            Isa::Avx2Fma => dispatch_avx2(mr, t),
             _ => tile_scalar(mr, t),
         }
     };
     schedule_tiles(m, max_rows, b0, b1, pair_blocks, E::PREFILL_PREFETCH, run);
+}
+
+/// F32 lines of one panel: at most this many (128 KiB, so a panel stays in
+/// L2 while every row group of the prompt meets it).
+#[cfg(target_arch = "x86_64")]
+const PANEL_LINES: usize = 2048;
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    static PANEL: std::cell::RefCell<Vec<F32Line>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Prefill of BF16/F16 weights on AVX2: a panel of blocks is widened to
+/// F32 lines once, then every row group runs the F32 tile over it. Widening
+/// inside the 6-row tile costs a shift or conversion per 6 FMAs and, for
+/// BF16, the raw line's register: with 12 accumulators that spilled, and
+/// BF16 prefill ran at 0.7x of F32.
+///
+/// # Safety
+/// That of [`packed_blocks`], with AVX2, FMA and F16C available.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn widened_panels<E: PackedElem>(
+    x: &[f32],
+    m: usize,
+    w: &Packed<E>,
+    b0: usize,
+    b1: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    let k = w.cols;
+    let per_panel = (PANEL_LINES / k.max(1)).max(1);
+    PANEL.with(|panel| {
+        let panel = &mut *panel.borrow_mut();
+        let mut p0 = b0;
+        while p0 < b1 {
+            let p1 = (p0 + per_panel).min(b1);
+            panel.resize((p1 - p0) * k, F32Line::default());
+            for b in p0..p1 {
+                widen_block::<E>(w.block_ptr(b), k, panel[(b - p0) * k..].as_mut_ptr());
+            }
+            let run = |r: usize, mr: usize, b: usize, _nb: usize, _ahead: (usize, usize)| {
+                let t = Tile::<f32> {
+                    ahead: (0, 0),
+                    x: x.as_ptr().add(r * k),
+                    k,
+                    w: panel.as_ptr().add(b * k),
+                    steps: k,
+                    out: out.add(r * stride + (p0 + b) * BLOCK_ROWS),
+                    stride,
+                    valid: (w.rows - (p0 + b) * BLOCK_ROWS).min(BLOCK_ROWS),
+                };
+                dispatch_avx2(mr, t)
+            };
+            schedule_tiles(m, AVX2_TILE_ROWS, 0, p1 - p0, false, false, run);
+            p0 = p1;
+        }
+    });
+}
+
+/// The `k` inputs of one block's lines as `k` F32 lines at `dst`.
+///
+/// # Safety
+/// AVX2 and F16C must be available; `src` holds the block's
+/// `k.div_ceil(INPUTS)` lines, `dst` room for `k` lines.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn widen_block<E: PackedElem>(src: *const E::Line, k: usize, dst: *mut F32Line) {
+    for j in 0..k {
+        let (line, sub) = (src.add(j / E::INPUTS), j % E::INPUTS);
+        let d = dst.add(j) as *mut f32;
+        for h in 0..2 {
+            let v = match sub {
+                0 => E::widen256(line, h)[0],
+                _ => E::widen256(line, h)[1],
+            };
+            _mm256_store_ps(d.add(8 * h), v);
+        }
+    }
+}
+
+/// The AVX2 tile for `mr` (1 to [`AVX2_TILE_ROWS`]) rows.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+unsafe fn dispatch_avx2<E: PackedElem>(mr: usize, t: Tile<E>) {
+    match mr {
+        1 => tile_avx2::<E, 1>(t),
+        2 => tile_avx2::<E, 2>(t),
+        3 => tile_avx2::<E, 3>(t),
+        4 => tile_avx2::<E, 4>(t),
+        5 => tile_avx2_tall::<E, 5>(t),
+        _ => tile_avx2_tall::<E, 6>(t),
+    }
 }
 
 /// Runs a call's register tiles over activation rows `0..m` and weight
@@ -372,15 +465,28 @@ const AVX2_TILE_ROWS: usize = 6;
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_avx2_tall<E: PackedElem, const R: usize>(t: Tile<E>) {
     let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    for j in 0..t.k {
-        let (line, sub) = (t.w.add(j / E::INPUTS), j % E::INPUTS);
+    // Input `sub` of line `l`: `sub` must be a constant after unrolling, or
+    // the widening computes every input of the line and selects one through
+    // memory (BF16 prefill ran at 0.6x of F32 that way).
+    let input = |acc: &mut [[__m256; 2]; R], l: usize, sub: usize| {
+        let line = t.w.add(l);
         // Widening the line's other input too is dead code the compiler drops.
         let w = [E::widen256(line, 0)[sub], E::widen256(line, 1)[sub]];
+        let j = l * E::INPUTS + sub;
         for (r, acc_r) in acc.iter_mut().enumerate() {
             let x = _mm256_broadcast_ss(&*t.x.add(r * t.k + j));
             acc_r[0] = _mm256_fmadd_ps(x, w[0], acc_r[0]);
             acc_r[1] = _mm256_fmadd_ps(x, w[1], acc_r[1]);
         }
+    };
+    let full = t.k / E::INPUTS;
+    for l in 0..full {
+        for sub in 0..E::INPUTS {
+            input(&mut acc, l, sub);
+        }
+    }
+    for sub in 0..t.k % E::INPUTS {
+        input(&mut acc, full, sub);
     }
     for (r, acc_r) in acc.iter().enumerate() {
         let mut row = [0f32; BLOCK_ROWS];
