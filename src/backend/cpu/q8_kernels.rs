@@ -92,7 +92,11 @@ pub unsafe fn q8_blocks(
         let mr = (m - r).min(mr_max);
         let mut b = b0;
         while b < b1 {
-            let nb = if b1 - b >= nb_max { nb_max } else { 1 };
+            let nb = match b1 - b {
+                left if left >= nb_max => nb_max,
+                left if left >= 2 && nb_max >= 2 => 2,
+                _ => 1,
+            };
             let valid = (w.rows - b * BLOCK_ROWS).min(nb * BLOCK_ROWS);
             let op = out.add(r * stride + b * BLOCK_ROWS);
             match isa {
