@@ -64,7 +64,7 @@ pub const SWITCHES: &[Switch] = &[
     switch("NANOINFER_ATTN_SIMPLE", Comparison, "off", "set: the plain CPU attention instead of the blocked AVX-512/AVX2 kernels"),
     switch("NANOINFER_AVX512_BF16", Comparison, "on", "`0`: packed BF16 weights without `vdpbf16ps`"),
     switch("NANOINFER_BF16_ROUND_ACTS", Diagnostic, "off", "`1`: round activations to BF16 where AMX would, on any CPU (to measure AMX's numerics)"),
-    switch("NANOINFER_ISA", Diagnostic, "the best the CPU has", "`avx512` (no BF16/VNNI/AMX extensions), `avx2` or `scalar`: force a CPU kernel path (the numeric tests run under each)"),
+    switch("NANOINFER_ISA", Diagnostic, "the best the CPU has", "`avx512` (no BF16/VNNI/AMX extensions), `avx2`, `neon` (aarch64 without `sdot`) or `scalar`: force a CPU kernel path (the numeric tests run under each)"),
     switch("NANOINFER_TEST_HOOKS", Diagnostic, "off", "`1`: enable the testing hook `ni_debug_force_panic`"),
     switch("NANOINFER_CUDA_DECODE_MMA", Comparison, "on", "`0`: CUDA-core decode attention instead of the tensor-core kernel"),
     switch("NANOINFER_CUDA_DEFINES", Tuning, "none", "`-DNAME=VALUE ...`: override any `#ifndef` constant of the CUDA kernels"),

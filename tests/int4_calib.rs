@@ -170,14 +170,20 @@ fn calibration_options_are_checked() {
 #[test]
 fn calibrated_checkpoints_are_the_same_on_every_isa() {
     let mut isas = vec!["scalar"];
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        isas.push("avx2");
-    }
-    if std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512bw")
+    #[cfg(target_arch = "x86_64")]
     {
-        isas.push("avx512");
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            isas.push("avx2");
+        }
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+        {
+            isas.push("avx512");
+        }
     }
+    #[cfg(target_arch = "aarch64")]
+    isas.push("neon");
     let mut first: Option<(&str, Vec<Vec<u8>>)> = None;
     for isa in isas {
         let out = scratch_dir(&format!("calib-isa-{isa}"));

@@ -5,7 +5,9 @@
 //! the same kernel serves prefill chunks, decode steps and mixed batches over
 //! both the paged and the token KV layouts.
 
-use super::attention_block::{self, ROW_BLOCK};
+#[cfg(target_arch = "x86_64")]
+use super::attention_block;
+use super::attention_block::ROW_BLOCK;
 use super::attention_row;
 use super::isa::{isa, Isa};
 use super::ops::softmax_in_place;
@@ -132,7 +134,10 @@ pub fn attention(
             .expect("task belongs to a sequence");
         if in_blocks(seq) {
             let blocks = seq.len.div_ceil(ROW_BLOCK);
+            // Off x86-64 no sequence runs in blocks (`use_blocks`).
+            #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
             let (kv_head, b) = (t / blocks, t % blocks);
+            #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
             let (first, last) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(seq.len));
             #[cfg(target_arch = "x86_64")]
             {

@@ -12,6 +12,8 @@ use super::elem::Bf16;
 pub use super::packed::BLOCK_ROWS;
 use super::packed::{Packed, PackedElem};
 
+#[cfg(target_arch = "aarch64")]
+use std::arch::aarch64::*;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
@@ -58,6 +60,18 @@ impl PackedElem for Bf16 {
         [
             _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)),
             _mm256_castsi256_ps(_mm256_and_si256(v, hi)),
+        ]
+    }
+
+    #[cfg(target_arch = "aarch64")]
+    #[inline]
+    unsafe fn widen_neon(line: *const Line) -> [[float32x4_t; 4]; 2] {
+        let p = line as *const u32;
+        let v = [0, 1, 2, 3].map(|q| vld1q_u32(p.add(4 * q)));
+        let hi = vdupq_n_u32(0xffff_0000);
+        [
+            v.map(|v| vreinterpretq_f32_u32(vshlq_n_u32::<16>(v))),
+            v.map(|v| vreinterpretq_f32_u32(vandq_u32(v, hi))),
         ]
     }
 }

@@ -135,6 +135,8 @@ pub unsafe fn amx_blocks(
     std::arch::asm!("tilerelease", options(nostack, preserves_flags));
 }
 
+/// # Safety
+/// Never called: AMX is not detected off x86-64.
 #[cfg(not(target_arch = "x86_64"))]
 pub unsafe fn amx_blocks(_: &Bf16Acts, _: &PackedBf16, _: usize, _: usize, _: *mut f32, _: usize) {
     unreachable!("AMX is never detected off x86_64")
@@ -406,6 +408,7 @@ pub(crate) mod tests {
 
     /// The AMX instructions (Sapphire Rapids+), every shape of the grid.
     #[test]
+    #[cfg_attr(not(target_arch = "x86_64"), allow(clippy::needless_return))]
     fn bf16_amx_matches_reference() {
         if !super::super::bf16_hw::available(Bf16Path::Amx) {
             println!("skipped: no AMX-BF16");

@@ -10,7 +10,9 @@
 //! every task of the pool then reads.
 
 use super::bf16::PackedBf16;
-use super::isa::{has_amx_bf16, has_avx512_bf16, isa, Isa};
+use super::isa::{has_amx_bf16, has_avx512_bf16};
+#[cfg(target_arch = "x86_64")]
+use super::isa::{isa, Isa};
 use std::cell::RefCell;
 
 /// Which hardware kernel a matmul's packed BF16 weights run.
@@ -179,6 +181,7 @@ impl Bf16Acts {
 
     /// The first value of row `r` (rows up to `m` rounded up to 16 exist).
     #[inline]
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn row_ptr(&self, r: usize) -> *const u16 {
         debug_assert!(r * self.stride <= self.data.len() * 32);
         // SAFETY: in bounds by the assertion (or one past the end).

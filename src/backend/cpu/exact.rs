@@ -125,7 +125,7 @@ macro_rules! multiversion {
                     Isa::Avx512 => return unsafe { avx512($($arg),*) },
                     // SAFETY: as above (AVX2 is detected with FMA and F16C).
                     Isa::Avx2Fma => return unsafe { avx2($($arg),*) },
-                    Isa::Scalar => {}
+                    Isa::Scalar | Isa::Neon => {}
                 }
             }
             $body($($arg),*)

@@ -8,6 +8,8 @@
 use super::elem::F16;
 use super::packed::{Packed, PackedElem, BLOCK_ROWS};
 
+#[cfg(target_arch = "aarch64")]
+use std::arch::aarch64::*;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
@@ -53,5 +55,16 @@ impl PackedElem for F16 {
             _mm256_cvtph_ps(_mm_load_si128(p.add(h))),
             _mm256_cvtph_ps(_mm_load_si128(p.add(2 + h))),
         ]
+    }
+
+    #[cfg(target_arch = "aarch64")]
+    #[inline]
+    unsafe fn widen_neon(line: *const F16Line) -> [[float32x4_t; 4]; 2] {
+        let p = line as *const u16;
+        let (a0, a1) = super::neon_packed::f16x8_to_f32(vld1q_u16(p));
+        let (a2, a3) = super::neon_packed::f16x8_to_f32(vld1q_u16(p.add(8)));
+        let (b0, b1) = super::neon_packed::f16x8_to_f32(vld1q_u16(p.add(16)));
+        let (b2, b3) = super::neon_packed::f16x8_to_f32(vld1q_u16(p.add(24)));
+        [[a0, a1, a2, a3], [b0, b1, b2, b3]]
     }
 }

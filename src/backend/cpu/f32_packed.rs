@@ -6,6 +6,8 @@
 
 use super::packed::{Packed, PackedElem, BLOCK_ROWS};
 
+#[cfg(target_arch = "aarch64")]
+use std::arch::aarch64::*;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
@@ -51,6 +53,14 @@ impl PackedElem for f32 {
     #[target_feature(enable = "avx2,fma")]
     unsafe fn widen256(line: *const F32Line, h: usize) -> [__m256; 2] {
         let v = _mm256_load_ps((line as *const f32).add(8 * h));
+        [v, v]
+    }
+
+    #[cfg(target_arch = "aarch64")]
+    #[inline]
+    unsafe fn widen_neon(line: *const F32Line) -> [[float32x4_t; 4]; 2] {
+        let p = line as *const f32;
+        let v = [0, 1, 2, 3].map(|q| vld1q_f32(p.add(4 * q)));
         [v, v]
     }
 }

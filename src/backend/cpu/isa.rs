@@ -5,6 +5,8 @@ use once_cell::sync::Lazy;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     Scalar,
+    /// aarch64 Advanced SIMD (every aarch64 CPU has it).
+    Neon,
     Avx2Fma,
     Avx512,
 }
@@ -31,10 +33,15 @@ fn detect() -> Isa {
             return Isa::Avx2Fma;
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    if std::arch::is_aarch64_feature_detected!("neon") {
+        return Isa::Neon;
+    }
     Isa::Scalar
 }
 
-/// The instruction set the kernels use (override with `NANOINFER_ISA=scalar|avx2|avx512`).
+/// The instruction set the kernels use (override with
+/// `NANOINFER_ISA=scalar|avx2|avx512` on x86-64, `scalar|neon` on aarch64).
 pub fn isa() -> Isa {
     *DETECTED
 }
@@ -55,6 +62,25 @@ static VNNI: Lazy<bool> = Lazy::new(|| {
 /// AVX-512 VNNI (`vpdpbusd`) for the int8 kernels (off with `NANOINFER_ISA=avx512`).
 pub fn has_vnni() -> bool {
     *VNNI
+}
+
+static DOTPROD: Lazy<bool> = Lazy::new(|| {
+    #[cfg(target_arch = "aarch64")]
+    {
+        isa() == Isa::Neon
+            && crate::tuning::var("NANOINFER_ISA").as_deref() != Some("neon")
+            && std::arch::is_aarch64_feature_detected!("dotprod")
+    }
+    #[cfg(not(target_arch = "aarch64"))]
+    {
+        false
+    }
+});
+
+/// aarch64 dot products (`sdot`, Armv8.2's DotProd) for the int8 kernels;
+/// off with `NANOINFER_ISA=neon` (plain NEON: widening multiplies).
+pub fn has_dotprod() -> bool {
+    *DOTPROD
 }
 
 /// Whether the switch `var` is not `0` (unset: on), and `NANOINFER_ISA`

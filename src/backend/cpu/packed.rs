@@ -13,6 +13,8 @@
 use super::elem::WeightElem;
 use crate::{bail_arg, Result};
 
+#[cfg(target_arch = "aarch64")]
+use std::arch::aarch64::float32x4_t;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
@@ -58,6 +60,15 @@ pub trait PackedElem: WeightElem {
     /// `line` must be readable and 64-aligned; AVX2 and F16C must be available.
     #[cfg(target_arch = "x86_64")]
     unsafe fn widen256(line: *const Self::Line, h: usize) -> [__m256; 2];
+
+    /// The line's inputs as f32 vectors, `[input][rows 4q..4q + 4]`
+    /// (entries `INPUTS..` are unspecified), for the kernels of
+    /// `neon_packed.rs`.
+    ///
+    /// # Safety
+    /// `line` must be readable and 64-aligned.
+    #[cfg(target_arch = "aarch64")]
+    unsafe fn widen_neon(line: *const Self::Line) -> [[float32x4_t; 4]; 2];
 }
 
 /// A `[rows, cols]` matrix in the packed layout described above.

@@ -48,6 +48,8 @@ pub unsafe fn packed_blocks<E: PackedElem>(
     let max_rows = match isa {
         Isa::Avx512 => E::TILE_ROWS.min(MAX_TILE_ROWS),
         Isa::Avx2Fma => AVX2_TILE_ROWS,
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => super::neon_packed::TILE_ROWS,
         _ => 4,
     };
     let pair_blocks = isa == Isa::Avx512;
@@ -67,6 +69,8 @@ pub unsafe fn packed_blocks<E: PackedElem>(
             Isa::Avx512 => dispatch_avx512(mr, nb, t),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2Fma => dispatch_avx2(mr, t),
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => super::neon_packed::tile(mr, neon_tile(t)),
             _ => tile_scalar(mr, t),
         }
     };
@@ -238,6 +242,7 @@ const FEW_GROUPS: usize = 4;
 /// line `p` of the `ahead.1` blocks from block `ahead.0` (counted from `w`)
 /// as they read their own line `p`.
 struct Tile<E: PackedElem> {
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     ahead: (usize, usize),
     x: *const f32,
     k: usize,
@@ -254,6 +259,28 @@ impl<E: PackedElem> Clone for Tile<E> {
     }
 }
 impl<E: PackedElem> Copy for Tile<E> {}
+
+/// The operands of a one-block NEON tile (`neon_packed.rs`).
+#[cfg(target_arch = "aarch64")]
+fn neon_tile<E: PackedElem>(t: Tile<E>) -> super::neon_packed::Tile<E> {
+    let Tile {
+        x,
+        k,
+        w,
+        out,
+        stride,
+        valid,
+        ..
+    } = t;
+    super::neon_packed::Tile {
+        x,
+        k,
+        w,
+        out,
+        stride,
+        valid,
+    }
+}
 
 unsafe fn tile_scalar<E: PackedElem>(mr: usize, t: Tile<E>) {
     for r in 0..mr {
@@ -306,7 +333,7 @@ unsafe fn dispatch_avx512<E: PackedElem>(mr: usize, nb: usize, t: Tile<E>) {
 }
 
 /// Lines per pair of inputs: 2 for F32, 1 for BF16/F16.
-const fn pair_lines<E: PackedElem>() -> usize {
+pub(super) const fn pair_lines<E: PackedElem>() -> usize {
     2 / E::INPUTS
 }
 
@@ -517,6 +544,8 @@ mod tests {
                 v.push(Isa::Avx512);
             }
         }
+        #[cfg(target_arch = "aarch64")]
+        v.push(Isa::Neon);
         v
     }
 

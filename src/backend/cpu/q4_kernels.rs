@@ -5,7 +5,9 @@
 //! block; the activation scale is applied per block, the weight scale and
 //! zero once per group: `Σ_g s·Σ_b d_b·Σ q·x + m·Σ_b d_b·Σx`.
 
-use super::q4::{Q4Acts, Q4Matrix, ACT_BLOCK, BLOCK_ROWS, K_STEP};
+#[cfg(target_arch = "x86_64")]
+use super::q4::K_STEP;
+use super::q4::{Q4Acts, Q4Matrix, ACT_BLOCK, BLOCK_ROWS};
 use super::q8_kernels::Q8Isa;
 
 #[cfg(target_arch = "x86_64")]
@@ -16,6 +18,8 @@ pub type Q4Isa = Q8Isa;
 
 pub use super::q8_kernels::{available_q8_isas as available_q4_isas, q8_isa as q4_isa};
 
+#[cfg(target_arch = "aarch64")]
+use super::neon_q4::{micro_sdot, micro_widen};
 use super::q8_kernels::dispatch;
 #[cfg(target_arch = "x86_64")]
 use super::q8_kernels::{store_acc256, store_acc512};
@@ -38,7 +42,13 @@ pub unsafe fn q4_blocks(
 ) {
     debug_assert_eq!(a.kp, w.kp);
     let m = a.m;
-    let (mr_max, nb_max) = if m == 1 { (1, 4) } else { (4, 2) };
+    let (mr_max, nb_max) = match (m, isa) {
+        // NEON: 12 vectors (i32 sums, block and group f32 sums) per row and block.
+        (1, Q4Isa::Neon | Q4Isa::NeonDot) => (1, 2),
+        (_, Q4Isa::Neon | Q4Isa::NeonDot) => (2, 1),
+        (1, _) => (1, 4),
+        _ => (4, 2),
+    };
     let mut r = 0;
     while r < m {
         let mr = (m - r).min(mr_max);
@@ -58,6 +68,10 @@ pub unsafe fn q4_blocks(
                 Q8Isa::Vnni => dispatch!(micro_vnni, mr, nb, a, r, w, b, op, stride, valid),
                 #[cfg(target_arch = "x86_64")]
                 Q8Isa::Avx2 => dispatch!(micro_avx2, mr, nb, a, r, w, b, op, stride, valid),
+                #[cfg(target_arch = "aarch64")]
+                Q8Isa::NeonDot => dispatch!(micro_sdot, mr, nb, a, r, w, b, op, stride, valid),
+                #[cfg(target_arch = "aarch64")]
+                Q8Isa::Neon => dispatch!(micro_widen, mr, nb, a, r, w, b, op, stride, valid),
                 _ => micro_scalar(mr, a, r, w, b, op, stride, valid),
             }
             b += nb;

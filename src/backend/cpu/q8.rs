@@ -55,6 +55,12 @@ pub fn quantize_row(x: &[f32], group: usize, q: &mut [i8], scales: &mut [f32]) {
             // slices hold n values.
             done = unsafe { super::vector_avx2::quantize_i8(xg.as_ptr(), inv, qg.as_mut_ptr(), n) };
         }
+        #[cfg(target_arch = "aarch64")]
+        if super::isa::isa() == super::isa::Isa::Neon {
+            let n = xg.len().min(qg.len());
+            // SAFETY: NEON detected; both slices hold n values.
+            done = unsafe { super::neon_vector::quantize_i8(xg.as_ptr(), inv, qg.as_mut_ptr(), n) };
+        }
         for (o, v) in qg[done..].iter_mut().zip(&xg[done..]) {
             *o = (v * inv).round().clamp(-127.0, 127.0) as i8;
         }

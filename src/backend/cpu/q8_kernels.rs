@@ -16,14 +16,20 @@ pub enum Q8Isa {
     Scalar,
     Avx2,
     Vnni,
+    /// aarch64 NEON, widening multiplies.
+    Neon,
+    /// aarch64 NEON with `sdot`.
+    NeonDot,
 }
 
 /// The best Q8 kernel this CPU runs (follows `NANOINFER_ISA` like the dense kernels).
 pub fn q8_isa() -> Q8Isa {
-    use super::isa::{has_vnni, isa, Isa};
+    use super::isa::{has_dotprod, has_vnni, isa, Isa};
     match isa() {
         Isa::Avx512 if has_vnni() => Q8Isa::Vnni,
         Isa::Avx512 | Isa::Avx2Fma => Q8Isa::Avx2,
+        Isa::Neon if has_dotprod() => Q8Isa::NeonDot,
+        Isa::Neon => Q8Isa::Neon,
         Isa::Scalar => Q8Isa::Scalar,
     }
 }
@@ -38,6 +44,13 @@ pub fn available_q8_isas() -> Vec<Q8Isa> {
         }
         if super::isa::has_vnni() {
             v.push(Q8Isa::Vnni);
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        v.push(Q8Isa::Neon);
+        if std::arch::is_aarch64_feature_detected!("dotprod") {
+            v.push(Q8Isa::NeonDot);
         }
     }
     v
@@ -62,6 +75,9 @@ macro_rules! dispatch {
 }
 pub(super) use dispatch;
 
+#[cfg(target_arch = "aarch64")]
+use super::neon_q8::{micro_sdot, micro_widen};
+
 /// `out[r, b·16 + j] = Σ_g sw·sx·Σ q_w q_x` for rows `r < a.m` and the
 /// weight rows of blocks `b0..b1`.
 ///
@@ -81,10 +97,13 @@ pub unsafe fn q8_blocks(
     debug_assert!(a.kp == w.kp && a.group == w.group && a.n_groups == w.n_groups);
     let m = a.m;
     let (mr_max, nb_max) = match (m, isa) {
+        (1, Q8Isa::Neon | Q8Isa::NeonDot) => (1, 2),
         (1, _) => (1, 4),
         // 4 × 2 blocks would hold 16 integer accumulators: more than AVX2's
         // 16 registers once the weights and temporaries are counted.
         (_, Q8Isa::Avx2) => (4, 1),
+        // NEON: 16 i32 and 16 f32 accumulators per 4 × 1 tile.
+        (_, Q8Isa::Neon | Q8Isa::NeonDot) => (4, 1),
         _ => (4, 2),
     };
     let mut r = 0;
@@ -104,6 +123,10 @@ pub unsafe fn q8_blocks(
                 Q8Isa::Vnni => dispatch!(micro_vnni, mr, nb, a, r, w, b, op, stride, valid),
                 #[cfg(target_arch = "x86_64")]
                 Q8Isa::Avx2 => dispatch!(micro_avx2, mr, nb, a, r, w, b, op, stride, valid),
+                #[cfg(target_arch = "aarch64")]
+                Q8Isa::NeonDot => dispatch!(micro_sdot, mr, nb, a, r, w, b, op, stride, valid),
+                #[cfg(target_arch = "aarch64")]
+                Q8Isa::Neon => dispatch!(micro_widen, mr, nb, a, r, w, b, op, stride, valid),
                 _ => micro_scalar(mr, nb, a, r, w, b, op, stride, valid),
             }
             b += nb;
@@ -114,7 +137,7 @@ pub unsafe fn q8_blocks(
 
 /// Writes `acc` (MR rows × NB·16 columns) keeping only the first `valid` columns.
 #[inline(always)]
-unsafe fn store_rows<const MR: usize, const NB: usize>(
+pub(super) unsafe fn store_rows<const MR: usize, const NB: usize>(
     acc: &[[[f32; BLOCK_ROWS]; NB]; MR],
     out: *mut f32,
     stride: usize,

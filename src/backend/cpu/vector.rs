@@ -15,6 +15,9 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2Fma => unsafe { super::vector_avx2::dot(a.as_ptr(), b.as_ptr(), n) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => unsafe { super::neon_vector::dot(a.as_ptr(), b.as_ptr(), n) },
         _ => a[..n].iter().zip(&b[..n]).map(|(x, y)| x * y).sum(),
     }
 }
@@ -30,6 +33,9 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2Fma => unsafe { super::vector_avx2::axpy(alpha, x.as_ptr(), y.as_mut_ptr(), n) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => unsafe { super::neon_vector::axpy(alpha, x.as_ptr(), y.as_mut_ptr(), n) },
         _ => {
             for (yi, xi) in y[..n].iter_mut().zip(&x[..n]) {
                 *yi += alpha * xi;
@@ -161,6 +167,13 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
             super::vector_avx2::silu_mul(gate.as_ptr(), up.as_ptr(), out.as_mut_ptr(), n)
         };
     }
+    #[cfg(target_arch = "aarch64")]
+    if isa() == Isa::Neon {
+        // SAFETY: NEON detected; all three slices hold n elements.
+        done = unsafe {
+            super::neon_vector::silu_mul(gate.as_ptr(), up.as_ptr(), out.as_mut_ptr(), n)
+        };
+    }
     for i in done..n {
         let g = gate[i];
         out[i] = g / (1.0 + (-g).exp()) * up[i];
@@ -199,6 +212,15 @@ pub fn softmax_in_place(x: &mut [f32]) {
     if isa() == Isa::Avx2Fma && !x.is_empty() {
         // SAFETY: AVX2 and FMA detected.
         let inv = unsafe { super::vector_avx2::softmax_unnormalized(x) };
+        for v in x.iter_mut() {
+            *v *= inv;
+        }
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if isa() == Isa::Neon && !x.is_empty() {
+        // SAFETY: NEON detected; `x` is not empty.
+        let inv = unsafe { super::neon_vector::softmax_unnormalized(x) };
         for v in x.iter_mut() {
             *v *= inv;
         }
