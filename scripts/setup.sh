@@ -8,27 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Installs the Debian packages of "command:package" pairs whose command is
-# missing, as root or through passwordless sudo.
-apt_install_missing() {
-  local missing=() pair as_root
-  for pair in "$@"; do
-    command -v "${pair%%:*}" >/dev/null || missing+=("${pair#*:}")
-  done
-  [ ${#missing[@]} -gt 0 ] || return 0
-  if [ "$(id -u)" = 0 ]; then
-    as_root=()
-  elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
-    as_root=(sudo -n)
-  else
-    echo "setup: missing ${missing[*]}; install them (apt-get install ${missing[*]}) or rerun as root" >&2
-    exit 1
-  fi
-  command -v apt-get >/dev/null || { echo "setup: missing ${missing[*]} and no apt-get to install them" >&2; exit 1; }
-  echo "setup: installing ${missing[*]}" >&2
-  "${as_root[@]}" apt-get update -qq
-  "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-}
+# apt_install_missing COMMAND:PACKAGE...
+source scripts/apt_install_missing.sh
 
 if [ "${NANOINFER_SETUP_PACKAGING:-0}" = 1 ]; then
   apt_install_missing cmake:cmake make:make cc:gcc c++:g++ readelf:binutils pkg-config:pkg-config valgrind:valgrind

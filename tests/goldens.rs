@@ -3,67 +3,12 @@
 
 mod common;
 
+use common::smollm2::*;
 use common::*;
-use nanoinfer::engine::eval::{greedy_with_logits, perplexity};
 use nanoinfer::engine::{Model, RequestParams, Session, SessionParams};
 use nanoinfer::model::WeightDType;
 use nanoinfer::sampling::SamplingParams;
 use nanoinfer::tokenizer::ChatMessage;
-use serde_json::Value;
-
-struct Case {
-    name: String,
-    prompt: Vec<u32>,
-    output: Vec<u32>,
-    top_logits: Vec<Vec<(u32, f32)>>,
-}
-
-fn cases(g: &Value) -> Vec<Case> {
-    g["cases"]
-        .as_array()
-        .expect("cases")
-        .iter()
-        .map(|c| Case {
-            name: c["name"].as_str().unwrap_or("?").to_string(),
-            prompt: ids(&c["prompt_ids"]),
-            output: ids(&c["output_ids"]),
-            top_logits: c["top_logits"]
-                .as_array()
-                .expect("top_logits")
-                .iter()
-                .map(|step| {
-                    step.as_array()
-                        .expect("step")
-                        .iter()
-                        .map(|p| (p[0].as_u64().unwrap() as u32, p[1].as_f64().unwrap() as f32))
-                        .collect()
-                })
-                .collect(),
-        })
-        .collect()
-}
-
-/// Greedy ids identical for every step, top-k logits within `rel`.
-fn check_greedy_and_logits(model: &Model, cases: &[Case], rel: f32) {
-    for case in cases {
-        let (out, rows) = greedy_with_logits(model, &case.prompt, case.output.len()).unwrap();
-        assert_eq!(
-            out, case.output,
-            "{}: greedy ids differ from transformers",
-            case.name
-        );
-        for (step, (row, want)) in rows.iter().zip(&case.top_logits).enumerate() {
-            for &(id, logit) in want {
-                let got = row[id as usize];
-                assert!(
-                    close(got, logit, rel),
-                    "{} step {step} token {id}: logit {got} vs transformers {logit}",
-                    case.name
-                );
-            }
-        }
-    }
-}
 
 /// All cases at once through a continuously batched session.
 fn check_batched_session(model: &std::sync::Arc<Model>, cases: &[Case], params: SessionParams) {
@@ -180,17 +125,11 @@ fn smollm2_f32_matches_transformers() {
         },
     );
 
-    let p = &g["perplexity"];
-    let text = std::fs::read_to_string(repo_path(p["file"].as_str().unwrap())).unwrap();
-    let mut tokens = model
-        .tokenizer()
-        .unwrap()
-        .encode(&text, p["add_special_tokens"].as_bool().unwrap())
-        .unwrap();
-    tokens.truncate(p["max_tokens"].as_u64().unwrap() as usize);
-    assert_eq!(tokens.len() as u64, p["n_tokens"].as_u64().unwrap());
-    let ppl = perplexity(&model, &tokens).unwrap();
-    let want = p["ppl"].as_f64().unwrap();
+    assert_eq!(
+        perplexity_tokens(&model, &g).len() as u64,
+        g["perplexity"]["n_tokens"].as_u64().unwrap()
+    );
+    let (ppl, want) = perplexity_vs_golden(&model, &g);
     assert!(
         (ppl - want).abs() / want < 0.005,
         "perplexity {ppl} vs transformers {want}"
@@ -203,23 +142,14 @@ fn smollm2_bf16_weights_stay_close() {
     let model = load_model(&smollm2_dir("-bf16"), WeightDType::Auto);
     assert_eq!(model.decoder.weight_dtype_name(), "bf16");
     let cases = cases(&g);
-    let mut same = 0;
-    for c in &cases {
-        let (out, _) = greedy_with_logits(&model, &c.prompt, 16).unwrap();
-        same += usize::from(out == c.output[..16]);
-    }
+    let same = cases_keeping_first_ids(&model, &cases, 16);
     assert!(
         same * 4 >= cases.len() * 3,
         "only {same}/{} prompts kept their first 16 greedy tokens in bf16",
         cases.len()
     );
 
-    let p = &g["perplexity"];
-    let text = std::fs::read_to_string(repo_path(p["file"].as_str().unwrap())).unwrap();
-    let mut tokens = model.tokenizer().unwrap().encode(&text, false).unwrap();
-    tokens.truncate(p["max_tokens"].as_u64().unwrap() as usize);
-    let ppl = perplexity(&model, &tokens).unwrap();
-    let want = p["ppl"].as_f64().unwrap();
+    let (ppl, want) = perplexity_vs_golden(&model, &g);
     assert!(
         (ppl - want).abs() / want < 0.02,
         "bf16 perplexity {ppl} vs f32 transformers {want}"

@@ -7,6 +7,7 @@
 mod common;
 
 use common::dequant::{dequantized_copy, rows_of};
+use common::smollm2::perplexity_tokens;
 use common::*;
 use nanoinfer::backend::cpu::{matmul, MatrixData, ThreadPool};
 use nanoinfer::engine::eval::{greedy_with_logits, perplexity};
@@ -333,7 +334,6 @@ fn smollm2_rtn_g128_perplexity() {
     let p = &g["perplexity"];
     let want = p["ppl"].as_f64().unwrap();
     let src = smollm2_dir("");
-    let text = std::fs::read_to_string(repo_path(p["file"].as_str().unwrap())).unwrap();
     let mut report = Vec::new();
     // Guards at the measured +25% (AWQ) and +35% (GPTQ symmetric) plus margin.
     for (mode, label, bound) in [
@@ -359,12 +359,7 @@ fn smollm2_rtn_g128_perplexity() {
         quantize_checkpoint(&src, &out, mode).unwrap();
         let model = load(&out, QuantMode::None);
         assert_eq!(model.decoder.weight_dtype_name(), "int4");
-        let mut tokens = model
-            .tokenizer()
-            .unwrap()
-            .encode(&text, p["add_special_tokens"].as_bool().unwrap())
-            .unwrap();
-        tokens.truncate(p["max_tokens"].as_u64().unwrap() as usize);
+        let tokens = perplexity_tokens(&model, &g);
         let ppl = perplexity(&model, &tokens).unwrap();
         report.push(format!(
             "{label} g128 {ppl:.3} ({:+.1}%)",

@@ -4,6 +4,7 @@
 pub mod choosable;
 pub mod conformance;
 pub mod dequant;
+pub mod smollm2;
 
 use nanoinfer::engine::{Model, ModelParams};
 use nanoinfer::model::{QuantMode, WeightDType};
