@@ -2,7 +2,8 @@
 # The whole test suite, from a fresh clone: set-up, formatting, Rust tests
 # (unit, goldens against transformers, bad files, engine, C ABI misuse and
 # concurrency, fault injection, the fuzz targets' logic over seeds and
-# mutations), the numeric tests on every other instruction-set path, a
+# mutations), the numeric tests on every other instruction-set path, the
+# aarch64 NEON kernels under qemu, a
 # one-minute soak through the C ABI, the CUDA kernels' NVRTC
 # compile, the HTTP server (OpenAI client, headless Chromium, load), then
 # the packaging check (CMake package, C/C++ examples, valgrind, Go binding).
@@ -15,6 +16,8 @@ echo "== cargo test --release" >&2
 cargo test --release
 echo "== numeric tests under every other instruction-set path this CPU has (scripts/test_isa.sh)" >&2
 bash scripts/test_isa.sh
+echo "== the aarch64 NEON kernels and short goldens under qemu (scripts/test_aarch64.sh)" >&2
+bash scripts/test_aarch64.sh
 echo "== one-minute soak through the C ABI (scripts/soak.sh for the full one)" >&2
 NANOINFER_SOAK_SECS=60 NANOINFER_SOAK_RSS_CSV="${TMPDIR:-/tmp}/nanoinfer-ci-soak-rss.csv" \
   cargo test --release --test engine_soak soak_timed_through_the_c_abi -- --ignored --nocapture

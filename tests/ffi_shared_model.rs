@@ -34,8 +34,8 @@ fn two_sessions_on_one_model_are_not_slower_than_one_after_the_other() {
     }
     let mut sequential = Duration::MAX;
     let mut concurrent = Duration::MAX;
-    // Best of two rounds of each, interleaved, to damp noise from the machine.
-    for _ in 0..2 {
+    // Best of three rounds of each, interleaved, to damp noise from the machine.
+    for _ in 0..3 {
         let t = Instant::now();
         let want: Vec<Vec<u32>> = sessions
             .iter()
@@ -62,8 +62,10 @@ fn two_sessions_on_one_model_are_not_slower_than_one_after_the_other() {
         concurrent.as_secs_f64() * 1e3,
         concurrent.as_secs_f64() / sequential.as_secs_f64()
     );
+    // Taking turns costs a little (a 2-core EPYC: 0.94-1.06x quiet, 1.10x
+    // beside another build); the fight this guards against cost 2.5x.
     assert!(
-        concurrent.as_secs_f64() <= sequential.as_secs_f64() * 1.10,
+        concurrent.as_secs_f64() <= sequential.as_secs_f64() * 1.30,
         "at once {concurrent:?} vs one after the other {sequential:?}"
     );
     for s in sessions {

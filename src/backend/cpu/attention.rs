@@ -89,13 +89,22 @@ pub fn attention(
     );
     let out_ptr = OutPtr(out.as_mut_ptr());
     let blocked = use_blocks(hd);
-    // The decode row kernels are AVX-512 only; AVX2 decode rows take the
-    // generic path below (dot and axpy on AVX2).
+    // The decode row kernels are AVX-512 only; on AVX2 decode rows run in
+    // blocks too (below). Off x86-64, rows take the generic dot/axpy path.
     #[cfg(target_arch = "x86_64")]
     let row_kernel = blocked && isa() == Isa::Avx512 && attention_row::supported(hd);
     #[cfg(target_arch = "x86_64")]
     let grouped = attention_row::group_supported(hd, group);
-    let in_blocks = |s: &AttnSeq<'_>| blocked && s.len >= ROW_BLOCK;
+    // Without row kernels of the same arithmetic as the blocks (AVX2), every
+    // row runs in blocks: a row's result must not depend on how many rows
+    // of its sequence share the call (a prefill chunk's length, a decode
+    // step, a speculative verify, a recompute), or a request's greedy tokens
+    // would change with what is batched beside it.
+    #[cfg(target_arch = "x86_64")]
+    let rows_in_blocks = !row_kernel;
+    #[cfg(not(target_arch = "x86_64"))]
+    let rows_in_blocks = false;
+    let in_blocks = |s: &AttnSeq<'_>| blocked && (s.len >= ROW_BLOCK || rows_in_blocks);
     // With many decode rows, one task takes all query heads of a KV head,
     // so the K/V vectors they share are read from memory once (by one core).
     let row_tasks: usize = seqs.iter().filter(|s| !in_blocks(s)).map(|s| s.len).sum();
@@ -395,6 +404,84 @@ mod tests {
             let keys = values(130 * kvh * hd, 2);
             let vals = values(130 * kvh * hd, 3);
             check_against_reference(&pool, &shape, &seqs, &q, &keys, &vals, rows);
+        }
+    }
+
+    /// A row's output does not depend on how its sequence's rows are split
+    /// into calls (one 40-row prefill; chunks of 1, 5, 16 and 18 rows; 40
+    /// decode steps), bit for bit: a request's greedy tokens must not change
+    /// with what the scheduler batches beside it. The AVX-512 decode row
+    /// kernels sum in another order than the blocks, so there only rows in
+    /// blocks (chunks of 16 or more) are compared.
+    #[test]
+    fn rows_are_bitwise_independent_of_how_calls_split_them() {
+        let pool = ThreadPool::new(2);
+        #[cfg(target_arch = "x86_64")]
+        let exact_rows = |len: usize| {
+            len >= ROW_BLOCK || !(isa() == Isa::Avx512 && attention_row::supported(64))
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let exact_rows = |_: usize| true;
+        for &(h, kvh, hd) in &[(9usize, 3usize, 64usize), (4, 2, 32)] {
+            let shape = AttnShape {
+                n_heads: h,
+                n_kv_heads: kvh,
+                head_dim: hd,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            let (context, total) = (3, 43);
+            let slots: Vec<u32> = (0..total).map(|i| (i * 11 % 97) as u32 + 2).collect();
+            let width = h * hd;
+            let q = values((total - context) * width, 7);
+            let keys = values(100 * kvh * hd, 8);
+            let vals = values(100 * kvh * hd, 9);
+            // Rows context..total in calls of the given lengths.
+            let run = |lens: &[usize]| {
+                let mut out = vec![f32::NAN; (total - context) * width];
+                let mut first = 0;
+                for &len in lens {
+                    let seq = AttnSeq {
+                        start: 0,
+                        len,
+                        context_len: context + first,
+                        kv: KvMapping::Slots(&slots),
+                    };
+                    let rows = first * width..(first + len) * width;
+                    attention(
+                        &pool,
+                        &shape,
+                        &[seq],
+                        &q[rows.clone()],
+                        width,
+                        &keys,
+                        &vals,
+                        &mut out[rows],
+                        None,
+                    );
+                    first += len;
+                }
+                assert_eq!(first, total - context);
+                out
+            };
+            let whole = run(&[40]);
+            for lens in [vec![1, 5, 16, 18], vec![1; 40], vec![20, 20]] {
+                let split = run(&lens);
+                let mut first = 0;
+                for &len in &lens {
+                    if exact_rows(len) {
+                        let rows = first * width..(first + len) * width;
+                        assert!(
+                            whole[rows.clone()]
+                                .iter()
+                                .zip(&split[rows])
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "hd={hd}: rows {first}..{} differ when run in calls of {lens:?}",
+                            first + len
+                        );
+                    }
+                    first += len;
+                }
+            }
         }
     }
 
