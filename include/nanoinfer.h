@@ -174,7 +174,7 @@ typedef struct ni_model_params {
     /**
      * Inputs per scale: for `NI_QUANT_Q8_0` a positive multiple of 4, 0
      * (default) = 32; for `NI_QUANT_AWQ`/`NI_QUANT_GPTQ` 32, 64 or 128, 0 =
-     * 128. Ignored for `NI_QUANT_NONE`.
+     * 128. Ignored for `NI_QUANT_NONE` and `NI_QUANT_FP8`.
      */
     uint32_t quant_group_size;
     /**
@@ -991,6 +991,13 @@ typedef bool (*ni_abort_callback)(void *user_data);
  * Int4 GPTQ-format symmetric round-to-nearest (the CLI's `--quant gptq`).
  */
 #define NI_QUANT_GPTQ 3
+
+/**
+ * FP8 E4M3 with one scale per 128 × 128 block (the CLI's `--quant fp8`);
+ * the LM head and embeddings stay dense. The CPU computes with the
+ * dequantized values; CUDA refuses FP8 for now (no FP8 kernels yet).
+ */
+#define NI_QUANT_FP8 4
 
 /**
  * vLLM-style paged blocks with hash-chained prefix reuse (default).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The numeric test groups (goldens against transformers, the op
-# conformance suite against its f64 reference, Q8_0 and int4 quality,
+# conformance suite against its f64 reference, Q8_0, int4 and FP8 quality,
 # sampling goldens, speculative decoding's greedy goldens and sampling
 # distribution) under each instruction-set path this CPU can
 # run besides its own default: NANOINFER_ISA=avx512 (AVX-512 without the
@@ -10,7 +10,7 @@
 # Usage: scripts/test_isa.sh [ISA...]   (default: every path this CPU has)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-groups=(goldens op_conformance quant_q8 int4 sampling_goldens speculative)
+groups=(goldens op_conformance quant_q8 int4 fp8 sampling_goldens speculative)
 isas=("$@")
 if [ ${#isas[@]} -eq 0 ]; then
   flags=$(grep -m1 '^flags' /proc/cpuinfo || true)

@@ -21,7 +21,7 @@ use nanoinfer::engine::{
 use nanoinfer::forward::{e4m3_from_f32, e4m3_to_f32};
 use nanoinfer::kv::{KvBackendKind, KvCacheDType};
 use nanoinfer::memory::MemoryPoolKind;
-use nanoinfer::model::{QuantMethod, QuantMode, WeightDType};
+use nanoinfer::model::{QuantMode, WeightDType};
 use nanoinfer::quantize::calib::Calibration;
 use nanoinfer::quantize::gptq::GptqOptions;
 use nanoinfer::quantize::{quantize_checkpoint, quantize_checkpoint_with, QuantizeOptions};
@@ -307,7 +307,7 @@ fn int4_eight_b_shape_matches_the_same_weights_dequantized() {
     dequantized_copy_as(
         &q,
         int4.config(),
-        &method as &dyn QuantMethod,
+        method.method(),
         &dense_dir,
         DenseDType::BF16,
     );
@@ -444,7 +444,7 @@ fn int4_matches_the_same_weights_dequantized() {
             assert_eq!(int4.decoder.lm_head_dtype_name(), head);
             let method = int4.config().quantization.expect("an int4 checkpoint");
             let dense_dir = tmp.join(format!("{name}-{label}-dense"));
-            dequantized_copy(&q, int4.config(), &method as &dyn QuantMethod, &dense_dir);
+            dequantized_copy(&q, int4.config(), method.method(), &dense_dir);
             let dense = load_as(&dense_dir, WeightDType::BF16);
             eprintln!("{name} {label}: {}", int4.decoder.summary());
             let reqs = requests(&gold, 16);

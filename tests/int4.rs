@@ -368,7 +368,7 @@ fn smollm2_rtn_g128_perplexity() {
         if label == "awq" {
             let deq = scratch_dir("smollm2-awq-f32");
             let method = model.config().quantization.expect("int4 checkpoint");
-            dequantized_copy(&out, model.config(), &method, &deq);
+            dequantized_copy(&out, model.config(), method.method(), &deq);
             let dense = load(&deq, QuantMode::None);
             assert_eq!(dense.decoder.weight_dtype_name(), "f32");
             let ppl_dense = perplexity(&dense, &tokens).unwrap();

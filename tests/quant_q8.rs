@@ -4,6 +4,7 @@
 
 mod common;
 
+use common::checkpoint_edit::{rewrite, Meta, Tensors};
 use common::smollm2::{cases, check_greedy_until_near_tie, perplexity_vs_golden};
 use common::*;
 use nanoinfer::engine::eval::greedy_with_logits;
@@ -106,34 +107,7 @@ fn quantizing_twice_or_in_place_is_refused() {
     std::fs::remove_dir_all(&out).unwrap();
 }
 
-type Tensors = Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>;
-type Meta = std::collections::HashMap<String, String>;
 type Edit = fn(&mut Tensors, &mut Meta);
-
-/// Rewrites `dir/model.safetensors` with `edit` applied to its tensors and metadata.
-fn rewrite(dir: &Path, edit: impl Fn(&mut Tensors, &mut Meta)) {
-    let path = dir.join("model.safetensors");
-    let bytes = std::fs::read(&path).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-    let mut meta = header.metadata().clone().unwrap_or_default();
-    let mut tensors: Vec<_> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
-        .collect();
-    edit(&mut tensors, &mut meta);
-    let views: Vec<_> = tensors
-        .iter()
-        .map(|(n, d, s, b)| {
-            (
-                n.clone(),
-                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
-            )
-        })
-        .collect();
-    safetensors::tensor::serialize_to_file(views, Some(meta), &path).unwrap();
-}
 
 #[test]
 fn malformed_quantized_checkpoints_fail_with_clear_errors() {

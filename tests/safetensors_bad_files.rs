@@ -777,6 +777,7 @@ fn reads_everything(files: &WeightFiles) {
                 DType::F32 | DType::F16 | DType::BF16 => assert_eq!(v.to_f32().unwrap().len(), n),
                 DType::I8 => assert_eq!(v.as_i8().unwrap().len(), n),
                 DType::I32 => assert_eq!(v.as_i32().unwrap().len(), n),
+                DType::F8E4M3 => assert_eq!(v.as_e4m3().unwrap().len(), n),
             }
         }
     }

@@ -42,6 +42,10 @@ pub const NI_QUANT_Q8_0: ni_quant = 1;
 pub const NI_QUANT_AWQ: ni_quant = 2;
 /// Int4 GPTQ-format symmetric round-to-nearest (the CLI's `--quant gptq`).
 pub const NI_QUANT_GPTQ: ni_quant = 3;
+/// FP8 E4M3 with one scale per 128 × 128 block (the CLI's `--quant fp8`);
+/// the LM head and embeddings stay dense. The CPU computes with the
+/// dequantized values; CUDA refuses FP8 for now (no FP8 kernels yet).
+pub const NI_QUANT_FP8: ni_quant = 4;
 
 /// Reports load progress in [0, 1]; return false to cancel the load (which
 /// then fails with `NI_ERR_CANCELLED`). Called on the loading thread, during
@@ -77,7 +81,7 @@ pub struct ni_model_params {
     pub quant: ni_quant,
     /// Inputs per scale: for `NI_QUANT_Q8_0` a positive multiple of 4, 0
     /// (default) = 32; for `NI_QUANT_AWQ`/`NI_QUANT_GPTQ` 32, 64 or 128, 0 =
-    /// 128. Ignored for `NI_QUANT_NONE`.
+    /// 128. Ignored for `NI_QUANT_NONE` and `NI_QUANT_FP8`.
     pub quant_group_size: u32,
     /// Whether `NI_QUANT_Q8_0` quantizes the LM head too (a tied head gets its
     /// own int8 copy); default true, as the CLI does.
@@ -196,6 +200,7 @@ fn quant_mode(p: &ni_model_params) -> Result<QuantMode> {
             sym: true,
             lm_head: false,
         },
+        NI_QUANT_FP8 => QuantMode::Fp8 { lm_head: false },
         q => bail_arg!("model params: quant {q} is not an NI_QUANT_* value"),
     })
 }

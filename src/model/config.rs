@@ -1,7 +1,7 @@
 //! `config.json` of a HuggingFace causal LM, validated into `ModelConfig`.
 
 use super::arch::{self, Family, LayoutSettings};
-use super::quant_int4::Int4;
+use super::quant::StoredQuant;
 use crate::{bail_model, untrusted_file, Error, Result};
 use serde_json::Value;
 use std::path::Path;
@@ -61,8 +61,8 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
-    /// An int4 checkpoint's format, from `quantization_config`.
-    pub quantization: Option<Int4>,
+    /// A quantized checkpoint's format (int4, FP8), from `quantization_config`.
+    pub quantization: Option<StoredQuant>,
 }
 
 /// Bounds on config.json's sizes, far above any released model (the widest
@@ -222,7 +222,7 @@ impl ModelConfig {
             ));
         }
         let quantization = match v.get("quantization_config").filter(|q| !q.is_null()) {
-            Some(q) => Some(Int4::from_config(q)?),
+            Some(q) => Some(StoredQuant::from_config(q)?),
             None => None,
         };
         let hidden_size = req_usize(&v, "hidden_size")?;

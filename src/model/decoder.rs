@@ -3,7 +3,7 @@
 //! one layer program (`transformer.rs`) over the CPU's ops.
 
 use super::config::ModelConfig;
-use super::quant::{QuantMethod, QuantMode};
+use super::quant::{QuantMethod, QuantMode, StoredQuant};
 use super::runner::NON_FINITE_ROW;
 use super::transformer;
 use super::weight_upload::{load_decoder, HeadSource, Projection, WeightUpload};
@@ -24,6 +24,10 @@ pub struct Decoder {
     pub config: ModelConfig,
     dims: DecoderDims,
     weights: CpuWeights,
+    /// The linear layers hold FP8 values, dequantized to F32 for the
+    /// kernels: reported as "fp8" (saved state must not mistake them for
+    /// the F32 checkpoint they may have been quantized from).
+    fp8_layers: bool,
 }
 
 impl Decoder {
@@ -38,7 +42,7 @@ impl Decoder {
         let method = quant.method()?;
         // An int4 checkpoint's layers load as stored; `quant` still applies
         // to the layers it keeps dense (e.g. a Q8_0 LM head).
-        let stored = config.quantization.as_ref().map(|q| q as &dyn QuantMethod);
+        let stored = config.quantization.as_ref().map(StoredQuant::method);
         let mut up = CpuUpload {
             src,
             dtype,
@@ -46,10 +50,13 @@ impl Decoder {
             method: method.as_deref(),
         };
         let weights = load_decoder(&config, src, stored, method.as_deref(), &mut up)?;
+        let fp8_layers = matches!(quant, QuantMode::Fp8 { .. })
+            || matches!(config.quantization, Some(StoredQuant::Fp8(_)));
         Ok(Decoder {
             dims: config.dims(),
             weights,
             config,
+            fp8_layers,
         })
     }
 
@@ -82,6 +89,9 @@ impl Decoder {
 
     /// The linear layers' weight format ("f32", "bf16", "q8_0", ...).
     pub fn weight_dtype_name(&self) -> &'static str {
+        if self.fp8_layers {
+            return "fp8";
+        }
         match self.weights.layers.first() {
             Some(l) => l.qkv.dtype_name(),
             None => self.weights.embed.dtype_name(),

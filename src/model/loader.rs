@@ -35,6 +35,12 @@ impl WeightSource for WeightFiles {
                 ))),
             };
         }
+        if view.dtype == DType::F8E4M3 {
+            return Err(Error::invalid_model(format!(
+                "{}: tensor `{name}` is F8_E4M3 but config.json names no fp8 quantization_config (its scales would be ignored)",
+                view.file.display()
+            )));
+        }
         let owner = self.owner_of(name);
         let target = match dtype {
             WeightDType::Auto => view.dtype,

@@ -8,6 +8,7 @@ pub mod fingerprint;
 pub mod host_launches;
 pub mod loader;
 pub mod quant;
+pub mod quant_fp8;
 pub mod quant_int4;
 pub mod quant_q8;
 pub mod runner;

@@ -8,9 +8,10 @@
 //! the LM head is quantized is the method's policy. Int4 AWQ/GPTQ
 //! checkpoints (see `quant_int4.rs`) are named by config.json's
 //! `quantization_config` instead (their own convention), parsed into
-//! [`ModelConfig::quantization`](super::ModelConfig). New formats (FP8) add
-//! an implementation and a name here.
+//! [`ModelConfig::quantization`](super::ModelConfig), as are FP8 checkpoints
+//! (`quant_fp8.rs`). A new format adds an implementation and a name here.
 
+use super::quant_fp8::Fp8;
 use super::quant_int4::Int4;
 use super::quant_q8::Q8_0;
 use super::safetensors::WeightFiles;
@@ -42,6 +43,10 @@ pub enum QuantMode {
         sym: bool,
         lm_head: bool,
     },
+    /// FP8 E4M3 with 128 × 128 block scales (transformers' FineGrainedFP8
+    /// layout); `lm_head`: the LM head in FP8 too. The CPU computes with
+    /// the dequantized values.
+    Fp8 { lm_head: bool },
 }
 
 pub const DEFAULT_GROUP_SIZE: usize = 32;
@@ -76,6 +81,7 @@ impl QuantMode {
                 sym,
                 lm_head: true,
             },
+            QuantMode::Fp8 { .. } => QuantMode::Fp8 { lm_head: true },
         }
     }
 
@@ -96,6 +102,7 @@ impl QuantMode {
                 sym,
                 lm_head,
             } => Some(Box::new(Int4::gptq(group_size, sym)?.with_lm_head(lm_head))),
+            QuantMode::Fp8 { lm_head } => Some(Box::new(Fp8::blockwise(lm_head))),
         })
     }
 }
@@ -103,7 +110,8 @@ impl QuantMode {
 impl std::str::FromStr for QuantMode {
     type Err = crate::Error;
     /// `none`, `q8_0` (group 32, LM head quantized), `awq` or `gptq` (int4,
-    /// group 128, GPTQ symmetric; LM head dense).
+    /// group 128, GPTQ symmetric; LM head dense), `fp8` (E4M3, 128 × 128
+    /// blocks; LM head dense).
     fn from_str(s: &str) -> Result<Self> {
         match s.to_ascii_lowercase().as_str() {
             "none" | "" => Ok(QuantMode::None),
@@ -117,9 +125,37 @@ impl std::str::FromStr for QuantMode {
                 sym: true,
                 lm_head: false,
             }),
+            "fp8" => Ok(QuantMode::Fp8 { lm_head: false }),
             _ => {
-                bail_arg!("quantization `{s}` is not supported (supported: none, q8_0, awq, gptq)")
+                bail_arg!(
+                    "quantization `{s}` is not supported (supported: none, q8_0, awq, gptq, fp8)"
+                )
             }
+        }
+    }
+}
+
+/// The format config.json's `quantization_config` names: int4 (AWQ, GPTQ)
+/// or FP8.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoredQuant {
+    Int4(Int4),
+    Fp8(Fp8),
+}
+
+impl StoredQuant {
+    /// Parses `quantization_config` by its `quant_method`.
+    pub fn from_config(q: &serde_json::Value) -> Result<StoredQuant> {
+        match q.get("quant_method").and_then(serde_json::Value::as_str) {
+            Some(m) if m.eq_ignore_ascii_case("fp8") => Ok(StoredQuant::Fp8(Fp8::from_config(q)?)),
+            _ => Ok(StoredQuant::Int4(Int4::from_config(q)?)),
+        }
+    }
+
+    pub fn method(&self) -> &dyn QuantMethod {
+        match self {
+            StoredQuant::Int4(m) => m,
+            StoredQuant::Fp8(m) => m,
         }
     }
 }

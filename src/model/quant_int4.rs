@@ -156,7 +156,7 @@ impl Int4 {
         };
         if method != "awq" && method != "gptq" {
             return Err(Error::unsupported(format!(
-                "config.json quantization_config: quant_method `{method}` is not supported (supported: awq, gptq)"
+                "config.json quantization_config: quant_method `{method}` is not supported (supported: awq, gptq, fp8)"
             )));
         }
         let bits = int(&["bits", "w_bit"])?.unwrap_or(4);
@@ -758,7 +758,10 @@ mod tests {
                 "multiple of 32",
             ),
             (json!({"quant_method": "awq", "bits": 4}), "no `group_size`"),
-            (json!({"quant_method": "fp8"}), "`fp8` is not supported"),
+            (
+                json!({"quant_method": "bitsandbytes"}),
+                "`bitsandbytes` is not supported (supported: awq, gptq, fp8)",
+            ),
             (
                 json!({"quant_method": "gptq", "group_size": 32, "checkpoint_format": "marlin"}),
                 "marlin",

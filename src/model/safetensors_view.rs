@@ -54,7 +54,7 @@ impl<'a> TensorView<'a> {
         match self.dtype {
             DType::F32 => Ok(cast_or_copy::<f32>(self.bytes)),
             DType::F16 | DType::BF16 => Ok(Cow::Owned(widen(self.dtype, &self.as_u16()?))),
-            DType::I8 | DType::I32 => self.wrong_dtype("F32, F16 or BF16"),
+            DType::I8 | DType::I32 | DType::F8E4M3 => self.wrong_dtype("F32, F16 or BF16"),
         }
     }
 
@@ -74,6 +74,15 @@ impl<'a> TensorView<'a> {
         }
     }
 
+    /// F8_E4M3 codes (decoded with their scales by the FP8 method); always
+    /// zero-copy.
+    pub fn as_e4m3(&self) -> Result<&'a [u8]> {
+        match self.dtype {
+            DType::F8E4M3 => Ok(self.bytes),
+            _ => self.wrong_dtype("F8_E4M3"),
+        }
+    }
+
     /// I32 data; zero-copy when 4-byte aligned.
     pub fn as_i32(&self) -> Result<Cow<'a, [i32]>> {
         match self.dtype {
@@ -89,6 +98,7 @@ impl<'a> TensorView<'a> {
             DType::F32 => first_non_finite(&self.to_f32()?),
             DType::BF16 => first_non_finite_bf16(&self.as_u16()?),
             DType::F16 => first_non_finite_f16(&self.as_u16()?),
+            DType::F8E4M3 => self.bytes.iter().position(|&b| b & 0x7f == 0x7f),
             DType::I8 | DType::I32 => None,
         };
         match bad {
@@ -97,7 +107,10 @@ impl<'a> TensorView<'a> {
                 "{}: tensor '{}' holds a non-finite value ({}) at element {i}",
                 self.file.display(),
                 self.name,
-                self.to_f32()?[i]
+                match self.dtype {
+                    DType::F8E4M3 => f32::NAN,
+                    _ => self.to_f32()?[i],
+                }
             ),
         }
     }

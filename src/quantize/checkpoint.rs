@@ -125,7 +125,7 @@ pub fn quantize_checkpoint_with(
         bail_arg!(
             "{} is already quantized ({} in config.json)",
             model_dir.display(),
-            q.name()
+            q.method().name()
         );
     }
     let files = WeightFiles::open(model_dir)?;
@@ -293,6 +293,7 @@ fn st_dtype(d: DType) -> safetensors::Dtype {
         DType::BF16 => safetensors::Dtype::BF16,
         DType::I8 => safetensors::Dtype::I8,
         DType::I32 => safetensors::Dtype::I32,
+        DType::F8E4M3 => safetensors::Dtype::F8_E4M3,
     }
 }
 

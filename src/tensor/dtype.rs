@@ -9,6 +9,9 @@ pub enum DType {
     BF16,
     I8,
     I32,
+    /// FP8 E4M3 (`float8_e4m3fn`): only as an FP8 checkpoint's weights,
+    /// read with their scales (`model::quant_fp8`).
+    F8E4M3,
 }
 
 impl DType {
@@ -16,7 +19,7 @@ impl DType {
         match self {
             DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 => 2,
-            DType::I8 => 1,
+            DType::I8 | DType::F8E4M3 => 1,
         }
     }
 
@@ -33,6 +36,7 @@ impl DType {
             DType::BF16 => "BF16",
             DType::I8 => "I8",
             DType::I32 => "I32",
+            DType::F8E4M3 => "F8_E4M3",
         }
     }
 }
@@ -45,6 +49,7 @@ impl fmt::Display for DType {
             DType::BF16 => "bf16",
             DType::I8 => "i8",
             DType::I32 => "i32",
+            DType::F8E4M3 => "f8_e4m3",
         })
     }
 }
@@ -164,6 +169,7 @@ impl SafetensorsDType {
             SafetensorsDType::BF16 => DType::BF16,
             SafetensorsDType::I8 => DType::I8,
             SafetensorsDType::I32 => DType::I32,
+            SafetensorsDType::F8E4M3 => DType::F8E4M3,
             _ => return None,
         })
     }
@@ -177,6 +183,7 @@ impl From<DType> for SafetensorsDType {
             DType::BF16 => SafetensorsDType::BF16,
             DType::I8 => SafetensorsDType::I8,
             DType::I32 => SafetensorsDType::I32,
+            DType::F8E4M3 => SafetensorsDType::F8E4M3,
         }
     }
 }

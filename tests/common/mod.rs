@@ -1,6 +1,7 @@
 //! Shared helpers of the integration tests: model paths and golden files.
 #![allow(dead_code)]
 
+pub mod checkpoint_edit;
 pub mod choosable;
 pub mod conformance;
 pub mod dequant;

@@ -72,31 +72,64 @@ pub fn cases_keeping_first_ids(model: &Model, cases: &[Case], n: usize) -> usize
         .count()
 }
 
+/// How far quantized weights may move logits from transformers' F32 ones.
+pub struct NearTie {
+    /// Logits along the shared prefix stay within this fraction of
+    /// transformers' (of at least 10).
+    pub logit_rel: f32,
+    /// Where the ids first differ, ours must be within this of
+    /// transformers' top logit at that step.
+    pub margin: f32,
+}
+
+/// Q8_0's allowance: q8_0 moves top logits by up to 0.44 along the shared
+/// prefixes (AVX2, blocked attention: the step-17 flip of chat_bread is a
+/// 0.215 gap where our top logit is 0.23 low).
+pub const Q8_NEAR_TIE: NearTie = NearTie {
+    logit_rel: 0.1,
+    margin: 0.3,
+};
+
 /// Quantized weights: greedy decoding follows transformers until a
-/// near-tie. Where the ids first differ, ours must be within 0.3 of
-/// transformers' top logit at that step; logits along the shared prefix
-/// stay within 10 % (of at least 10). `label` names the weights.
+/// near-tie (Q8_0's allowance, [`Q8_NEAR_TIE`]). `label` names the weights.
 pub fn check_greedy_until_near_tie(model: &Model, cases: &[Case], label: &str) {
+    check_greedy_until_near_tie_within(model, cases, label, &Q8_NEAR_TIE);
+}
+
+/// [`check_greedy_until_near_tie`] with another allowance; prints, per
+/// case, the largest relative logit move along the shared prefix and the
+/// gap where the ids first differ.
+pub fn check_greedy_until_near_tie_within(
+    model: &Model,
+    cases: &[Case],
+    label: &str,
+    allow: &NearTie,
+) {
     for c in cases {
         let (out, rows) = greedy_with_logits(model, &c.prompt, c.output.len()).unwrap();
+        let mut worst = 0f32;
         for (step, (&got, &want)) in out.iter().zip(&c.output).enumerate() {
             let golden = &c.top_logits[step];
             for &(id, logit) in golden {
-                let ours = rows[step][id as usize];
+                let rel = (rows[step][id as usize] - logit).abs() / logit.abs().max(10.0);
+                worst = worst.max(rel);
                 assert!(
-                    (ours - logit).abs() < 0.1 * logit.abs().max(10.0),
-                    "{} step {step} token {id}: logit {ours} vs {logit}",
-                    c.name
+                    rel < allow.logit_rel,
+                    "{} step {step} token {id}: logit {} vs {logit}",
+                    c.name,
+                    rows[step][id as usize]
                 );
             }
             if got != want {
                 let best = golden[0].1;
                 let ours = golden.iter().find(|p| p.0 == got).map(|p| p.1);
-                // 0.3: q8_0 moves top logits by up to 0.44 along the shared
-                // prefixes (AVX2, blocked attention: the step-17 flip of
-                // chat_bread is a 0.215 gap where our top logit is 0.23 low).
+                eprintln!(
+                    "{label} {}: ids differ at step {step}, gap {:?}; largest logit move {worst:.3}",
+                    c.name,
+                    ours.map(|o| best - o)
+                );
                 assert!(
-                    ours.is_some_and(|o| best - o < 0.3),
+                    ours.is_some_and(|o| best - o < allow.margin),
                     "{} step {step}: {label} picked {got}, transformers' logit for it {ours:?} vs top {best}",
                     c.name
                 );

@@ -2,7 +2,9 @@
 //! `--method q8_0` (our int8 format, named in the safetensors metadata) or
 //! `--method awq|gptq` (int4 round-to-nearest checkpoints in AutoAWQ's GEMM /
 //! GPTQ's layout with config.json's `quantization_config`; `--group-size`
-//! 32|64|128, default 128; `--sym false` for asymmetric GPTQ).
+//! 32|64|128, default 128; `--sym false` for asymmetric GPTQ), or
+//! `--method fp8` (E4M3 with 128 × 128 block scales in transformers'
+//! FineGrainedFP8 layout).
 //! Round-to-nearest unless `--calib FILE` names calibration text: then AWQ
 //! searches activation-aware scales and clipping, and GPTQ runs GPTQ
 //! (`--act-order` for desc_act), on the first `--calib-tokens N` tokens
@@ -43,7 +45,7 @@ pub fn run(a: &Args) -> Result<(), String> {
     let out = a.get("out").ok_or("--out DIR is required")?;
     let method = a
         .get("method")
-        .ok_or("--method q8_0|awq|gptq is required")?;
+        .ok_or("--method q8_0|awq|gptq|fp8 is required")?;
     // Same option checks as --quant on the other commands.
     let mut forwarded = vec!["--quant".to_string(), method.to_string()];
     for (ours, theirs) in [
@@ -57,7 +59,7 @@ pub fn run(a: &Args) -> Result<(), String> {
     }
     let mode = quant_mode(&Args::parse(&forwarded, &[])?)?;
     if mode == QuantMode::None {
-        return Err("--method must name a quantization (q8_0, awq, gptq)".to_string());
+        return Err("--method must name a quantization (q8_0, awq, gptq, fp8)".to_string());
     }
     let calib_tokens: usize = a.parse_or("calib-tokens", DEFAULT_CALIB_TOKENS)?;
     if a.get("calib").is_none()

@@ -139,9 +139,10 @@ pub fn speculation_summary(s: &SessionStats) -> String {
     )
 }
 
-/// `--quant none|q8_0|awq|gptq [--quant-group-size 32|64|128] [--quant-lm-head q8_0|int4|dense]`
-/// (the LM head: q8_0 for q8_0 (its default), int4 for awq/gptq (default
-/// dense); `--quant-sym false` makes gptq asymmetric).
+/// `--quant none|q8_0|awq|gptq|fp8 [--quant-group-size 32|64|128] [--quant-lm-head q8_0|int4|fp8|dense]`
+/// (the LM head: q8_0 for q8_0 (its default), int4 for awq/gptq, fp8 for
+/// fp8 (default dense); `--quant-sym false` makes gptq asymmetric; fp8 has
+/// 128 × 128 blocks, no group size).
 pub fn quant_mode(a: &Args) -> Result<QuantMode, String> {
     let mode: QuantMode = a.parse_or("quant", QuantMode::None)?;
     let has_options = a.get("quant-group-size").is_some() || a.get("quant-lm-head").is_some();
@@ -160,6 +161,20 @@ pub fn quant_mode(a: &Args) -> Result<QuantMode, String> {
             Err("--quant-group-size and --quant-lm-head need --quant q8_0".to_string())
         }
         QuantMode::None => Ok(mode),
+        QuantMode::Fp8 { .. } if a.get("quant-group-size").is_some() => {
+            Err("--quant-group-size does not apply to --quant fp8 (128 × 128 blocks)".to_string())
+        }
+        QuantMode::Fp8 { .. } => Ok(QuantMode::Fp8 {
+            lm_head: match a.get("quant-lm-head") {
+                None | Some("dense") => false,
+                Some("fp8") => true,
+                Some(other) => {
+                    return Err(format!(
+                        "--quant-lm-head must be fp8 or dense with --quant fp8, got `{other}`"
+                    ))
+                }
+            },
+        }),
         QuantMode::Awq { group_size: g, .. } => Ok(QuantMode::Awq {
             group_size: group_size(g)?,
             lm_head: int4_lm_head(a)?,
