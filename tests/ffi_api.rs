@@ -524,6 +524,13 @@ fn quantization_params_match_the_engine_and_old_struct_sizes_still_load() {
     p.quant = NI_QUANT_GPTQ;
     p.quant_group_size = 64;
     assert_eq!(tiny_generate_ffi(&p, &prompt), gptq_64);
+    // FP8 at load (128 x 128 blocks, dense head whatever quant_lm_head says).
+    let fp8 = tiny_generate_engine(QuantMode::Fp8 { lm_head: false }, &prompt);
+    assert_ne!(dense.1, fp8.1, "FP8 must change the logprobs");
+    p.quant = NI_QUANT_FP8;
+    p.quant_group_size = 0;
+    p.quant_lm_head = true;
+    assert_eq!(tiny_generate_ffi(&p, &prompt), fp8);
 
     // A caller built against the header before the quant fields existed
     // passes the smaller struct_size: accepted, the new fields default.

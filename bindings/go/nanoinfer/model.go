@@ -44,6 +44,9 @@ const (
 	QuantAWQ Quant = C.NI_QUANT_AWQ
 	// QuantGPTQ: int4 GPTQ-format symmetric round-to-nearest (--quant gptq).
 	QuantGPTQ Quant = C.NI_QUANT_GPTQ
+	// QuantFP8: FP8 E4M3 with one scale per 128 x 128 block (--quant fp8);
+	// the CPU computes with the dequantized values, CUDA refuses it for now.
+	QuantFP8 Quant = C.NI_QUANT_FP8
 )
 
 // Device selects where a model runs.

@@ -470,6 +470,10 @@ func TestQuantization(t *testing.T) {
 	if slices.Equal(dense, awq) || slices.Equal(awq, gptq) {
 		t.Fatalf("int4 quantization had no effect: dense %v awq %v gptq %v", dense, awq, gptq)
 	}
+	_, fp8 := tinyLogprobs(t, ModelOptions{Quant: QuantFP8})
+	if slices.Equal(dense, fp8) {
+		t.Fatalf("FP8 quantization had no effect: dense %v fp8 %v", dense, fp8)
+	}
 	_, err := LoadModel(filepath.Join("..", "..", "..", "tests", "data", "tiny-llama3"), &ModelOptions{Quant: QuantQ8_0, QuantGroupSize: 30})
 	if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), "30") {
 		t.Fatalf("group size 30: %v", err)

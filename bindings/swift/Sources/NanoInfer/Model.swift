@@ -21,6 +21,9 @@ public enum Quant: UInt32 {
     case awq = 2
     /// Int4 GPTQ-format symmetric round-to-nearest.
     case gptq = 3
+    /// FP8 E4M3, one scale per 128 × 128 block (LM head dense); the CPU
+    /// computes with the dequantized values, CUDA refuses it for now.
+    case fp8 = 4
 }
 
 public struct ModelOptions {
