@@ -6,6 +6,7 @@
 
 mod common;
 
+use common::checkpoint_edit::{self, Tensors};
 use common::dequant::{dequantized_copy, rows_of};
 use common::smollm2::perplexity_tokens;
 use common::*;
@@ -178,29 +179,9 @@ fn offline_checkpoints_equal_quantization_at_load() {
     }
 }
 
-type Tensors = Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>;
-
 /// Rewrites `dir/model.safetensors` with `edit` applied to its tensors.
 fn rewrite(dir: &Path, edit: impl Fn(&mut Tensors)) {
-    let path = dir.join("model.safetensors");
-    let bytes = std::fs::read(&path).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut tensors: Tensors = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
-        .collect();
-    edit(&mut tensors);
-    let views: Vec<_> = tensors
-        .iter()
-        .map(|(n, d, s, b)| {
-            (
-                n.clone(),
-                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
-            )
-        })
-        .collect();
-    safetensors::tensor::serialize_to_file(views, None, &path).unwrap();
+    checkpoint_edit::rewrite(dir, |t, _| edit(t));
 }
 
 fn set_qc(dir: &Path, f: impl Fn(&mut serde_json::Value)) {
@@ -308,13 +289,7 @@ fn malformed_int4_checkpoints_fail_naming_the_tensor() {
         let out = scratch_dir(&format!("bad{i}"));
         quantize_checkpoint(&src, &out, mode).unwrap();
         edit(&out);
-        let err = Model::load(&out, &params, None)
-            .err()
-            .expect("load must fail");
-        assert!(
-            err.to_string().contains(want),
-            "case {i}: expected `{want}` in: {err}"
-        );
+        assert_load_fails(&out, &params, want);
         std::fs::remove_dir_all(&out).unwrap();
     }
 }

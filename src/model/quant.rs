@@ -160,6 +160,19 @@ impl StoredQuant {
     }
 }
 
+/// Refuses `w` unless it holds exactly the `rows × cols` values of matrix
+/// `name`.
+pub fn check_matrix_len(name: &str, rows: usize, cols: usize, w: &[f32]) -> Result<()> {
+    if w.len() != rows * cols {
+        bail_arg!(
+            "{name}: [{rows}, {cols}] needs {} values, got {}",
+            rows * cols,
+            w.len()
+        );
+    }
+    Ok(())
+}
+
 /// One tensor to write into a quantized checkpoint.
 pub struct ExportTensor {
     pub name: String,

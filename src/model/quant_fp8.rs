@@ -18,13 +18,13 @@
 //! `--quant fp8` and `nanoinfer quantize --method fp8` use 128 × 128 blocks,
 //! scale = the block's largest magnitude / 448: the format transformers reads.
 
-use super::quant::{ExportTensor, QuantMethod};
+use super::quant::{check_matrix_len, ExportTensor, QuantMethod};
 use super::safetensors::WeightFiles;
 use crate::backend::cpu::{Matrix, MatrixData};
 use crate::tensor::dtype::SafetensorsDType;
 use crate::tensor::fp8::{e4m3_to_f32, f32_to_e4m3, E4M3_MAX};
 use crate::tensor::HostSlice;
-use crate::{bail_arg, bail_model, Error, Result};
+use crate::{bail_model, Error, Result};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 
@@ -175,13 +175,7 @@ impl QuantMethod for Fp8 {
 
     /// The CPU computes with the dequantized values (F32).
     fn quantize(&self, rows: usize, cols: usize, w: &[f32]) -> Result<Matrix> {
-        if w.len() != rows * cols {
-            bail_arg!(
-                "fp8: [{rows}, {cols}] needs {} values, got {}",
-                rows * cols,
-                w.len()
-            );
-        }
+        check_matrix_len("fp8 matrix", rows, cols, w)?;
         let (q, scales) = self.quantize_blocks(rows, cols, w);
         let (bn, bk) = self.block.expect("block-wise");
         let bc = cols.div_ceil(bk);
@@ -191,13 +185,7 @@ impl QuantMethod for Fp8 {
     }
 
     fn export(&self, name: &str, rows: usize, cols: usize, w: &[f32]) -> Result<Vec<ExportTensor>> {
-        if w.len() != rows * cols {
-            bail_arg!(
-                "{name}: [{rows}, {cols}] needs {} values, got {}",
-                rows * cols,
-                w.len()
-            );
-        }
+        check_matrix_len(name, rows, cols, w)?;
         let (bn, bk) = self.block.expect("block-wise");
         let (q, scales) = self.quantize_blocks(rows, cols, w);
         Ok(vec![

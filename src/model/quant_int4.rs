@@ -40,7 +40,7 @@
 //! clamped to ≥ 1 so that `z − 1` is a valid nibble). Scales are rounded to
 //! f16 before the weights are quantized with them.
 
-use super::quant::{ExportTensor, QuantMethod};
+use super::quant::{check_matrix_len, ExportTensor, QuantMethod};
 use super::safetensors::WeightFiles;
 use crate::backend::cpu::q4::{groups_per_row, ACT_BLOCK};
 use crate::backend::cpu::{Matrix, MatrixData, Q4Matrix};
@@ -271,13 +271,7 @@ impl Int4 {
 
     /// [`Int4::rtn`] as [`Int4Weights`].
     pub fn rtn_weights(&self, rows: usize, cols: usize, w: &[f32]) -> Result<Int4Weights> {
-        if w.len() != rows * cols {
-            bail_arg!(
-                "matrix [{rows}, {cols}] needs {} values, got {}",
-                rows * cols,
-                w.len()
-            );
-        }
+        check_matrix_len("matrix", rows, cols, w)?;
         let group = self.group_for(cols);
         let ng = groups_per_row(cols, group);
         let mut q = vec![0u8; rows * cols];

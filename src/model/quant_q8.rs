@@ -2,7 +2,7 @@
 //! `[rows, ceil(cols / group_size)]`, `w ≈ weight_scale · weight` per group of
 //! consecutive inputs (the last group of a row may be shorter).
 
-use super::quant::{ExportTensor, QuantMethod};
+use super::quant::{check_matrix_len, ExportTensor, QuantMethod};
 use super::safetensors::WeightFiles;
 use crate::backend::cpu::q8::{groups_per_row, quantize_row, K_STEP};
 use crate::backend::cpu::{Matrix, MatrixData, Q8Matrix};
@@ -61,13 +61,7 @@ impl QuantMethod for Q8_0 {
     }
 
     fn export(&self, name: &str, rows: usize, cols: usize, w: &[f32]) -> Result<Vec<ExportTensor>> {
-        if w.len() != rows * cols {
-            bail_arg!(
-                "{name}: [{rows}, {cols}] needs {} values, got {}",
-                rows * cols,
-                w.len()
-            );
-        }
+        check_matrix_len(name, rows, cols, w)?;
         let n_groups = groups_per_row(cols, self.group);
         let mut q = vec![0i8; rows * cols];
         let mut scales = vec![0f32; rows * n_groups];

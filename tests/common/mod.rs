@@ -55,6 +55,17 @@ pub fn load_quantized(dir: &Path, dtype: WeightDType, quant: QuantMode) -> Arc<M
     )
 }
 
+/// Loading `dir` fails with an error whose text contains `want`.
+pub fn assert_load_fails(dir: &Path, params: &ModelParams, want: &str) {
+    let err = Model::load(dir, params, None)
+        .err()
+        .expect("load must fail");
+    assert!(
+        err.to_string().contains(want),
+        "expected `{want}` in: {err}"
+    );
+}
+
 /// A fresh (emptied) directory under the system temp dir, unique per process.
 pub fn scratch_dir(tag: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("nanoinfer-{tag}-{}", std::process::id()));
