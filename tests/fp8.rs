@@ -183,12 +183,10 @@ fn per_tensor_and_per_channel_checkpoints_load_as_their_dequantized_values() {
         let (fp8, dense) = (scratch_dir("fp8-scales"), scratch_dir("fp8-twin"));
         copy_dir(&src, &fp8);
         copy_dir(&src, &dense);
-        let twin = std::sync::Mutex::new(None);
-        rewrite(&fp8, |t, _| {
-            *twin.lock().unwrap() = Some(to_fp8(t, per_channel))
-        });
-        let twin = twin.into_inner().unwrap().unwrap();
-        rewrite(&dense, |t, _| *t = twin.clone());
+        let mut twin = None;
+        rewrite(&fp8, |t, _| twin = Some(to_fp8(t, per_channel)));
+        let twin = twin.unwrap();
+        rewrite(&dense, |t, _| *t = twin);
         set_quantization_config(
             &fp8,
             Some(json!({"quant_method": "fp8", "activation_scheme": "static"})),

@@ -96,7 +96,7 @@ impl Fp8 {
         let mut scales = vec![0f32; br * bc];
         for r in 0..rows {
             for (j, chunk) in w[r * cols..(r + 1) * cols].chunks(bk).enumerate() {
-                let s = &mut scales[(r / bn) * bc + j];
+                let s = &mut scales[block_of(r, j * bk, (bn, bk), bc)];
                 *s = chunk.iter().fold(*s, |m, v| m.max(v.abs()));
             }
         }
@@ -108,7 +108,7 @@ impl Fp8 {
         for r in 0..rows {
             let row = &w[r * cols..(r + 1) * cols];
             for (c, (o, &v)) in q[r * cols..(r + 1) * cols].iter_mut().zip(row).enumerate() {
-                *o = f32_to_e4m3(v / scales[(r / bn) * bc + c / bk]);
+                *o = f32_to_e4m3(v / scales[block_of(r, c, (bn, bk), bc)]);
             }
         }
         (q, scales)
@@ -152,6 +152,12 @@ impl Fp8 {
     }
 }
 
+/// Index into row-major block scales (`bc` blocks per row of blocks) of
+/// weight `(r, c)` under `(bn, bk)` blocks.
+fn block_of(r: usize, c: usize, (bn, bk): (usize, usize), bc: usize) -> usize {
+    (r / bn) * bc + c / bk
+}
+
 fn scale_name(name: &str, blockwise: bool) -> String {
     if blockwise {
         format!("{name}_scale_inv")
@@ -177,10 +183,10 @@ impl QuantMethod for Fp8 {
     fn quantize(&self, rows: usize, cols: usize, w: &[f32]) -> Result<Matrix> {
         check_matrix_len("fp8 matrix", rows, cols, w)?;
         let (q, scales) = self.quantize_blocks(rows, cols, w);
-        let (bn, bk) = self.block.expect("block-wise");
-        let bc = cols.div_ceil(bk);
+        let block = self.block.expect("block-wise");
+        let bc = cols.div_ceil(block.1);
         Fp8::dequantize("(at load)", rows, cols, &q, |r, c| {
-            scales[(r / bn) * bc + c / bk]
+            scales[block_of(r, c, block, bc)]
         })
     }
 
@@ -214,7 +220,7 @@ impl QuantMethod for Fp8 {
         if let Some((bn, bk)) = self.block {
             let (br, bc) = (rows.div_ceil(bn), cols.div_ceil(bk));
             let s = files.require(&sname, &[br, bc])?.to_f32()?;
-            return Fp8::dequantize(name, rows, cols, q, |r, c| s[(r / bn) * bc + c / bk]);
+            return Fp8::dequantize(name, rows, cols, q, |r, c| s[block_of(r, c, (bn, bk), bc)]);
         }
         let shape = info.shape.to_vec();
         let s = files.require(&sname, &shape)?.to_f32()?;

@@ -6,7 +6,7 @@ pub type Tensors = Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>;
 pub type Meta = std::collections::HashMap<String, String>;
 
 /// Rewrites `dir/model.safetensors` with `edit` applied to its tensors and metadata.
-pub fn rewrite(dir: &Path, edit: impl Fn(&mut Tensors, &mut Meta)) {
+pub fn rewrite(dir: &Path, edit: impl FnOnce(&mut Tensors, &mut Meta)) {
     let path = dir.join("model.safetensors");
     let bytes = std::fs::read(&path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
