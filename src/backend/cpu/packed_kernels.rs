@@ -52,7 +52,9 @@ pub unsafe fn packed_blocks<E: PackedElem>(
         Isa::Neon => super::neon_packed::TILE_ROWS,
         _ => 4,
     };
-    let pair_blocks = isa == Isa::Avx512;
+    // AVX2 pairs blocks for one row only: two weight streams in flight
+    // instead of one (see `tile_avx2_two_blocks`).
+    let pair_blocks = isa == Isa::Avx512 || (isa == Isa::Avx2Fma && m == 1);
     let run = |r: usize, mr: usize, b: usize, nb: usize, ahead: (usize, usize)| {
         let t = Tile::<E> {
             ahead,
@@ -68,6 +70,7 @@ pub unsafe fn packed_blocks<E: PackedElem>(
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => dispatch_avx512(mr, nb, t),
             #[cfg(target_arch = "x86_64")]
+            Isa::Avx2Fma if nb == 2 => tile_avx2_two_blocks(t),
             Isa::Avx2Fma => dispatch_avx2(mr, t),
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => super::neon_packed::tile(mr, neon_tile(t)),
@@ -439,12 +442,20 @@ unsafe fn tile_avx2<E: PackedElem, const R: usize>(t: Tile<E>) {
     let pl = pair_lines::<E>();
     let mut acc = [[[_mm256_setzero_ps(); 2]; 2]; R];
     let pairs = t.k / 2;
-    // No software prefetch, unlike the AVX-512 tile: on an AVX2 path (Zen 4
-    // under NANOINFER_ISA=avx2) the hardware prefetcher alone streams the
-    // weights faster; prefetching 32 lines ahead cut one-thread F32 decode
-    // from 37-38 to 30-33 tok/s (docs/benchmarks-log.md).
+    // F32 lines go without software prefetch: the hardware prefetcher alone
+    // streams them faster (prefetching 32 lines ahead cut one-thread F32
+    // decode from 37-38 to 30-33 tok/s). 16-bit lines carry twice the work
+    // per line (widening, two FMAs per half), fewer of them are in flight
+    // in the out-of-order window, and the stream stalls on the load: asking
+    // 16 lines ahead took BF16 decode on the 2-core EPYC from 76 to 83 tok/s
+    // (2 threads), 41 to 47 (1 thread) (docs/benchmarks-log.md).
+    let prefetch = R <= 2 && E::INPUTS == 2;
     for q in 0..pairs {
         let p = q * pl;
+        if prefetch {
+            let ahead = t.w.wrapping_add(p + WIDENED_PREFETCH_LINES);
+            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+        }
         let wv = [pair256::<E>(t.w.add(p), 0), pair256::<E>(t.w.add(p), 1)];
         for (r, acc_r) in acc.iter_mut().enumerate() {
             let x = t.x.add(r * t.k + 2 * q);
@@ -476,6 +487,60 @@ unsafe fn tile_avx2<E: PackedElem, const R: usize>(t: Tile<E>) {
             _mm256_storeu_ps(row.as_mut_ptr().add(8 * h), v);
         }
         std::ptr::copy_nonoverlapping(row.as_ptr(), t.out.add(r * t.stride), t.valid);
+    }
+}
+
+/// How far ahead (in lines of one block) the AVX2 tile of 1–2 rows
+/// prefetches 16-bit weights (12, 16 and 24 measured alike; 0 slower).
+#[cfg(target_arch = "x86_64")]
+const WIDENED_PREFETCH_LINES: usize = 16;
+
+/// Decode on AVX2: one activation row × 2 blocks, so each thread reads two
+/// weight streams at once. One stream per thread left the 2-core EPYC's
+/// memory idle between a block's line misses: two took 2-thread decode
+/// from 84 to 94 tok/s (BF16) and 53 to 59 (F32) (docs/benchmarks-log.md).
+/// The sums run in [`tile_avx2`]'s order (even and odd inputs apart, then
+/// added), so a row's bits do not depend on which tile computed it.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_avx2_two_blocks<E: PackedElem>(t: Tile<E>) {
+    let mut acc = [[[_mm256_setzero_ps(); 2]; 2]; 2];
+    let pairs = t.k / 2;
+    let pl = pair_lines::<E>();
+    // As in `tile_avx2`: 16-bit lines prefetched, F32 lines not (measured
+    // here too: F32 59 tok/s without, 49 with).
+    let pf = E::INPUTS == 2;
+    for q in 0..pairs {
+        let xe = _mm256_broadcast_ss(&*t.x.add(2 * q));
+        let xo = _mm256_broadcast_ss(&*t.x.add(2 * q + 1));
+        for (n, acc_n) in acc.iter_mut().enumerate() {
+            let line = t.w.add(n * t.steps + q * pl);
+            if pf {
+                _mm_prefetch::<_MM_HINT_T0>(line.wrapping_add(WIDENED_PREFETCH_LINES) as *const i8);
+            }
+            for (h, acc_h) in acc_n.iter_mut().enumerate() {
+                let w = pair256::<E>(line, h);
+                acc_h[0] = _mm256_fmadd_ps(xe, w[0], acc_h[0]);
+                acc_h[1] = _mm256_fmadd_ps(xo, w[1], acc_h[1]);
+            }
+        }
+    }
+    if t.k % 2 == 1 {
+        let xe = _mm256_broadcast_ss(&*t.x.add(t.k - 1));
+        for (n, acc_n) in acc.iter_mut().enumerate() {
+            let line = t.w.add(n * t.steps + pairs * pl);
+            for (h, acc_h) in acc_n.iter_mut().enumerate() {
+                acc_h[0] = _mm256_fmadd_ps(xe, E::widen256(line, h)[0], acc_h[0]);
+            }
+        }
+    }
+    for (n, acc_n) in acc.iter().enumerate() {
+        let mut row = [0f32; BLOCK_ROWS];
+        for (h, a) in acc_n.iter().enumerate() {
+            _mm256_storeu_ps(row.as_mut_ptr().add(8 * h), _mm256_add_ps(a[0], a[1]));
+        }
+        let valid = t.valid.saturating_sub(n * BLOCK_ROWS).min(BLOCK_ROWS);
+        std::ptr::copy_nonoverlapping(row.as_ptr(), t.out.add(n * BLOCK_ROWS), valid);
     }
 }
 
@@ -599,6 +664,43 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A decode row's columns come out bit for bit the same whether its
+    /// block ran alone or paired with a neighbour (AVX2 pairs them).
+    fn one_row_bits_do_not_depend_on_block_pairing<E: FromF32>() {
+        let (n, k) = (80, 131);
+        let w: Vec<E> = pseudo_random(n * k, 3)
+            .iter()
+            .map(|v| E::from_f32(*v))
+            .collect();
+        let p = Packed::pack(n, k, &w).unwrap();
+        let x = pseudo_random(k, 11);
+        for isa in isas() {
+            let mut whole = vec![0f32; n];
+            // SAFETY: `isa` runs here; buffers sized as required.
+            unsafe { packed_blocks(isa, &x, 1, &p, 0, n / BLOCK_ROWS, whole.as_mut_ptr(), n) };
+            for b in 0..n / BLOCK_ROWS {
+                let mut alone = vec![0f32; n];
+                // SAFETY: as above.
+                unsafe { packed_blocks(isa, &x, 1, &p, b, b + 1, alone.as_mut_ptr(), n) };
+                let cols = b * BLOCK_ROWS..(b + 1) * BLOCK_ROWS;
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&whole[cols.clone()]),
+                    bits(&alone[cols]),
+                    "{} {isa:?} block {b}",
+                    E::NAME
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn one_row_bits_do_not_depend_on_block_pairing_for_any_format() {
+        one_row_bits_do_not_depend_on_block_pairing::<f32>();
+        one_row_bits_do_not_depend_on_block_pairing::<Bf16>();
+        one_row_bits_do_not_depend_on_block_pairing::<F16>();
     }
 
     #[test]
