@@ -71,6 +71,7 @@ pub unsafe fn packed_blocks<E: PackedElem>(
             Isa::Avx512 => dispatch_avx512(mr, nb, t),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2Fma if nb == 2 => tile_avx2_two_blocks(t),
+            #[cfg(target_arch = "x86_64")]
             Isa::Avx2Fma => dispatch_avx2(mr, t),
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => super::neon_packed::tile(mr, neon_tile(t)),
