@@ -453,28 +453,87 @@ extern "C" __global__ void kv_copy_slots(raw16* k_cache, raw16* v_cache, const u
 #define GEMV_PREFETCH_BYTES 2048
 #endif
 
+// The weight rows a GEMV streams: 16-bit rows in the activation dtype, or
+// FP8 (e4m3) rows with one f32 scale per group of `gcols` columns (a
+// row-major [rows, groups] table: block-wise, per-channel and per-tensor
+// checkpoints all expand to it). A lane reads a chunk of CHUNK weights per
+// 16-byte load; `dot` returns the chunk's dot product with the activations
+// `xf`, already scaled. The 16-bit form keeps the plain FMA chain (no
+// scale), so its sums are those of the dense kernels before FP8 existed.
+struct W16 {
+    const raw16* w;
+    int k;
+    struct Row {
+        const raw16* p;
+        static constexpr int CHUNK = 8;
+        __device__ __forceinline__ void load(int c, float* wf) const {
+            unpack8(__ldg((const uint4*)p + c), wf);
+        }
+        __device__ __forceinline__ float scale(int) const { return 1.f; }  // unused: not scaled
+        __device__ __forceinline__ const void* bytes() const { return p; }
+    };
+    static constexpr int ELEM_BYTES = 2;
+    __device__ __forceinline__ Row row(size_t j) const { return Row{w + j * k}; }
+};
+struct W8 {
+    const fp8* w;
+    int k;
+    const float* scales;
+    int groups;
+    int chunks_per_group;  // gcols / 16
+    struct Row {
+        const fp8* p;
+        const float* s;
+        int chunks_per_group;
+        static constexpr int CHUNK = 16;
+        // Exact: e4m3 widens to the activation dtype without rounding.
+        __device__ __forceinline__ void load(int c, float* wf) const {
+            const uint4 v = __ldg((const uint4*)p + c);
+            unpack8(e4m3x8_widen(make_uint2(v.x, v.y)), wf);
+            unpack8(e4m3x8_widen(make_uint2(v.z, v.w)), wf + 8);
+        }
+        __device__ __forceinline__ float scale(int c) const { return __ldg(s + c / chunks_per_group); }
+        __device__ __forceinline__ const void* bytes() const { return p; }
+    };
+    static constexpr int ELEM_BYTES = 1;
+    __device__ __forceinline__ Row row(size_t j) const {
+        return Row{w + j * k, scales + j * groups, chunks_per_group};
+    }
+};
+template <typename Row>
+struct ScaledRow {
+    static constexpr bool value = false;
+};
+template <>
+struct ScaledRow<W8::Row> {
+    static constexpr bool value = true;
+};
+
 // Starts pulling the head of a weight row into L2. Weights never depend on
 // the previous kernel, so GEMVs issue this before grid_dep_wait: with
 // programmatic launch the first weight bytes stream in while the previous
 // kernel drains.
-__device__ __forceinline__ void prefetch_row(const raw16* w, int k) {
+__device__ __forceinline__ void prefetch_row(const void* w, int row_bytes) {
     const int lane = threadIdx.x & 31;
-    for (int at = lane * 128; at < min(2 * k, GEMV_PREFETCH_BYTES); at += 32 * 128)
+    for (int at = lane * 128; at < min(row_bytes, GEMV_PREFETCH_BYTES); at += 32 * 128)
         asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)w + at));
 }
 
 // acc[i][r] = dot(weight row wr[i], activation row r of x) for W weight rows
 // and R activation rows, every lane of the warp getting the full sums. Each
 // lane streams 16-byte chunks of the weight rows once; the few activation
-// rows come from cache. k must be a multiple of 8. With NORM, x holds
-// residual rows and the dot products take rmsnorm(x) * nw instead, rounded
-// as add_rms_norm rounds (each warp first sums the squares of its rows:
-// cheaper than a separate norm kernel for a decode batch).
-template <int R, int W, bool NORM>
-__device__ __forceinline__ void warp_dots(const raw16* x, const raw16* const (&wr)[W], int k,
+// rows come from cache. k must be a multiple of the row's CHUNK. With NORM,
+// x holds residual rows and the dot products take rmsnorm(x) * nw instead,
+// rounded as add_rms_norm rounds (each warp first sums the squares of its
+// rows: cheaper than a separate norm kernel for a decode batch). Scaled
+// (FP8) rows sum each chunk apart and add it times the chunk's scale.
+template <int R, int W, bool NORM, typename Row>
+__device__ __forceinline__ void warp_dots(const raw16* x, const Row (&wr)[W], int k,
                                           float (&acc)[W][R], const raw16* nw, float eps) {
+    constexpr int C = Row::CHUNK, V = C / 8;
+    constexpr bool SCALED = ScaledRow<Row>::value;
     const int lane = threadIdx.x & 31;
-    const int chunks = k >> 3;
+    const int chunks = k / C;
 #pragma unroll
     for (int i = 0; i < W; i++)
 #pragma unroll
@@ -484,7 +543,7 @@ __device__ __forceinline__ void warp_dots(const raw16* x, const raw16* const (&w
 #pragma unroll
         for (int r = 0; r < R; r++) {
             float ss = 0.f;
-            for (int c = lane; c < chunks; c += 32) {
+            for (int c = lane; c < (k >> 3); c += 32) {
                 float xf[8];
                 unpack8(load_act16((const uint4*)(x + (size_t)r * k) + c), xf);
 #pragma unroll
@@ -495,21 +554,33 @@ __device__ __forceinline__ void warp_dots(const raw16* x, const raw16* const (&w
     }
 #pragma unroll 4
     for (int c = lane; c < chunks; c += 32) {
-        float wf[W][8], nf[8];
+        float wf[W][C], nf[C];
 #pragma unroll
-        for (int i = 0; i < W; i++) unpack8(__ldg((const uint4*)wr[i] + c), wf[i]);
-        if (NORM) unpack8(__ldg((const uint4*)nw + c), nf);
+        for (int i = 0; i < W; i++) wr[i].load(c, wf[i]);
+        if (NORM)
+#pragma unroll
+            for (int v = 0; v < V; v++) unpack8(__ldg((const uint4*)nw + c * V + v), nf + 8 * v);
 #pragma unroll
         for (int r = 0; r < R; r++) {
-            float xf[8];
-            unpack8(load_act16((const uint4*)(x + (size_t)r * k) + c), xf);
+            float xf[C];
+#pragma unroll
+            for (int v = 0; v < V; v++)
+                unpack8(load_act16((const uint4*)(x + (size_t)r * k) + c * V + v), xf + 8 * v);
             if (NORM)
 #pragma unroll
-                for (int e = 0; e < 8; e++) xf[e] = rnd(nf[e] * rnd(xf[e] * rstd[r]));
+                for (int e = 0; e < C; e++) xf[e] = rnd(nf[e] * rnd(xf[e] * rstd[r]));
 #pragma unroll
-            for (int i = 0; i < W; i++)
+            for (int i = 0; i < W; i++) {
+                if (SCALED) {
+                    float part = 0.f;
 #pragma unroll
-                for (int e = 0; e < 8; e++) acc[i][r] += wf[i][e] * xf[e];
+                    for (int e = 0; e < C; e++) part += wf[i][e] * xf[e];
+                    acc[i][r] += part * wr[i].scale(c);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < C; e++) acc[i][r] += wf[i][e] * xf[e];
+                }
+            }
         }
     }
     // The weights are read: let the next kernel's blocks launch and start
@@ -547,13 +618,13 @@ __device__ __forceinline__ void warp_dots(const raw16* x, const raw16* const (&w
         SWITCH(rows, CALL##_PLAIN)            \
     }
 
-template <int R, bool NORM>
-__device__ void gemv_rows(const raw16* x, const raw16* w, void* y, int n, int k, int mode,
-                          const raw16* nw, float eps) {
+template <int R, bool NORM, typename WT>
+__device__ void gemv_rows(const raw16* x, WT w, void* y, int n, int k, int mode, const raw16* nw,
+                          float eps) {
     const int j = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     if (j >= n) return;
-    const raw16* wr[1] = {w + (size_t)j * k};
-    prefetch_row(wr[0], k);
+    const typename WT::Row wr[1] = {w.row(j)};
+    prefetch_row(wr[0].bytes(), k * WT::ELEM_BYTES);
     grid_dep_wait();
     float acc[1][R];
     warp_dots<R, 1, NORM>(x, wr, k, acc, nw, eps);
@@ -571,30 +642,43 @@ __device__ void gemv_rows(const raw16* x, const raw16* w, void* y, int n, int k,
     }
 }
 
+// The weight operand of a GEMV entry point: W16 from `w`, or (the *_f8
+// kernels, whose parameters end with the scale table, its groups per row
+// and the chunks of 16 columns per group) W8.
+#define GEMV_W16 W16{(const raw16*)w, k}
+#define GEMV_W8 W8{(const fp8*)w, k, w_scales, w_groups, w_chunks_per_group}
+#define GEMV_W8_PARAMS , const float *w_scales, int w_groups, int w_chunks_per_group
+
 // y[r, j] = sum_k x[r, k] * w[j, k] for rows r < R <= GEMV_MAX_ROWS (decode
 // batches), one weight row per warp; `mode` is a GEMV_OUT_*; with nw, x is
 // residual rows normed on the fly (see warp_dots).
 // grid = ceil(n / GEMV_WARPS), block = 32 * GEMV_WARPS.
-#define GEMV_CALL_PLAIN(R) gemv_rows<R, false>(x, w, y, n, k, mode, nw, eps)
-#define GEMV_CALL_NORM(R) gemv_rows<R, true>(x, w, y, n, k, mode, nw, eps)
-#define GEMV_KERNEL(NAME, SWITCH)                                                                 \
-    extern "C" __global__ void NAME(const raw16* x, const raw16* w, void* y, int n, int k,        \
-                                    int rows, int mode, const raw16* nw, float eps) {             \
+#define GEMV_CALL_PLAIN(R) gemv_rows<R, false>(x, WEIGHT, y, n, k, mode, nw, eps)
+#define GEMV_CALL_NORM(R) gemv_rows<R, true>(x, WEIGHT, y, n, k, mode, nw, eps)
+#define GEMV_KERNEL(NAME, SWITCH, PARAMS)                                                         \
+    extern "C" __global__ void NAME(const raw16* x, const void* w, void* y, int n, int k,         \
+                                    int rows, int mode, const raw16* nw, float eps PARAMS) {      \
         GEMV_DISPATCH(SWITCH, rows, nw, GEMV_CALL)                                               \
     }
-GEMV_KERNEL(gemv, GEMV_ROWS_SWITCH)
-GEMV_KERNEL(gemv_r1, GEMV_ONE_ROW)
+#define WEIGHT GEMV_W16
+GEMV_KERNEL(gemv, GEMV_ROWS_SWITCH, )
+GEMV_KERNEL(gemv_r1, GEMV_ONE_ROW, )
+#undef WEIGHT
+#define WEIGHT GEMV_W8
+GEMV_KERNEL(gemv_f8, GEMV_ROWS_SWITCH, GEMV_W8_PARAMS)
+GEMV_KERNEL(gemv_f8_r1, GEMV_ONE_ROW, GEMV_W8_PARAMS)
+#undef WEIGHT
 #undef GEMV_KERNEL
 #undef GEMV_CALL_PLAIN
 #undef GEMV_CALL_NORM
-template <int R, bool NORM>
-__device__ void gemv_swiglu_rows(const raw16* x, const raw16* w, raw16* out, int inter, int k,
+template <int R, bool NORM, typename WT>
+__device__ void gemv_swiglu_rows(const raw16* x, WT w, raw16* out, int inter, int k,
                                  const raw16* nw, float eps) {
     const int j = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     if (j >= inter) return;
-    const raw16* wr[2] = {w + (size_t)j * k, w + (size_t)(inter + j) * k};
-    prefetch_row(wr[0], k);
-    prefetch_row(wr[1], k);
+    const typename WT::Row wr[2] = {w.row(j), w.row((size_t)inter + j)};
+    prefetch_row(wr[0].bytes(), k * WT::ELEM_BYTES);
+    prefetch_row(wr[1].bytes(), k * WT::ELEM_BYTES);
     grid_dep_wait();
     float acc[2][R];
     warp_dots<R, 2, NORM>(x, wr, k, acc, nw, eps);
@@ -610,20 +694,26 @@ __device__ void gemv_swiglu_rows(const raw16* x, const raw16* w, raw16* out, int
 // ([2 * inter, k]). Each warp streams gate row j and up row j. With nw, x is
 // residual rows normed on the fly. grid = ceil(inter / GEMV_WARPS), block =
 // 32 * GEMV_WARPS.
-#define GEMV_CALL_PLAIN(R) gemv_swiglu_rows<R, false>(x, w, out, inter, k, nw, eps)
-#define GEMV_CALL_NORM(R) gemv_swiglu_rows<R, true>(x, w, out, inter, k, nw, eps)
-#define GEMV_KERNEL(NAME, SWITCH)                                                                 \
-    extern "C" __global__ void NAME(const raw16* x, const raw16* w, raw16* out, int inter, int k, \
-                                    int rows, const raw16* nw, float eps) {                       \
+#define GEMV_CALL_PLAIN(R) gemv_swiglu_rows<R, false>(x, WEIGHT, out, inter, k, nw, eps)
+#define GEMV_CALL_NORM(R) gemv_swiglu_rows<R, true>(x, WEIGHT, out, inter, k, nw, eps)
+#define GEMV_KERNEL(NAME, SWITCH, PARAMS)                                                         \
+    extern "C" __global__ void NAME(const raw16* x, const void* w, raw16* out, int inter, int k,  \
+                                    int rows, const raw16* nw, float eps PARAMS) {                \
         GEMV_DISPATCH(SWITCH, rows, nw, GEMV_CALL)                                               \
     }
-GEMV_KERNEL(gemv_swiglu, GEMV_ROWS_SWITCH)
-GEMV_KERNEL(gemv_swiglu_r1, GEMV_ONE_ROW)
+#define WEIGHT GEMV_W16
+GEMV_KERNEL(gemv_swiglu, GEMV_ROWS_SWITCH, )
+GEMV_KERNEL(gemv_swiglu_r1, GEMV_ONE_ROW, )
+#undef WEIGHT
+#define WEIGHT GEMV_W8
+GEMV_KERNEL(gemv_swiglu_f8, GEMV_ROWS_SWITCH, GEMV_W8_PARAMS)
+GEMV_KERNEL(gemv_swiglu_f8_r1, GEMV_ONE_ROW, GEMV_W8_PARAMS)
+#undef WEIGHT
 #undef GEMV_KERNEL
 #undef GEMV_CALL_PLAIN
 #undef GEMV_CALL_NORM
-template <int R, bool NORM>
-__device__ void gemv_qkv_rope_rows(const raw16* x, const raw16* w, const raw16* bias, raw16* qkv,
+template <int R, bool NORM, typename WT>
+__device__ void gemv_qkv_rope_rows(const raw16* x, WT w, const raw16* bias, raw16* qkv,
                                    const float2* cs, const unsigned* slots, void* k_cache,
                                    void* v_cache, int nq, int nkv, int hd, int k,
                                    const raw16* nw, float eps, bool kv_fp8) {
@@ -640,9 +730,9 @@ __device__ void gemv_qkv_rope_rows(const raw16* x, const raw16* w, const raw16* 
         a = nq + nkv + 2 * (u - rope_units);
     }
     const int b = freq >= 0 ? a + half : a + 1;
-    const raw16* wr[2] = {w + (size_t)a * k, w + (size_t)b * k};
-    prefetch_row(wr[0], k);
-    prefetch_row(wr[1], k);
+    const typename WT::Row wr[2] = {w.row(a), w.row(b)};
+    prefetch_row(wr[0].bytes(), k * WT::ELEM_BYTES);
+    prefetch_row(wr[1].bytes(), k * WT::ELEM_BYTES);
     grid_dep_wait();
     float acc[2][R];
     warp_dots<R, 2, NORM>(x, wr, k, acc, nw, eps);
@@ -659,24 +749,47 @@ __device__ void gemv_qkv_rope_rows(const raw16* x, const raw16* w, const raw16* 
 // warp streams the two weight rows of one rope pair or two v columns.
 // kv_fp8: the caches hold fp8. grid = ceil((nq + 2 * nkv) / 2 / GEMV_WARPS),
 // block = 32 * GEMV_WARPS.
-#define GEMV_CALL_PLAIN(R)                                                                       \
-    gemv_qkv_rope_rows<R, false>(x, w, bias, qkv, cs, slots, k_cache, v_cache, nq, nkv, hd, k, nw, \
-                                 eps, kv_fp8)
-#define GEMV_CALL_NORM(R)                                                                       \
-    gemv_qkv_rope_rows<R, true>(x, w, bias, qkv, cs, slots, k_cache, v_cache, nq, nkv, hd, k, nw, \
-                                eps, kv_fp8)
-#define GEMV_KERNEL(NAME, SWITCH)                                                                 \
-    extern "C" __global__ void NAME(const raw16* x, const raw16* w, const raw16* bias, raw16* qkv, \
+#define GEMV_CALL_PLAIN(R)                                                                        \
+    gemv_qkv_rope_rows<R, false>(x, WEIGHT, bias, qkv, cs, slots, k_cache, v_cache, nq, nkv, hd, \
+                                 k, nw, eps, kv_fp8)
+#define GEMV_CALL_NORM(R)                                                                        \
+    gemv_qkv_rope_rows<R, true>(x, WEIGHT, bias, qkv, cs, slots, k_cache, v_cache, nq, nkv, hd, \
+                                k, nw, eps, kv_fp8)
+#define GEMV_KERNEL(NAME, SWITCH, PARAMS)                                                          \
+    extern "C" __global__ void NAME(const raw16* x, const void* w, const raw16* bias, raw16* qkv,  \
                                     const float2* cs, const unsigned* slots, void* k_cache,        \
                                     void* v_cache, int nq, int nkv, int hd, int k, int rows,       \
-                                    const raw16* nw, float eps, int kv_fp8) {                      \
+                                    const raw16* nw, float eps, int kv_fp8 PARAMS) {               \
         GEMV_DISPATCH(SWITCH, rows, nw, GEMV_CALL)                                                \
     }
-GEMV_KERNEL(gemv_qkv_rope, GEMV_ROWS_SWITCH)
-GEMV_KERNEL(gemv_qkv_rope_r1, GEMV_ONE_ROW)
+#define WEIGHT GEMV_W16
+GEMV_KERNEL(gemv_qkv_rope, GEMV_ROWS_SWITCH, )
+GEMV_KERNEL(gemv_qkv_rope_r1, GEMV_ONE_ROW, )
+#undef WEIGHT
+#define WEIGHT GEMV_W8
+GEMV_KERNEL(gemv_qkv_rope_f8, GEMV_ROWS_SWITCH, GEMV_W8_PARAMS)
+GEMV_KERNEL(gemv_qkv_rope_f8_r1, GEMV_ONE_ROW, GEMV_W8_PARAMS)
+#undef WEIGHT
 #undef GEMV_KERNEL
 #undef GEMV_CALL_PLAIN
 #undef GEMV_CALL_NORM
+
+// FP8 weights as activation-dtype rows, for products that go through
+// cuBLAS (prefill, batches above the GEMV's rows): out[j, c] = q[j, c] ·
+// scale of its group, rounded once. One thread per 8 columns.
+extern "C" __global__ void fp8_dequant(const fp8* w, const float* scales, int rows, int k,
+                                       int groups, int gcols, raw16* out) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const size_t runs = (size_t)rows * (k / 8);
+    if (i >= runs) return;
+    const size_t j = i / (k / 8), c = (i % (k / 8)) * 8;
+    float f[8];
+    unpack8(e4m3x8_widen(__ldg((const uint2*)(w + j * k + c))), f);
+    const float s = __ldg(scales + j * groups + c / gcols);
+    *(uint4*)(out + j * k + c) = make_uint4(pack2(f[0] * s, f[1] * s), pack2(f[2] * s, f[3] * s),
+                                            pack2(f[4] * s, f[5] * s), pack2(f[6] * s, f[7] * s));
+}
+
 #define TILE_ROWS 16
 #define TILE_KEYS 32
 #define TILE_WARPS 4

@@ -2,7 +2,7 @@
 # Runs the CUDA checks on a GPU machine that has no Rust: the release binaries
 # built elsewhere are in $BIN (nanoinfer, cuda test binary), torch +
 # transformers are installed. Prints a short table last.
-#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|int4test|make8b|tests8b|bench|bench4|ab|ab4|profile|trace|sampling|serve|http|grammar|spec|state|engine|offline|kvfp8]...
+#   BIN=gpu-carry bash scripts/cuda_device_run.sh [fixtures|tests|int4test|fp8test|make8b|tests8b|bench|bench8|bench4|ab|ab4|profile|trace|sampling|serve|http|grammar|spec|state|engine|offline|kvfp8]...
 # Binaries: `bash scripts/cuda_carry.sh` (here, with Rust) fills gpu-carry/.
 # KV_CACHE_DTYPE=fp8 runs the offline steps with an FP8 KV cache (default auto).
 set -uo pipefail
@@ -69,6 +69,19 @@ for step in "$@"; do
             "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda -p 0 -n 64 -d $depth -r 3
         done
         python3 scripts/cuda_bench_hf.py --model "$WORK/l8b" -p 512 -n 128 -r 3 | tee "$WORK/hf.json" ;;
+    fp8test)
+        # tests/cuda.rs's FP8 test alone.
+        NANOINFER_CUDA_FIXTURES="$WORK/fx" "$BIN/cuda" --test-threads 1 --nocapture fp8 2>&1 | tail -24 ;;
+    bench8)
+        # FP8 weights (E4M3, 128 x 128 blocks, quantized at load) against
+        # bf16 in the same run, interleaved: batch-1 decode and prefill.
+        for round in 1 2; do
+            for q in none fp8; do
+                echo "== bench8 round $round: --quant $q"
+                "$BIN/nanoinfer" bench --model "$WORK/l8b" --device cuda --quant $q -p 512 -n 128 -r 3 2>&1 \
+                    | grep -E "pp512|tg128|fp8|bf16" | tail -4
+            done
+        done ;;
     bench4)
         # Int4 (AWQ round-to-nearest g128, quantized at load) against bf16 in
         # the same run: decode and prefill, then per-kernel times of 16

@@ -44,7 +44,8 @@ pub const NI_QUANT_AWQ: ni_quant = 2;
 pub const NI_QUANT_GPTQ: ni_quant = 3;
 /// FP8 E4M3 with one scale per 128 × 128 block (the CLI's `--quant fp8`);
 /// the LM head and embeddings stay dense. The CPU computes with the
-/// dequantized values; CUDA refuses FP8 for now (no FP8 kernels yet).
+/// dequantized values; CUDA keeps the FP8 codes (decode GEMVs read them,
+/// larger batches dequantize for cuBLAS).
 pub const NI_QUANT_FP8: ni_quant = 4;
 
 /// Reports load progress in [0, 1]; return false to cancel the load (which

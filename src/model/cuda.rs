@@ -11,7 +11,10 @@ use super::weight_upload::{load_decoder, HeadSource, Projection, WeightUpload};
 use super::{ForwardBatch, ModelConfig, WeightDType, WeightSource};
 use crate::backend::cpu::{Matrix, MatrixData, ThreadPool};
 use crate::backend::cuda::decoder::{CudaFormats, CudaForward, CudaModel, CudaWeight, LoadReport};
-use crate::backend::cuda::{ActDType, CudaDevice, DeviceBuffer, Staging, W4Host, W4Matrix};
+use crate::backend::cuda::{
+    ActDType, CudaDevice, DeviceBuffer, Staging, W4Host, W4Matrix, W8Matrix,
+};
+use crate::tensor::fp8::Fp8Rows;
 use crate::backend::Device;
 use crate::forward::{DeviceSampling, KvCacheDType, MaskFill};
 use crate::memory::{DeviceMemory, WorkspaceStats};
@@ -32,30 +35,26 @@ pub fn load(
     let c = &config;
     let dims = c.dims();
     CudaModel::check_dims(&dims)?;
-    if src.contains("model.layers.0.self_attn.q_proj.weight_scale") {
+    let fp8 = matches!(quant, QuantMode::Fp8 { .. })
+        || matches!(c.quantization, Some(StoredQuant::Fp8(_)));
+    // FP8 checkpoints name their per-tensor or per-channel scales like Q8_0's.
+    if !fp8 && src.contains("model.layers.0.self_attn.q_proj.weight_scale") {
         return Err(Error::new(
             ErrorKind::Unsupported,
-            "q8_0 checkpoints are not supported on CUDA (int4 AWQ/GPTQ and 16-bit ones are)",
+            "q8_0 checkpoints are not supported on CUDA (int4 AWQ/GPTQ, FP8 and 16-bit ones are)",
         ));
     }
     if matches!(quant, QuantMode::Q8_0 { .. }) {
         return Err(Error::new(
             ErrorKind::Unsupported,
-            "q8_0 quantization is not supported on CUDA (use awq or gptq for int4)",
-        ));
-    }
-    if matches!(quant, QuantMode::Fp8 { .. }) || matches!(c.quantization, Some(StoredQuant::Fp8(_)))
-    {
-        // FP8 GEMM and GEMV kernels are not written yet: refused rather than
-        // silently run as bf16.
-        return Err(Error::new(
-            ErrorKind::Unsupported,
-            "FP8 weights run on the CPU only so far (no FP8 CUDA kernels yet)",
+            "q8_0 quantization is not supported on CUDA (use awq or gptq for int4, or fp8)",
         ));
     }
     let method = quant.method()?;
     let dev = CudaDevice::open(ordinal, act)?;
-    if (method.is_some() || c.quantization.is_some()) && dev.arch.0 < 8 {
+    let int4 = matches!(quant, QuantMode::Awq { .. } | QuantMode::Gptq { .. })
+        || matches!(c.quantization, Some(StoredQuant::Int4(_)));
+    if int4 && dev.arch.0 < 8 {
         // kernels/int4.cu multiplies on tensor cores (mma.sync m16n8k16).
         return Err(Error::new(
             ErrorKind::Unsupported,
@@ -136,6 +135,7 @@ struct CudaUpload<'a> {
 enum HostPart {
     Dense(Matrix),
     Int4(W4Host),
+    Fp8(Fp8Rows),
 }
 
 impl CudaUpload<'_> {
@@ -160,28 +160,41 @@ impl CudaUpload<'_> {
             MatrixData::Q4(q) => W4Host::pack(&q)
                 .map(HostPart::Int4)
                 .map_err(|e| Error::new(ErrorKind::Unsupported, format!("{name}: {}", e.message))),
+            MatrixData::Fp8(q) => Ok(HostPart::Fp8(q)),
             MatrixData::BF16(_) | MatrixData::F16(_) => Ok(HostPart::Dense(m)),
             _ => Err(Error::new(
                 ErrorKind::Unsupported,
                 format!(
-                    "{name}: {} weights are not supported on CUDA (bf16, f16, f32 converted at load, or int4 AWQ/GPTQ)",
+                    "{name}: {} weights are not supported on CUDA (bf16, f16, f32 converted at load, int4 AWQ/GPTQ, or fp8)",
                     m.dtype_name()
                 ),
             )),
         }
     }
 
-    /// Parts stacked row-wise into one device matrix: all int4 or all dense.
+    /// Parts stacked row-wise into one device matrix: all int4, all FP8 or
+    /// all dense.
     fn stack(&mut self, job: &Projection, parts: Vec<HostPart>) -> Result<CudaWeight> {
         let w = if parts.iter().all(|p| matches!(p, HostPart::Int4(_))) {
             let hosts: Vec<W4Host> = parts
                 .into_iter()
-                .map(|p| match p {
-                    HostPart::Int4(h) => h,
-                    HostPart::Dense(_) => unreachable!("all int4"),
+                .filter_map(|p| match p {
+                    HostPart::Int4(h) => Some(h),
+                    _ => None,
                 })
                 .collect();
             CudaWeight::Int4(W4Matrix::upload(self.dev, &hosts, self.staging.as_mut())?)
+        } else if parts.iter().all(|p| matches!(p, HostPart::Fp8(_))) {
+            let hosts: Vec<Fp8Rows> = parts
+                .into_iter()
+                .filter_map(|p| match p {
+                    HostPart::Fp8(h) => Some(h),
+                    _ => None,
+                })
+                .collect();
+            let m = W8Matrix::upload(self.dev, &hosts, self.staging.as_mut())
+                .map_err(|e| Error::new(e.kind, format!("{}: {}", job.parts[0].0, e.message)))?;
+            CudaWeight::Fp8(m)
         } else if parts.iter().all(|p| matches!(p, HostPart::Dense(_))) {
             let total: usize = job.parts.iter().map(|p| p.1).sum();
             let mut buf = self.dev.alloc::<u16>(total * job.cols)?;
@@ -201,7 +214,7 @@ impl CudaUpload<'_> {
             return Err(Error::new(
                 ErrorKind::Unsupported,
                 format!(
-                    "{} are fused into one projection on CUDA and must be all int4 or all dense",
+                    "{} are fused into one projection on CUDA and must be all int4, all fp8 or all dense",
                     list.join(", ")
                 ),
             ));

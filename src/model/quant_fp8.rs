@@ -10,10 +10,12 @@
 //!
 //! Layers left dense (`modules_to_not_convert`, `ignored_layers`, usually
 //! the LM head) are found by their dtype. The activation scheme (dynamic,
-//! or static with `X.input_scale`) is for kernels that multiply in FP8; the
-//! CPU dequantizes the weights to F32 at load (exactly the values the
-//! checkpoint holds, up to f32 rounding of `q · s`) and multiplies in f32,
-//! so it reads no input scale.
+//! or static with `X.input_scale`) is for kernels that multiply activations
+//! in FP8; none here does, so no input scale is read. Every layout loads as
+//! [`Fp8Rows`] (codes and a scale per row and column group): the CPU
+//! dequantizes them to F32 when it packs its weights (exactly the values the
+//! checkpoint holds, up to f32 rounding of `q · s`), CUDA keeps the codes
+//! and its GEMVs scale each chunk's sum.
 //!
 //! `--quant fp8` and `nanoinfer quantize --method fp8` use 128 × 128 blocks,
 //! scale = the block's largest magnitude / 448: the format transformers reads.
@@ -22,8 +24,7 @@ use super::quant::{check_matrix_len, ExportTensor, QuantMethod};
 use super::safetensors::WeightFiles;
 use crate::backend::cpu::{Matrix, MatrixData};
 use crate::tensor::dtype::SafetensorsDType;
-use crate::tensor::fp8::{e4m3_to_f32, f32_to_e4m3, E4M3_MAX};
-use crate::tensor::HostSlice;
+use crate::tensor::fp8::{f32_to_e4m3, Fp8Rows, E4M3_MAX};
 use crate::{bail_model, Error, Result};
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -114,30 +115,33 @@ impl Fp8 {
         (q, scales)
     }
 
-    /// `q · s` over the matrix, `scale_of(r, c)` giving each weight's scale.
-    fn dequantize(
+    /// The matrix of codes `q` with one scale per row and group of
+    /// `group_cols` columns (`row_scales`, `[rows, groups]`), checked: a
+    /// weight whose value is not finite is an error naming it.
+    fn matrix(
         name: &str,
         rows: usize,
         cols: usize,
         q: &[u8],
-        scale_of: impl Fn(usize, usize) -> f32,
+        row_scales: Vec<f32>,
+        group_cols: usize,
     ) -> Result<Matrix> {
-        let mut w = Vec::new();
-        w.try_reserve_exact(rows * cols).map_err(|_| {
+        let mut codes = Vec::new();
+        codes.try_reserve_exact(q.len()).map_err(|_| {
             Error::new(
                 crate::ErrorKind::OutOfMemory,
-                format!("no memory to dequantize `{name}` ([{rows}, {cols}] f32)"),
+                format!("no memory for the codes of `{name}` ([{rows}, {cols}] fp8)"),
             )
         })?;
-        for r in 0..rows {
-            w.extend(
-                q[r * cols..(r + 1) * cols]
-                    .iter()
-                    .enumerate()
-                    .map(|(c, &b)| e4m3_to_f32(b) * scale_of(r, c)),
-            );
-        }
-        if let Some(i) = w.iter().position(|v| !v.is_finite()) {
+        codes.extend_from_slice(q);
+        let m = Fp8Rows {
+            rows,
+            cols,
+            codes,
+            scales: row_scales,
+            group_cols,
+        };
+        if let Some(i) = m.first_non_finite() {
             bail_model!(
                 "fp8 weight `{name}`: code times scale overflows at element {i} (row {}, column {})",
                 i / cols,
@@ -147,9 +151,16 @@ impl Fp8 {
         Ok(Matrix {
             rows,
             cols,
-            data: MatrixData::F32(HostSlice::from_vec(w)),
+            data: MatrixData::Fp8(m),
         })
     }
+}
+
+/// Block scales (`[ceil(rows/bn), bc]`) repeated for every row of a block.
+fn rows_of_blocks(s: &[f32], rows: usize, bn: usize, bc: usize) -> Vec<f32> {
+    (0..rows)
+        .flat_map(|r| s[(r / bn) * bc..(r / bn + 1) * bc].iter().copied())
+        .collect()
 }
 
 /// Index into row-major block scales (`bc` blocks per row of blocks) of
@@ -179,15 +190,12 @@ impl QuantMethod for Fp8 {
         self.lm_head
     }
 
-    /// The CPU computes with the dequantized values (F32).
     fn quantize(&self, rows: usize, cols: usize, w: &[f32]) -> Result<Matrix> {
         check_matrix_len("fp8 matrix", rows, cols, w)?;
         let (q, scales) = self.quantize_blocks(rows, cols, w);
-        let block = self.block.expect("block-wise");
-        let bc = cols.div_ceil(block.1);
-        Fp8::dequantize("(at load)", rows, cols, &q, |r, c| {
-            scales[block_of(r, c, block, bc)]
-        })
+        let (bn, bk) = self.block.expect("block-wise");
+        let row_scales = rows_of_blocks(&scales, rows, bn, cols.div_ceil(bk));
+        Fp8::matrix("(at load)", rows, cols, &q, row_scales, bk)
     }
 
     fn export(&self, name: &str, rows: usize, cols: usize, w: &[f32]) -> Result<Vec<ExportTensor>> {
@@ -220,13 +228,14 @@ impl QuantMethod for Fp8 {
         if let Some((bn, bk)) = self.block {
             let (br, bc) = (rows.div_ceil(bn), cols.div_ceil(bk));
             let s = files.require(&sname, &[br, bc])?.to_f32()?;
-            return Fp8::dequantize(name, rows, cols, q, |r, c| s[block_of(r, c, (bn, bk), bc)]);
+            return Fp8::matrix(name, rows, cols, q, rows_of_blocks(&s, rows, bn, bc), bk);
         }
         let shape = info.shape.to_vec();
         let s = files.require(&sname, &shape)?.to_f32()?;
+        let group = cols.max(1);
         match shape.as_slice() {
-            [] | [1] => Fp8::dequantize(name, rows, cols, q, |_, _| s[0]),
-            [n] | [n, 1] if *n == rows => Fp8::dequantize(name, rows, cols, q, |r, _| s[r]),
+            [] | [1] => Fp8::matrix(name, rows, cols, q, vec![s[0]; rows], group),
+            [n] | [n, 1] if *n == rows => Fp8::matrix(name, rows, cols, q, s.to_vec(), group),
             other => bail_model!(
                 "fp8 scale `{sname}` has shape {other:?}: expected one value (per tensor) or [{rows}] / [{rows}, 1] (per output channel); block-wise scales need `weight_block_size` in quantization_config"
             ),

@@ -67,6 +67,70 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
     sign | (((e + 7) as u8) << 3) | m
 }
 
+/// An FP8 matrix as the backends take it: row-major E4M3 codes
+/// `[rows, cols]` and one f32 scale per row and group of `group_cols`
+/// consecutive columns (`[rows, groups]`, row-major). Every scale layout of
+/// a checkpoint expands to it: a block of `bn × bk` repeats its scale over
+/// `bn` rows with `group_cols = bk`; per-channel and per-tensor scales have
+/// one group per row. Rows stack (fused projections) by concatenation.
+#[derive(Debug, Clone)]
+pub struct Fp8Rows {
+    pub rows: usize,
+    pub cols: usize,
+    pub codes: Vec<u8>,
+    pub scales: Vec<f32>,
+    pub group_cols: usize,
+}
+
+impl Fp8Rows {
+    /// Scale groups per row.
+    pub fn groups(&self) -> usize {
+        self.cols.div_ceil(self.group_cols)
+    }
+
+    /// The scale of weight `(r, c)`.
+    #[inline]
+    pub fn scale(&self, r: usize, c: usize) -> f32 {
+        self.scales[r * self.groups() + c / self.group_cols]
+    }
+
+    /// Row `r`'s values (`code · scale`, rounded once to f32).
+    pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        let codes = &self.codes[r * self.cols..(r + 1) * self.cols];
+        for (c, (o, &b)) in out.iter_mut().zip(codes).enumerate() {
+            *o = e4m3_to_f32(b) * self.scale(r, c);
+        }
+    }
+
+    /// Index of the first weight whose value is not finite: a NaN code, or
+    /// a code times a scale that overflows f32 (or is NaN).
+    pub fn first_non_finite(&self) -> Option<usize> {
+        let nan = self.codes.iter().position(|&b| b & 0x7f == NAN_CODE);
+        let groups = self.groups();
+        // Only a scale for which the largest code overflows can make one.
+        let overflow = (0..self.rows * groups)
+            .filter(|&i| !(self.scales[i] * E4M3_MAX).is_finite())
+            .filter_map(|i| {
+                let (r, g) = (i / groups, i % groups);
+                let c0 = g * self.group_cols;
+                let c1 = (c0 + self.group_cols).min(self.cols);
+                (c0..c1)
+                    .find(|&c| !(e4m3_to_f32(self.codes[r * self.cols + c]) * self.scales[i]).is_finite())
+                    .map(|c| r * self.cols + c)
+            })
+            .min();
+        match (nan, overflow) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Bytes a full pass over the weights reads (codes and scales).
+    pub fn size_in_bytes(&self) -> usize {
+        self.codes.len() + 4 * self.scales.len()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,5 +186,30 @@ mod tests {
         assert_eq!(f32_to_e4m3(f32::NAN), 0x7f);
         assert_eq!(f32_to_e4m3(1e-10), 0x00);
         assert_eq!(f32_to_e4m3(-0.0), 0x80);
+    }
+
+    #[test]
+    fn fp8_rows_scale_by_group_and_name_the_first_non_finite_weight() {
+        // 2 rows × 4 columns in groups of 2: scales [[1, 2], [0.5, 4]].
+        let mut m = Fp8Rows {
+            rows: 2,
+            cols: 4,
+            codes: [0x38u8, 0x40, 0x38, 0x40, 0x38, 0xb8, 0x00, 0x38].to_vec(),
+            scales: vec![1.0, 2.0, 0.5, 4.0],
+            group_cols: 2,
+        };
+        let mut row = [0f32; 4];
+        m.row_to_f32(0, &mut row);
+        assert_eq!(row, [1.0, 2.0, 2.0, 4.0]);
+        m.row_to_f32(1, &mut row);
+        assert_eq!(row, [0.5, -0.5, 0.0, 4.0]);
+        assert_eq!(m.first_non_finite(), None);
+        // A scale whose largest code would overflow: every weight of its
+        // group is checked (0 · inf is NaN too).
+        m.scales[3] = f32::INFINITY;
+        assert_eq!(m.first_non_finite(), Some(6));
+        m.codes[5] = 0xff; // -NaN, earlier in the matrix
+        assert_eq!(m.first_non_finite(), Some(5));
+        assert_eq!(m.size_in_bytes(), 8 + 16);
     }
 }

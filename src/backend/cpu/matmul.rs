@@ -27,8 +27,9 @@ use super::q4_kernels::q4_blocks;
 use super::q8::{Q8Matrix, QActs, BLOCK_ROWS};
 use super::q8_kernels::{q8_blocks, q8_isa};
 use super::threadpool::ThreadPool;
+use crate::tensor::fp8::Fp8Rows;
 use crate::tensor::HostSlice;
-use crate::Result;
+use crate::{Error, ErrorKind, Result};
 use std::cell::RefCell;
 
 #[cfg(target_arch = "x86_64")]
@@ -49,6 +50,9 @@ pub enum MatrixData {
     Q8_0(Q8Matrix),
     /// Int4 weights with per-group scales and zeros (see [`Q4Matrix`]).
     Q4(Q4Matrix),
+    /// FP8 (E4M3) codes with scales, as loaded; [`Matrix::into_cpu_layout`]
+    /// dequantizes them to F32 (the CPU has no FP8 kernel).
+    Fp8(Fp8Rows),
 }
 
 /// A weight matrix `[rows = out_features, cols = in_features]`, row-major.
@@ -66,6 +70,7 @@ impl Matrix {
             MatrixData::BF16(_) | MatrixData::BF16Packed(_) => "bf16",
             MatrixData::Q8_0(_) => "q8_0",
             MatrixData::Q4(_) => "int4",
+            MatrixData::Fp8(_) => "fp8",
         }
     }
 
@@ -81,6 +86,7 @@ impl Matrix {
             MatrixData::BF16Packed(p) => p.row_to_f32(r, out),
             MatrixData::Q8_0(q) => q.row_to_f32(r, out),
             MatrixData::Q4(q) => q.row_to_f32(r, out),
+            MatrixData::Fp8(q) => q.row_to_f32(r, out),
         }
     }
 
@@ -94,6 +100,7 @@ impl Matrix {
             MatrixData::BF16Packed(p) => p.size_in_bytes(),
             MatrixData::Q8_0(q) => q.size_in_bytes(),
             MatrixData::Q4(q) => q.size_in_bytes(),
+            MatrixData::Fp8(q) => q.size_in_bytes(),
         }
     }
 
@@ -108,10 +115,27 @@ impl Matrix {
             MatrixData::F32(d) => MatrixData::F32Packed(PackedF32::pack(rows, cols, &d)?),
             MatrixData::F16(d) => MatrixData::F16Packed(PackedF16::pack(rows, cols, &d)?),
             MatrixData::BF16(d) => MatrixData::BF16Packed(PackedBf16::pack(rows, cols, &d)?),
+            MatrixData::Fp8(q) => MatrixData::F32Packed(PackedF32::pack(rows, cols, &fp8_to_f32(&q)?)?),
             other => other,
         };
         Ok(Matrix { rows, cols, data })
     }
+}
+
+/// The values of FP8 weights as an F32 matrix.
+fn fp8_to_f32(q: &Fp8Rows) -> Result<Vec<f32>> {
+    let mut w = Vec::new();
+    w.try_reserve_exact(q.rows * q.cols).map_err(|_| {
+        Error::new(
+            ErrorKind::OutOfMemory,
+            format!("no memory to dequantize a [{}, {}] fp8 matrix to f32", q.rows, q.cols),
+        )
+    })?;
+    w.resize(q.rows * q.cols, 0.0);
+    for (r, row) in w.chunks_exact_mut(q.cols.max(1)).enumerate() {
+        q.row_to_f32(r, row);
+    }
+    Ok(w)
 }
 
 fn widen<W: WeightElem>(src: &[W], out: &mut [f32]) {
@@ -369,9 +393,37 @@ fn matmul_with(
                     let (b0, b1) = (c0 / BLOCK_ROWS, c1.div_ceil(BLOCK_ROWS));
                     q4_blocks(q8isa, qa, q, b0, b1, out_base, n_total)
                 }
+                // Loaded weights are packed as F32; this serves a product
+                // over an unpacked matrix (tools, tests) row by row.
+                MatrixData::Fp8(q) => fp8_columns(x, m, q, c0, c1, out_base, n_total),
             }
         }
     });
+}
+
+/// Columns `c0..c1` of `x · qᵀ` for FP8 weights, one weight row at a time.
+///
+/// # Safety
+/// `out` points at a `[m, out_stride]` buffer whose columns `c0..c1` may be
+/// written; `x` holds `m · q.cols` values.
+unsafe fn fp8_columns(
+    x: &[f32],
+    m: usize,
+    q: &Fp8Rows,
+    c0: usize,
+    c1: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let k = q.cols;
+    let mut row = vec![0f32; k];
+    for c in c0..c1.min(q.rows) {
+        q.row_to_f32(c, &mut row);
+        for r in 0..m {
+            let dot: f32 = x[r * k..(r + 1) * k].iter().zip(&row).map(|(a, b)| a * b).sum();
+            *out.add(r * out_stride + c) = dot;
+        }
+    }
 }
 
 /// Columns per task for the dot-product kernels: about 16 tasks per thread,

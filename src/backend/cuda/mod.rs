@@ -17,6 +17,7 @@ mod staging;
 mod w4;
 mod w4_gemm;
 mod w4_ops;
+mod w8;
 
 pub use gemm::GemmDType;
 pub use kernels::{Kernel, KernelCache, Kernels};
@@ -26,6 +27,7 @@ pub use staging::Staging;
 pub use w4::W4Host;
 pub use w4_gemm::{w4_packed_blocks, w4_packed_rows, W4GemmBlocks, W4_PACKED_THREADS};
 pub use w4_ops::{QkvEpilogue, W4Handoff, W4Matrix, W4Norm, W4Out, HANDOFF_ROWS};
+pub use w8::W8Matrix;
 
 use crate::memory::{DeviceAllocation, DevicePool};
 use crate::{Error, ErrorKind, Result};
@@ -614,33 +616,57 @@ impl CudaDevice {
 
     /// Launches a GEMV-family kernel over `warps` warp work units (one or
     /// two weight rows each) of a `rows`×`k` by `n`×`k` product; batch-1
-    /// steps take the family's one-row kernel.
+    /// steps take the family's one-row kernel, FP8 weights its `*_f8` build
+    /// (`args` hold the weight's address; the scale arguments follow).
     pub fn launch_gemv(
         &self,
         family: GemvFamily,
+        weight: GemvWeight<'_>,
         warps: usize,
         (rows, n, k): (usize, usize, usize),
         args: &[KArg],
     ) -> Result<()> {
         let kn = &self.kernels;
-        let f = match (family, rows == 1) {
-            (GemvFamily::Plain, true) => &kn.gemv_r1,
-            (GemvFamily::Plain, false) => &kn.gemv,
-            (GemvFamily::SwiGlu, true) => &kn.gemv_swiglu_r1,
-            (GemvFamily::SwiGlu, false) => &kn.gemv_swiglu,
-            (GemvFamily::QkvRope, true) => &kn.gemv_qkv_rope_r1,
-            (GemvFamily::QkvRope, false) => &kn.gemv_qkv_rope,
+        let one = rows == 1;
+        let (f, bytes) = match weight {
+            GemvWeight::Act(_) => (
+                match (family, one) {
+                    (GemvFamily::Plain, true) => &kn.gemv_r1,
+                    (GemvFamily::Plain, false) => &kn.gemv,
+                    (GemvFamily::SwiGlu, true) => &kn.gemv_swiglu_r1,
+                    (GemvFamily::SwiGlu, false) => &kn.gemv_swiglu,
+                    (GemvFamily::QkvRope, true) => &kn.gemv_qkv_rope_r1,
+                    (GemvFamily::QkvRope, false) => &kn.gemv_qkv_rope,
+                },
+                n * k * 2,
+            ),
+            GemvWeight::Fp8(_) => (
+                match (family, one) {
+                    (GemvFamily::Plain, true) => &kn.gemv_f8_r1,
+                    (GemvFamily::Plain, false) => &kn.gemv_f8,
+                    (GemvFamily::SwiGlu, true) => &kn.gemv_swiglu_f8_r1,
+                    (GemvFamily::SwiGlu, false) => &kn.gemv_swiglu_f8,
+                    (GemvFamily::QkvRope, true) => &kn.gemv_qkv_rope_f8_r1,
+                    (GemvFamily::QkvRope, false) => &kn.gemv_qkv_rope_f8,
+                },
+                n * k,
+            ),
         };
+        let scale_args = match weight {
+            GemvWeight::Fp8(m) => m.gemv_args().to_vec(),
+            GemvWeight::Act(_) => Vec::new(),
+        };
+        let all: Vec<KArg> = args.iter().copied().chain(scale_args).collect();
         self.timed(
             || format!("{} {rows}x{n}x{k}", f.name),
-            n * k * 2,
+            bytes,
             || {
                 self.launch_raw(
                     f,
                     (warps.div_ceil(GEMV_WARPS) as u32, 1, 1),
                     32 * GEMV_WARPS as u32,
                     0,
-                    args,
+                    &all,
                 )
             },
         )
@@ -652,7 +678,7 @@ impl CudaDevice {
     pub fn gemv(
         &self,
         x: u64,
-        w: u64,
+        w: GemvWeight<'_>,
         y: u64,
         (rows, n, k): (usize, usize, usize),
         out: GemvOut,
@@ -661,11 +687,12 @@ impl CudaDevice {
         let (nw, eps) = norm.unwrap_or((0, 0.0));
         self.launch_gemv(
             GemvFamily::Plain,
+            w,
             n,
             (rows, n, k),
             &[
                 KArg::Ptr(x),
-                KArg::Ptr(w),
+                KArg::Ptr(w.ptr()),
                 KArg::Ptr(y),
                 KArg::I32(n as i32),
                 KArg::I32(k as i32),
@@ -697,7 +724,7 @@ impl CudaDevice {
                 GemmDType::Act => GemvOut::Act,
                 GemmDType::F32 => GemvOut::F32,
             };
-            return self.gemv(x, w, y, (rows, n, k), out, None);
+            return self.gemv(x, GemvWeight::Act(w), y, (rows, n, k), out, None);
         }
         self.timed(
             || format!("cublas {rows}x{n}x{k}"),
@@ -716,6 +743,25 @@ pub enum GemvFamily {
     SwiGlu,
     /// QKV fused with bias, RoPE and the KV-cache write.
     QkvRope,
+}
+
+/// The weight operand of a GEMV kernel.
+#[derive(Clone, Copy)]
+pub enum GemvWeight<'a> {
+    /// Rows in the activation dtype at this address.
+    Act(u64),
+    /// FP8 rows and their scales.
+    Fp8(&'a W8Matrix),
+}
+
+impl GemvWeight<'_> {
+    /// The address of the weight rows.
+    pub fn ptr(self) -> u64 {
+        match self {
+            GemvWeight::Act(p) => p,
+            GemvWeight::Fp8(m) => m.codes_ptr(),
+        }
+    }
 }
 
 /// What the plain GEMV does with its result (GEMV_OUT_* of kernels/decoder.cu).

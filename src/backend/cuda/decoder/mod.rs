@@ -20,8 +20,8 @@ pub use context::CudaForward;
 pub use ops::CudaLayerOps;
 
 use super::{
-    create_device_pool, CudaDevice, DeviceBuffer, W4Matrix, BUDDY_MIN_BLOCK, DEVICE_ALIGN,
-    HANDOFF_ROWS,
+    create_device_pool, CudaDevice, DeviceBuffer, GemvWeight, W4Matrix, W8Matrix, BUDDY_MIN_BLOCK,
+    DEVICE_ALIGN, HANDOFF_ROWS,
 };
 use crate::backend::layer_ops::{DecoderDims, DecoderWeights, WeightFormats};
 use crate::backend::{cuda, ContextShape, Device, KvBudget};
@@ -38,19 +38,37 @@ pub enum CudaWeight {
     /// Row-major in the activation dtype (the HF layout).
     Dense(DeviceBuffer<u16>),
     Int4(W4Matrix),
+    /// FP8 (E4M3) codes with per-row group scales.
+    Fp8(W8Matrix),
 }
 
 impl CudaWeight {
     pub fn int4(&self) -> Option<&W4Matrix> {
         match self {
             CudaWeight::Int4(w) => Some(w),
-            CudaWeight::Dense(_) => None,
+            _ => None,
         }
     }
 
     pub fn dense(&self) -> Option<&DeviceBuffer<u16>> {
         match self {
             CudaWeight::Dense(b) => Some(b),
+            _ => None,
+        }
+    }
+
+    pub fn fp8(&self) -> Option<&W8Matrix> {
+        match self {
+            CudaWeight::Fp8(w) => Some(w),
+            _ => None,
+        }
+    }
+
+    /// The operand of the GEMV kernels (dense and FP8 weights have them).
+    pub fn gemv_weight(&self) -> Option<GemvWeight<'_>> {
+        match self {
+            CudaWeight::Dense(b) => Some(GemvWeight::Act(b.ptr())),
+            CudaWeight::Fp8(m) => Some(GemvWeight::Fp8(m)),
             CudaWeight::Int4(_) => None,
         }
     }
@@ -59,6 +77,7 @@ impl CudaWeight {
         match self {
             CudaWeight::Dense(b) => b.bytes(),
             CudaWeight::Int4(w) => w.bytes(),
+            CudaWeight::Fp8(w) => w.bytes(),
         }
     }
 }
@@ -133,6 +152,8 @@ pub struct CudaModel {
     /// Widest input of an act-order int4 projection (0: none), for the
     /// gathered-activation scratch.
     w4_perm_cols: usize,
+    /// Elements of the largest FP8 matrix (0 without any).
+    fp8_max_elems: usize,
 }
 
 impl CudaModel {
@@ -180,6 +201,15 @@ impl CudaModel {
                 .max()
                 .unwrap_or(0)
         };
+        // FP8 products above the GEMV's rows dequantize into the same scratch.
+        let fp8_max_elems = weights
+            .layers
+            .iter()
+            .flat_map(|l| l.projections())
+            .chain([&weights.lm_head].into_iter().flatten())
+            .filter_map(|w| w.fp8().map(|m| m.rows * m.cols))
+            .max()
+            .unwrap_or(0);
         let w4_max_elems = int4_max(|m| m.rows * m.cols);
         let w4_max_cols = int4_max(|m| m.cols);
         let w4_perm_cols = int4_max(|m| if m.has_perm() { m.cols } else { 0 });
@@ -218,6 +248,7 @@ impl CudaModel {
             w4_max_elems,
             w4_max_cols,
             w4_perm_cols,
+            fp8_max_elems,
         }
     }
 }
@@ -370,9 +401,16 @@ impl CudaModel {
 
     /// The int4 scratch of batches of up to `r` rows: the GEMM's packed
     /// activations and/or the dequantized weights of the largest projection.
+    /// FP8 weights add the dequantized largest FP8 matrix whenever a batch
+    /// can exceed the GEMV's rows.
     fn w4_scratch_elems(&self, r: usize) -> usize {
+        let fp8 = if self.dev.gemv_fits(r, 16) {
+            0
+        } else {
+            self.fp8_max_elems
+        };
         if r <= self.w4_mma_rows || self.w4_max_elems == 0 {
-            return 0;
+            return fp8;
         }
         // Batches of up to `gemm_rows` rows take the GEMM, larger ones dequantize.
         let gemm_rows = r.min(self.w4_gemm_rows);
@@ -386,7 +424,7 @@ impl CudaModel {
         } else {
             self.w4_max_elems
         };
-        gemm.max(dequant)
+        gemm.max(dequant).max(fp8)
     }
 
     fn workspace_bytes(&self, shape: &ContextShape) -> usize {
@@ -577,6 +615,8 @@ impl CudaModel {
     pub fn weight_dtype_name(&self) -> &'static str {
         if self.w4_max_elems > 0 {
             "int4"
+        } else if self.fp8_max_elems > 0 {
+            "fp8"
         } else {
             self.dev.act.name()
         }
@@ -584,6 +624,7 @@ impl CudaModel {
     pub fn lm_head_dtype_name(&self) -> &'static str {
         match self.weights.lm_head {
             Some(CudaWeight::Int4(_)) => "int4",
+            Some(CudaWeight::Fp8(_)) => "fp8",
             _ => self.dev.act.name(),
         }
     }

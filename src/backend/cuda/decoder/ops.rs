@@ -11,8 +11,8 @@ use super::{
     DA_THREADS, TILE_THREADS,
 };
 use crate::backend::cuda::{
-    self, DeviceBuffer, GemmDType, GemvFamily, GemvOut, KArg, QkvEpilogue, W4Handoff, W4Matrix,
-    W4Norm, W4Out, HANDOFF_ROWS,
+    self, DeviceBuffer, GemmDType, GemvFamily, GemvOut, GemvWeight, KArg, QkvEpilogue, W4Handoff,
+    W4Matrix, W4Norm, W4Out, HANDOFF_ROWS,
 };
 use crate::backend::layer_ops::{Activations, LayerOps, LayerWeights, LmHead};
 use crate::{Error, ErrorKind, Result};
@@ -122,6 +122,14 @@ impl CudaForward {
             (CudaWeight::Dense(b), x) => {
                 dev.gemm(x.rows()?, b.ptr(), y, rows, n, k, GemmDType::Act)?
             }
+            (CudaWeight::Fp8(m), x) if dev.gemv_fits(rows, k) => {
+                dev.gemv(x.rows()?, GemvWeight::Fp8(m), y, (rows, n, k), GemvOut::Act, None)?
+            }
+            (CudaWeight::Fp8(m), x) => {
+                let dense = self.w4_scratch()?;
+                dev.w8_dequant(m, dense)?;
+                dev.gemm(x.rows()?, dense, y, rows, n, k, GemmDType::Act)?
+            }
             (CudaWeight::Int4(m), x) => {
                 let x = self.w4_input(x.rows()?, rows, m)?;
                 if rows <= self.model.w4_mma_rows {
@@ -153,11 +161,11 @@ impl CudaForward {
         let (c, dev) = (&m.dims, &*m.dev);
         let (d, nq, inter) = (c.hidden, c.heads * c.head_dim, c.intermediate);
         let norms = |w: &CudaWeight, k: usize| match w {
-            CudaWeight::Dense(_) => dev.gemv_fits(rows, k),
+            CudaWeight::Dense(_) | CudaWeight::Fp8(_) => dev.gemv_fits(rows, k),
             CudaWeight::Int4(q) => self.w4_direct(w, rows).is_some() && dev.w4_norm_fits(rows, q),
         };
         let adds = |w: &CudaWeight, k: usize| match w {
-            CudaWeight::Dense(_) => dev.gemv_fits(rows, k),
+            CudaWeight::Dense(_) | CudaWeight::Fp8(_) => dev.gemv_fits(rows, k),
             CudaWeight::Int4(_) => self.w4_direct(w, rows).is_some(),
         };
         m.weights.layers.iter().all(|l| {
@@ -182,13 +190,26 @@ impl CudaForward {
         let dev = &self.model.dev;
         let y = self.ws.hidden.ptr();
         match w {
-            CudaWeight::Dense(b) if handoff.is_none() => {
-                dev.gemv(x, b.ptr(), y, (rows, n, k), GemvOut::ResidualAdd, None)
-            }
-            CudaWeight::Dense(_) => Err(Error::new(
+            CudaWeight::Dense(_) | CudaWeight::Fp8(_) if handoff.is_some() => Err(Error::new(
                 ErrorKind::Internal,
                 "a norm handoff needs int4 o and down projections",
             )),
+            CudaWeight::Dense(b) => dev.gemv(
+                x,
+                GemvWeight::Act(b.ptr()),
+                y,
+                (rows, n, k),
+                GemvOut::ResidualAdd,
+                None,
+            ),
+            CudaWeight::Fp8(m) => dev.gemv(
+                x,
+                GemvWeight::Fp8(m),
+                y,
+                (rows, n, k),
+                GemvOut::ResidualAdd,
+                None,
+            ),
             CudaWeight::Int4(m) => {
                 let x = self.w4_input(x, rows, m)?;
                 dev.w4_mm(x, rows, m, W4Out::Residual { y, handoff }, W4Norm::None)
@@ -294,13 +315,14 @@ impl CudaForward {
         }
         let fused = layer
             .qkv
-            .dense()
+            .gemv_weight()
             .filter(|_| dev.gemv_fits(rows, d) && layer.q_norm.is_none());
         let (x, norm) = self.projection_input(input, rows, fused.is_some())?;
         let (nw, eps) = norm.unwrap_or((0, 0.0));
         if let Some(qkv) = fused {
             return dev.launch_gemv(
                 GemvFamily::QkvRope,
+                qkv,
                 qkv_w / 2,
                 (rows, qkv_w, d),
                 &[
@@ -493,12 +515,13 @@ impl CudaForward {
             let (x, norm) = self.w4_projection_input(input, rows, m)?;
             return dev.w4_mm(x, rows, m, W4Out::SwiGlu { out: act.rows()? }, norm);
         }
-        let fused = gate_up.dense().filter(|_| dev.gemv_fits(rows, d));
+        let fused = gate_up.gemv_weight().filter(|_| dev.gemv_fits(rows, d));
         let (x, norm) = self.projection_input(input, rows, fused.is_some())?;
         if let Some(gate_up) = fused {
             let (nw, eps) = norm.unwrap_or((0, 0.0));
             return dev.launch_gemv(
                 GemvFamily::SwiGlu,
+                gate_up,
                 inter,
                 (rows, 2 * inter, d),
                 &[
@@ -765,6 +788,15 @@ impl LayerOps for CudaLayerOps<'_> {
             LmHead::Own(CudaWeight::Int4(h)) => {
                 let y = ws.logits.ptr();
                 return dev.w4_mm(ws.head_in.ptr(), n_out, h, W4Out::F32 { y }, W4Norm::None);
+            }
+            LmHead::Own(CudaWeight::Fp8(h)) => {
+                let (x, y, dims) = (ws.head_in.ptr(), ws.logits.ptr(), (n_out, d.vocab, d.hidden));
+                if dev.gemv_fits(n_out, d.hidden) {
+                    return dev.gemv(x, GemvWeight::Fp8(h), y, dims, GemvOut::F32, None);
+                }
+                let dense = ctx.w4_scratch()?;
+                dev.w8_dequant(h, dense)?;
+                return dev.gemm(x, dense, y, n_out, d.vocab, d.hidden, GemmDType::F32);
             }
             LmHead::Own(CudaWeight::Dense(h)) => h,
             LmHead::Tied(embed) => embed,
