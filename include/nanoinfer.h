@@ -995,7 +995,8 @@ typedef bool (*ni_abort_callback)(void *user_data);
 /**
  * FP8 E4M3 with one scale per 128 × 128 block (the CLI's `--quant fp8`);
  * the LM head and embeddings stay dense. The CPU computes with the
- * dequantized values; CUDA refuses FP8 for now (no FP8 kernels yet).
+ * dequantized values; CUDA keeps the FP8 codes (decode GEMVs read them,
+ * larger batches dequantize for cuBLAS).
  */
 #define NI_QUANT_FP8 4
 

@@ -475,29 +475,47 @@ struct W16 {
     static constexpr int ELEM_BYTES = 2;
     __device__ __forceinline__ Row row(size_t j) const { return Row{w + j * k}; }
 };
+// Four e4m3 bytes as four floats, exactly: one cvt per pair on sm_89+
+// (then half to float), the bit moves of e4m3x2_widen before it.
+__device__ __forceinline__ void e4m3x4_to_f32(unsigned w, float* f) {
+#if __CUDA_ARCH__ >= 890
+    unsigned lo, hi;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(lo) : "h"((unsigned short)(w & 0xffffu)));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hi) : "h"((unsigned short)(w >> 16)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f[0]) : "h"((unsigned short)(lo & 0xffffu)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f[1]) : "h"((unsigned short)(lo >> 16)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f[2]) : "h"((unsigned short)(hi & 0xffffu)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f[3]) : "h"((unsigned short)(hi >> 16)));
+#else
+    const unsigned a = e4m3_pair(w, 0), b = e4m3_pair(w, 1);
+    f[0] = to_f((raw16)a), f[1] = to_f((raw16)(a >> 16));
+    f[2] = to_f((raw16)b), f[3] = to_f((raw16)(b >> 16));
+#endif
+}
 struct W8 {
     const fp8* w;
     int k;
     const float* scales;
     int groups;
-    int chunks_per_group;  // gcols / 16
+    int group_shift;  // log2 of the 16-column chunks per scale group
     struct Row {
         const fp8* p;
         const float* s;
-        int chunks_per_group;
+        int group_shift;
         static constexpr int CHUNK = 16;
-        // Exact: e4m3 widens to the activation dtype without rounding.
         __device__ __forceinline__ void load(int c, float* wf) const {
             const uint4 v = __ldg((const uint4*)p + c);
-            unpack8(e4m3x8_widen(make_uint2(v.x, v.y)), wf);
-            unpack8(e4m3x8_widen(make_uint2(v.z, v.w)), wf + 8);
+            e4m3x4_to_f32(v.x, wf);
+            e4m3x4_to_f32(v.y, wf + 4);
+            e4m3x4_to_f32(v.z, wf + 8);
+            e4m3x4_to_f32(v.w, wf + 12);
         }
-        __device__ __forceinline__ float scale(int c) const { return __ldg(s + c / chunks_per_group); }
+        __device__ __forceinline__ float scale(int c) const { return __ldg(s + (c >> group_shift)); }
         __device__ __forceinline__ const void* bytes() const { return p; }
     };
     static constexpr int ELEM_BYTES = 1;
     __device__ __forceinline__ Row row(size_t j) const {
-        return Row{w + j * k, scales + j * groups, chunks_per_group};
+        return Row{w + j * k, scales + j * groups, group_shift};
     }
 };
 template <typename Row>
@@ -644,10 +662,10 @@ __device__ void gemv_rows(const raw16* x, WT w, void* y, int n, int k, int mode,
 
 // The weight operand of a GEMV entry point: W16 from `w`, or (the *_f8
 // kernels, whose parameters end with the scale table, its groups per row
-// and the chunks of 16 columns per group) W8.
+// and log2 of the chunks of 16 columns per group) W8.
 #define GEMV_W16 W16{(const raw16*)w, k}
-#define GEMV_W8 W8{(const fp8*)w, k, w_scales, w_groups, w_chunks_per_group}
-#define GEMV_W8_PARAMS , const float *w_scales, int w_groups, int w_chunks_per_group
+#define GEMV_W8 W8{(const fp8*)w, k, w_scales, w_groups, w_group_shift}
+#define GEMV_W8_PARAMS , const float *w_scales, int w_groups, int w_group_shift
 
 // y[r, j] = sum_k x[r, k] * w[j, k] for rows r < R <= GEMV_MAX_ROWS (decode
 // batches), one weight row per warp; `mode` is a GEMV_OUT_*; with nw, x is

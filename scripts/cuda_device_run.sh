@@ -71,7 +71,7 @@ for step in "$@"; do
         python3 scripts/cuda_bench_hf.py --model "$WORK/l8b" -p 512 -n 128 -r 3 | tee "$WORK/hf.json" ;;
     fp8test)
         # tests/cuda.rs's FP8 test alone.
-        NANOINFER_CUDA_FIXTURES="$WORK/fx" "$BIN/cuda" --test-threads 1 --nocapture fp8 2>&1 | tail -24 ;;
+        NANOINFER_CUDA_FIXTURES="$WORK/fx" "$BIN/cuda" --test-threads 1 --nocapture fp8_matches 2>&1 | tail -24 ;;
     bench8)
         # FP8 weights (E4M3, 128 x 128 blocks, quantized at load) against
         # bf16 in the same run, interleaved: batch-1 decode and prefill.

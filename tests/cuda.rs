@@ -562,9 +562,17 @@ fn fp8_matches_the_same_weights_dequantized() {
             let got = run(&fp8, SessionParams::default(), &reqs);
             let want = run(&dense, SessionParams::default(), &reqs);
             for (i, r) in reqs.iter().enumerate() {
-                check_near(&format!("{name} {label} prompt {i} batched"), &got[i], &want[i]);
+                check_near(
+                    &format!("{name} {label} prompt {i} batched"),
+                    &got[i],
+                    &want[i],
+                );
                 let alone = run(&fp8, SessionParams::default(), std::slice::from_ref(r));
-                check_near(&format!("{name} {label} prompt {i} alone"), &alone[0], &want[i]);
+                check_near(
+                    &format!("{name} {label} prompt {i} alone"),
+                    &alone[0],
+                    &want[i],
+                );
             }
             if !lm_head {
                 let params = ModelParams {

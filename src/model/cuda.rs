@@ -14,10 +14,10 @@ use crate::backend::cuda::decoder::{CudaFormats, CudaForward, CudaModel, CudaWei
 use crate::backend::cuda::{
     ActDType, CudaDevice, DeviceBuffer, Staging, W4Host, W4Matrix, W8Matrix,
 };
-use crate::tensor::fp8::Fp8Rows;
 use crate::backend::Device;
 use crate::forward::{DeviceSampling, KvCacheDType, MaskFill};
 use crate::memory::{DeviceMemory, WorkspaceStats};
+use crate::tensor::fp8::Fp8Rows;
 use crate::{Error, ErrorKind, Result};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;

@@ -115,7 +115,9 @@ impl Fp8Rows {
                 let c0 = g * self.group_cols;
                 let c1 = (c0 + self.group_cols).min(self.cols);
                 (c0..c1)
-                    .find(|&c| !(e4m3_to_f32(self.codes[r * self.cols + c]) * self.scales[i]).is_finite())
+                    .find(|&c| {
+                        !(e4m3_to_f32(self.codes[r * self.cols + c]) * self.scales[i]).is_finite()
+                    })
                     .map(|c| r * self.cols + c)
             })
             .min();

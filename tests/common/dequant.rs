@@ -1,6 +1,7 @@
-//! Dense copies of int4 checkpoints: every int4 layer dequantized to F32
-//! (or BF16, for models too large to double in F32), the same weights the
-//! int4 kernels multiply, for comparing against the dense code paths.
+//! Dense copies of int4 and FP8 checkpoints: every quantized layer
+//! dequantized to F32 (or BF16, for models too large to double in F32), the
+//! same weights the quantized kernels multiply, for comparing against the
+//! dense code paths.
 
 use nanoinfer::backend::cpu::Matrix;
 use nanoinfer::model::safetensors::WeightFiles;
@@ -81,7 +82,14 @@ pub fn dequantized_copy_as(
     let (nq, nkv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for name in files.tensor_names() {
-        if name.ends_with(".qzeros") || name.ends_with(".scales") || name.ends_with(".g_idx") {
+        let scales = [
+            ".qzeros",
+            ".scales",
+            ".g_idx",
+            ".weight_scale_inv",
+            ".weight_scale",
+        ];
+        if scales.iter().any(|s| name.ends_with(s)) || name.ends_with(".input_scale") {
             continue;
         }
         if let Some(p) = name.strip_suffix(".qweight") {
@@ -97,6 +105,11 @@ pub fn dequantized_copy_as(
             let wname = format!("{p}.weight");
             let m = method.load(&files, &wname, rows, cols).unwrap();
             tensors.push((wname, vec![rows, cols], dtype.encode(&rows_of(&m))));
+        } else if method.stored_in(&files, name) {
+            // FP8: the codes under the weight's own name.
+            let shape = files.get(name).unwrap().shape.to_vec();
+            let m = method.load(&files, name, shape[0], shape[1]).unwrap();
+            tensors.push((name.to_string(), shape, dtype.encode(&rows_of(&m))));
         } else {
             let v = files.get(name).unwrap();
             let bytes = dtype.encode(&v.to_f32().unwrap());

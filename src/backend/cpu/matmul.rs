@@ -115,7 +115,9 @@ impl Matrix {
             MatrixData::F32(d) => MatrixData::F32Packed(PackedF32::pack(rows, cols, &d)?),
             MatrixData::F16(d) => MatrixData::F16Packed(PackedF16::pack(rows, cols, &d)?),
             MatrixData::BF16(d) => MatrixData::BF16Packed(PackedBf16::pack(rows, cols, &d)?),
-            MatrixData::Fp8(q) => MatrixData::F32Packed(PackedF32::pack(rows, cols, &fp8_to_f32(&q)?)?),
+            MatrixData::Fp8(q) => {
+                MatrixData::F32Packed(PackedF32::pack(rows, cols, &fp8_to_f32(&q)?)?)
+            }
             other => other,
         };
         Ok(Matrix { rows, cols, data })
@@ -128,7 +130,10 @@ fn fp8_to_f32(q: &Fp8Rows) -> Result<Vec<f32>> {
     w.try_reserve_exact(q.rows * q.cols).map_err(|_| {
         Error::new(
             ErrorKind::OutOfMemory,
-            format!("no memory to dequantize a [{}, {}] fp8 matrix to f32", q.rows, q.cols),
+            format!(
+                "no memory to dequantize a [{}, {}] fp8 matrix to f32",
+                q.rows, q.cols
+            ),
         )
     })?;
     w.resize(q.rows * q.cols, 0.0);
@@ -420,7 +425,11 @@ unsafe fn fp8_columns(
     for c in c0..c1.min(q.rows) {
         q.row_to_f32(c, &mut row);
         for r in 0..m {
-            let dot: f32 = x[r * k..(r + 1) * k].iter().zip(&row).map(|(a, b)| a * b).sum();
+            let dot: f32 = x[r * k..(r + 1) * k]
+                .iter()
+                .zip(&row)
+                .map(|(a, b)| a * b)
+                .sum();
             *out.add(r * out_stride + c) = dot;
         }
     }

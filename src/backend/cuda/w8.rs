@@ -24,14 +24,28 @@ pub struct W8Matrix {
 
 /// Why `m` cannot take the CUDA FP8 path, if it cannot.
 fn unsupported_reason(m: &Fp8Rows) -> Option<String> {
-    if !m.cols.is_multiple_of(W8_CHUNK) || !m.group_cols.is_multiple_of(W8_CHUNK) {
+    let chunks = m.group_cols / W8_CHUNK;
+    let whole_rows = m.group_cols >= m.cols;
+    if !m.cols.is_multiple_of(W8_CHUNK)
+        || !(whole_rows || (m.group_cols.is_multiple_of(W8_CHUNK) && chunks.is_power_of_two()))
+    {
         return Some(format!(
-            "fp8 matrix [{}, {}] with scale groups of {} columns on CUDA needs inputs and groups \
-             that are multiples of {W8_CHUNK}",
+            "fp8 matrix [{}, {}] with scale groups of {} columns: CUDA needs inputs a multiple \
+             of {W8_CHUNK} and groups of {W8_CHUNK} times a power of two columns (or one per row)",
             m.rows, m.cols, m.group_cols
         ));
     }
     None
+}
+
+/// log2 of the GEMV's 16-column chunks per scale group (a shift that
+/// leaves every chunk in group 0 when one group spans the row).
+fn group_shift(group_cols: usize, cols: usize) -> i32 {
+    if group_cols >= cols {
+        30
+    } else {
+        (group_cols / W8_CHUNK).trailing_zeros() as i32
+    }
 }
 
 impl W8Matrix {
@@ -93,13 +107,13 @@ impl W8Matrix {
     }
 
     /// The arguments the `*_f8` GEMV kernels take after their 16-bit
-    /// twins' (`GEMV_W8_PARAMS`): the scales, groups per row, chunks per
-    /// group.
+    /// twins' (`GEMV_W8_PARAMS`): the scales, groups per row, log2 of the
+    /// chunks per group.
     pub fn gemv_args(&self) -> [KArg; 3] {
         [
             KArg::Ptr(self.scales.ptr()),
             KArg::I32(self.groups() as i32),
-            KArg::I32((self.group_cols / W8_CHUNK) as i32),
+            KArg::I32(group_shift(self.group_cols, self.cols)),
         ]
     }
 }
