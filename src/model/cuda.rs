@@ -138,6 +138,22 @@ enum HostPart {
     Fp8(Fp8Rows),
 }
 
+impl HostPart {
+    fn into_int4(self) -> Option<W4Host> {
+        match self {
+            HostPart::Int4(h) => Some(h),
+            _ => None,
+        }
+    }
+
+    fn into_fp8(self) -> Option<Fp8Rows> {
+        match self {
+            HostPart::Fp8(h) => Some(h),
+            _ => None,
+        }
+    }
+}
+
 impl CudaUpload<'_> {
     fn target(&self) -> WeightDType {
         match self.act {
@@ -176,22 +192,10 @@ impl CudaUpload<'_> {
     /// all dense.
     fn stack(&mut self, job: &Projection, parts: Vec<HostPart>) -> Result<CudaWeight> {
         let w = if parts.iter().all(|p| matches!(p, HostPart::Int4(_))) {
-            let hosts: Vec<W4Host> = parts
-                .into_iter()
-                .filter_map(|p| match p {
-                    HostPart::Int4(h) => Some(h),
-                    _ => None,
-                })
-                .collect();
+            let hosts: Vec<W4Host> = parts.into_iter().filter_map(HostPart::into_int4).collect();
             CudaWeight::Int4(W4Matrix::upload(self.dev, &hosts, self.staging.as_mut())?)
         } else if parts.iter().all(|p| matches!(p, HostPart::Fp8(_))) {
-            let hosts: Vec<Fp8Rows> = parts
-                .into_iter()
-                .filter_map(|p| match p {
-                    HostPart::Fp8(h) => Some(h),
-                    _ => None,
-                })
-                .collect();
+            let hosts: Vec<Fp8Rows> = parts.into_iter().filter_map(HostPart::into_fp8).collect();
             let m = W8Matrix::upload(self.dev, &hosts, self.staging.as_mut())
                 .map_err(|e| Error::new(e.kind, format!("{}: {}", job.parts[0].0, e.message)))?;
             CudaWeight::Fp8(m)

@@ -627,36 +627,33 @@ impl CudaDevice {
         args: &[KArg],
     ) -> Result<()> {
         let kn = &self.kernels;
-        let one = rows == 1;
-        let (f, bytes) = match weight {
-            GemvWeight::Act(_) => (
-                match (family, one) {
-                    (GemvFamily::Plain, true) => &kn.gemv_r1,
-                    (GemvFamily::Plain, false) => &kn.gemv,
-                    (GemvFamily::SwiGlu, true) => &kn.gemv_swiglu_r1,
-                    (GemvFamily::SwiGlu, false) => &kn.gemv_swiglu,
-                    (GemvFamily::QkvRope, true) => &kn.gemv_qkv_rope_r1,
-                    (GemvFamily::QkvRope, false) => &kn.gemv_qkv_rope,
-                },
-                n * k * 2,
-            ),
-            GemvWeight::Fp8(_) => (
-                match (family, one) {
-                    (GemvFamily::Plain, true) => &kn.gemv_f8_r1,
-                    (GemvFamily::Plain, false) => &kn.gemv_f8,
-                    (GemvFamily::SwiGlu, true) => &kn.gemv_swiglu_f8_r1,
-                    (GemvFamily::SwiGlu, false) => &kn.gemv_swiglu_f8,
-                    (GemvFamily::QkvRope, true) => &kn.gemv_qkv_rope_f8_r1,
-                    (GemvFamily::QkvRope, false) => &kn.gemv_qkv_rope_f8,
-                },
-                n * k,
-            ),
+        let fp8 = matches!(weight, GemvWeight::Fp8(_));
+        let f = match (family, rows == 1, fp8) {
+            (GemvFamily::Plain, true, false) => &kn.gemv_r1,
+            (GemvFamily::Plain, false, false) => &kn.gemv,
+            (GemvFamily::SwiGlu, true, false) => &kn.gemv_swiglu_r1,
+            (GemvFamily::SwiGlu, false, false) => &kn.gemv_swiglu,
+            (GemvFamily::QkvRope, true, false) => &kn.gemv_qkv_rope_r1,
+            (GemvFamily::QkvRope, false, false) => &kn.gemv_qkv_rope,
+            (GemvFamily::Plain, true, true) => &kn.gemv_f8_r1,
+            (GemvFamily::Plain, false, true) => &kn.gemv_f8,
+            (GemvFamily::SwiGlu, true, true) => &kn.gemv_swiglu_f8_r1,
+            (GemvFamily::SwiGlu, false, true) => &kn.gemv_swiglu_f8,
+            (GemvFamily::QkvRope, true, true) => &kn.gemv_qkv_rope_f8_r1,
+            (GemvFamily::QkvRope, false, true) => &kn.gemv_qkv_rope_f8,
         };
-        let scale_args = match weight {
-            GemvWeight::Fp8(m) => m.gemv_args().to_vec(),
-            GemvWeight::Act(_) => Vec::new(),
-        };
-        let all: Vec<KArg> = args.iter().copied().chain(scale_args).collect();
+        let bytes = n * k * if fp8 { 1 } else { 2 };
+        // The caller's arguments, then the FP8 scale arguments: on the
+        // stack, not a Vec per launch.
+        let mut all = [KArg::I32(0); GEMV_MAX_ARGS];
+        let mut len = args.len();
+        all[..len].copy_from_slice(args);
+        if let GemvWeight::Fp8(m) = weight {
+            let extra = m.gemv_args();
+            all[len..len + extra.len()].copy_from_slice(&extra);
+            len += extra.len();
+        }
+        let all = &all[..len];
         self.timed(
             || format!("{} {rows}x{n}x{k}", f.name),
             bytes,
@@ -666,7 +663,7 @@ impl CudaDevice {
                     (warps.div_ceil(GEMV_WARPS) as u32, 1, 1),
                     32 * GEMV_WARPS as u32,
                     0,
-                    &all,
+                    all,
                 )
             },
         )
@@ -744,6 +741,9 @@ pub enum GemvFamily {
     /// QKV fused with bias, RoPE and the KV-cache write.
     QkvRope,
 }
+
+/// Most arguments a GEMV-family kernel takes (`gemv_qkv_rope_f8`: 19).
+const GEMV_MAX_ARGS: usize = 20;
 
 /// The weight operand of a GEMV kernel.
 #[derive(Clone, Copy)]
